@@ -16,6 +16,13 @@ from draftsmith.errors import DraftsmithError
 # Verb modules, in pipeline order. Each is imported only to register its parser.
 VERB_MODULES = (
     "draftsmith.target",
+    "draftsmith.regenerate",
+    "draftsmith.capture",
+    "draftsmith.train",
+    "draftsmith.check",
+    "draftsmith.launch",
+    "draftsmith.logs",
+    "draftsmith.bench",
 )
 
 

@@ -32,6 +32,7 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # DeepSeek-VL `language_config`, InternVL `llm_config`).
 TEXT_CONFIG_KEYS = ("text_config", "language_config", "llm_config")
 MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "kimi_k3")
+IMAGE_TOKEN_FIELDS = ("image_token_index", "image_token_id", "media_placeholder_token_id")
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,11 @@ class TargetSpec:
     kv_lora_rank: int | None
     q_lora_rank: int | None
     torch_dtype: str
+    has_vision: bool = False
+    """A `vision_config` is present (multimodal even when the text fields sit at the top level)."""
+    image_token_fields: tuple[str, ...] = ()
+    """Which image-token attributes the top-level config carries, of `IMAGE_TOKEN_FIELDS`; engines'
+    drafter loaders probe one of them for multimodal targets (reference/engines.md §1.6)."""
 
     @property
     def default_aux_ids(self) -> tuple[int, int, int]:
@@ -148,6 +154,8 @@ def describe_target(config: dict[str, Any]) -> TargetSpec:
         kv_lora_rank=text.get("kv_lora_rank"),
         q_lora_rank=text.get("q_lora_rank"),
         torch_dtype=str(text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype") or "bfloat16"),
+        has_vision=text is not config or isinstance(config.get("vision_config"), dict),
+        image_token_fields=tuple(k for k in IMAGE_TOKEN_FIELDS if config.get(k) is not None),
     )
 
 

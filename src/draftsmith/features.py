@@ -1,0 +1,124 @@
+"""Where training features come from: a feature store (offline) or the target itself (online).
+
+Both sources give the trainer the same `Batch`, so one loop serves both modes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from draftsmith.capture import pad_batch, target_features, target_identity, tokenized_conversations
+from draftsmith.chat import TokenizedSample
+from draftsmith.store import FeatureStore
+from draftsmith.target import TargetSpec, describe_target, load_target, read_config, resolve_target, validate_aux_ids
+
+
+@dataclass
+class Batch:
+    """input_ids, loss_mask (B, T); aux (B, T, 3Ht); last (B, T, Ht) the target's final normed state."""
+
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    aux: torch.Tensor
+    last: torch.Tensor
+
+
+class FeatureSource(Protocol):
+    target_spec: TargetSpec
+    target_name: str
+    aux_ids: tuple[int, int, int]
+    lengths: list[int]
+
+    def __len__(self) -> int: ...
+    def batch(self, indices: list[int], device: torch.device) -> Batch: ...
+    def target_head(self) -> torch.Tensor: ...
+    def embed_tokens(self) -> torch.Tensor: ...
+    def token_counts(self) -> torch.Tensor: ...
+
+
+def feature_dtype(device: torch.device) -> torch.dtype:
+    """fp32 on CPU (bf16 matmuls are slow there); bf16 on GPU, where training runs under autocast."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+class StoreSource:
+    """Offline features from a verified, memory-mapped feature store."""
+
+    def __init__(self, root: Path):
+        self.store = FeatureStore(root)
+        ident = self.store.identity
+        spec = dict(ident["target"]["spec"])
+        spec["architectures"] = tuple(spec["architectures"])
+        self.target_spec = TargetSpec(**spec)
+        self.target_name = ident["target"]["name"]
+        self.aux_ids = tuple(ident["aux_layer_ids"])
+        self.lengths = [self.store.sample_length(k) for k in range(len(self.store))]
+        self._tensors = self.store.target_tensors()
+
+    def __len__(self) -> int:
+        return len(self.store)
+
+    def batch(self, indices: list[int], device: torch.device) -> Batch:
+        samples = [self.store.sample(k) for k in indices]
+        T = max(len(s.input_ids) for s in samples)
+        B, Ht = len(samples), samples[0].last.shape[-1]
+        dtype = feature_dtype(device)
+        ids = torch.zeros(B, T, dtype=torch.long)
+        mask = torch.zeros(B, T, dtype=torch.long)
+        aux = torch.zeros(B, T, 3 * Ht, dtype=dtype)
+        last = torch.zeros(B, T, Ht, dtype=dtype)
+        for b, s in enumerate(samples):
+            n = len(s.input_ids)
+            ids[b, :n], mask[b, :n] = s.input_ids, s.loss_mask
+            aux[b, :n], last[b, :n] = s.aux, s.last
+        return Batch(ids.to(device), mask.to(device), aux.to(device, non_blocking=True), last.to(device, non_blocking=True))
+
+    def target_head(self) -> torch.Tensor:
+        return self._tensors["lm_head"].float()
+
+    def embed_tokens(self) -> torch.Tensor:
+        return self._tensors["embed_tokens"].float()
+
+    def token_counts(self) -> torch.Tensor:
+        return self.store.token_counts()
+
+
+class OnlineSource:
+    """Online features: the target runs in this process over tokenized conversations."""
+
+    def __init__(self, conversations: Path, target: str, aux_ids: tuple[int, ...] | None, max_length: int,
+                 device: torch.device):
+        model_dir = resolve_target(target)
+        self.target_spec = describe_target(read_config(model_dir))
+        self.target_name = target
+        self.identity = target_identity(model_dir, target)
+        self.aux_ids = validate_aux_ids(tuple(aux_ids or self.target_spec.default_aux_ids), self.target_spec.num_layers)
+        dtype = "bfloat16" if device.type == "cuda" else "float32"
+        self.model, self.tokenizer = load_target(model_dir, dtype=dtype, device=str(device))
+        self.samples: list[TokenizedSample] = [s for _, s in tokenized_conversations(conversations, self.tokenizer, max_length)]
+        self.lengths = [len(s.input_ids) for s in self.samples]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def batch(self, indices: list[int], device: torch.device) -> Batch:
+        ids, att, mask = pad_batch([self.samples[k] for k in indices], pad_id=0)
+        feats = target_features(self.model, ids.to(device), att.to(device), self.aux_ids)
+        return Batch(ids.to(device), mask.to(device), feats.aux.clone(), feats.last.clone())
+
+    def target_head(self) -> torch.Tensor:
+        return self.model.get_output_embeddings().weight.detach().float()
+
+    def embed_tokens(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight.detach().float()
+
+    def token_counts(self) -> torch.Tensor:
+        counts = torch.zeros(self.target_spec.vocab_size, dtype=torch.int64)
+        for s in self.samples:
+            ids = torch.tensor(s.input_ids)
+            counts += torch.bincount(ids[torch.tensor(s.loss_mask, dtype=torch.bool)], minlength=counts.numel())
+        return counts

@@ -1,0 +1,264 @@
+"""The feature store: captured target hidden states, sharded, verified, resumable, streamable.
+
+Layout of a store directory (DESIGN.md, "Contracts"):
+
+    manifest.json                 identity, settings, one entry per complete shard (with sha256)
+    shard-00000.safetensors       packed samples: see SHARD_TENSORS
+    token_counts.safetensors      int64 [V]: how often each target token is a supervised token
+    target_head.safetensors       the frozen target tensors training needs: embed_tokens [V, H], lm_head [V, H]
+
+Per token the store keeps the three aux states and the target's final (post-norm) hidden state, in
+bf16: 4 x H x 2 = 8H bytes, plus 4 bytes of token id and 1 of mask. The final hidden state times the
+frozen target head gives the target's logits at training time, so the loss uses the target's exact
+distribution (over any draft vocabulary chosen later) at a quarter of the aux cost, instead of storing
+V logits per token.
+
+Writes are atomic: a shard goes to `*.tmp`, is fsynced and renamed, then the manifest is rewritten the
+same way. A writer resumes after the last shard the manifest lists. A reader checks each shard's
+size on open and its sha256 on `verify()` or on first read (`verify_on_read`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from draftsmith.errors import DraftsmithError
+
+STORE_VERSION = 1
+MANIFEST = "manifest.json"
+TOKEN_COUNTS = "token_counts.safetensors"
+TARGET_HEAD = "target_head.safetensors"
+AUX_CONVENTION = "boundary: HF output_hidden_states index (0 = embeddings, b = output of layer b-1)"
+# name -> (dtype, per-token width or None for scalars). `offsets` [S+1] marks sample boundaries.
+SHARD_TENSORS = {"input_ids": torch.int32, "loss_mask": torch.uint8, "aux": torch.bfloat16, "last": torch.bfloat16}
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def bytes_per_token(hidden_size: int) -> int:
+    """Bytes the store keeps per token: 3 aux + 1 final hidden state in bf16, token id, mask."""
+    return 4 * hidden_size * 2 + 4 + 1
+
+
+@dataclass
+class Sample:
+    """One stored sample. Shapes: input_ids, loss_mask (T,); aux (T, 3H); last (T, H)."""
+
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    aux: torch.Tensor
+    last: torch.Tensor
+
+
+def write_shard_file(path: Path, samples: list[Sample]) -> tuple[str, int]:
+    """Pack samples into one safetensors file atomically; returns (sha256, token count).
+
+    Raises:
+        DraftsmithError: the disk is full or unwritable (the partial file is removed).
+    """
+    lengths = torch.tensor([len(s.input_ids) for s in samples], dtype=torch.int64)
+    tensors = {
+        "input_ids": torch.cat([s.input_ids for s in samples]).to(torch.int32),
+        "loss_mask": torch.cat([s.loss_mask for s in samples]).to(torch.uint8),
+        "aux": torch.cat([s.aux for s in samples]).to(torch.bfloat16).contiguous(),
+        "last": torch.cat([s.last for s in samples]).to(torch.bfloat16).contiguous(),
+        "offsets": torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        save_file(tensors, str(tmp))
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        digest = sha256_file(tmp)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise DraftsmithError(f"could not write shard {path.name}", got=f"{type(exc).__name__}: {exc}",
+                              expected="free disk space for the shard", fix="free space (or pick another --out) "
+                              "and rerun the same command: it resumes after the last complete shard") from exc
+    return digest, int(lengths.sum())
+
+
+class StoreWriter:
+    """Append samples in shards of about `shard_tokens` tokens; resumes from an existing manifest."""
+
+    def __init__(self, root: Path, identity: dict[str, Any], shard_tokens: int = 1 << 18):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.shard_tokens = shard_tokens
+        path = self.root / MANIFEST
+        if path.exists():
+            self.manifest = json.loads(path.read_text())
+            if self.manifest.get("identity") != identity:
+                raise DraftsmithError(
+                    f"{self.root} holds a store made with other settings",
+                    got=json.dumps(self.manifest.get("identity"))[:300],
+                    expected=json.dumps(identity)[:300],
+                    fix="pick a new --out directory, or delete this one to recapture")
+        else:
+            self.manifest = {"version": STORE_VERSION, "identity": identity, "complete": False, "shards": [],
+                             "num_samples": 0, "num_tokens": 0, "num_supervised_tokens": 0}
+        self.pending: list[Sample] = []
+        self.pending_tokens = 0
+
+    @property
+    def samples_done(self) -> int:
+        """Samples already in complete shards: the resume point."""
+        return sum(s["num_samples"] for s in self.manifest["shards"])
+
+    def add(self, sample: Sample) -> None:
+        self.pending.append(sample)
+        self.pending_tokens += len(sample.input_ids)
+        if self.pending_tokens >= self.shard_tokens:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        index = len(self.manifest["shards"])
+        name = f"shard-{index:05d}.safetensors"
+        digest, tokens = write_shard_file(self.root / name, self.pending)
+        supervised = int(sum(int(s.loss_mask.sum()) for s in self.pending))
+        self.manifest["shards"].append({"file": name, "num_samples": len(self.pending), "num_tokens": tokens,
+                                        "num_supervised_tokens": supervised, "sha256": digest})
+        self.manifest["num_samples"] += len(self.pending)
+        self.manifest["num_tokens"] += tokens
+        self.manifest["num_supervised_tokens"] += supervised
+        self.save_manifest()
+        self.pending, self.pending_tokens = [], 0
+
+    def save_manifest(self) -> None:
+        atomic_write_bytes(self.root / MANIFEST, (json.dumps(self.manifest, indent=2) + "\n").encode())
+
+    def finish(self, token_counts: torch.Tensor, target_tensors: dict[str, torch.Tensor], extra: dict) -> None:
+        """Write the last shard, the token counts and the target head, and mark the store complete."""
+        self.flush()
+        for name, tensors in ((TOKEN_COUNTS, {"counts": token_counts.to(torch.int64)}), (TARGET_HEAD, target_tensors)):
+            tmp = self.root / (name + ".tmp")
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+            os.replace(tmp, self.root / name)
+            self.manifest[name.split(".")[0] + "_sha256"] = sha256_file(self.root / name)
+        self.manifest.update(extra, complete=True)
+        self.save_manifest()
+
+
+class FeatureStore:
+    """Read side: memory-mapped shards, verified before trusted.
+
+    Args:
+        root: the store directory.
+        verify_on_read: check a shard's sha256 the first time it is opened.
+    """
+
+    def __init__(self, root: Path, verify_on_read: bool = True):
+        self.root = Path(root)
+        path = self.root / MANIFEST
+        if not path.is_file():
+            raise DraftsmithError("not a feature store", got=f"no {MANIFEST} in {self.root}",
+                                  expected="a directory written by `draftsmith capture`",
+                                  fix="run `draftsmith capture --out DIR` first, or point at the right directory")
+        self.manifest = json.loads(path.read_text())
+        if not self.manifest.get("complete"):
+            raise DraftsmithError("the feature store is incomplete", got=f"{len(self.manifest['shards'])} shards, "
+                                  "capture did not finish", expected="a complete store",
+                                  fix="rerun the same `draftsmith capture` command: it resumes")
+        self.verify_on_read = verify_on_read
+        self._verified: set[str] = set()
+        self._handles: dict[str, Any] = {}
+        self.index = [(i, j) for i, s in enumerate(self.manifest["shards"]) for j in range(s["num_samples"])]
+
+    @property
+    def identity(self) -> dict[str, Any]:
+        return self.manifest["identity"]
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.identity["hidden_size"])
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def check_target(self, target_identity: dict[str, Any]) -> None:
+        """Refuse a store captured from another target."""
+        mine = self.identity["target"]
+        if mine.get("config_sha256") != target_identity.get("config_sha256"):
+            raise DraftsmithError("the feature store was captured from a different target",
+                                  got=f"store target {mine.get('name')} (config {mine.get('config_sha256', '')[:12]})",
+                                  expected=f"{target_identity.get('name')} (config "
+                                  f"{target_identity.get('config_sha256', '')[:12]})",
+                                  fix="capture a store for this target, or train against the store's target")
+
+    def verify_shard(self, i: int) -> None:
+        entry = self.manifest["shards"][i]
+        path = self.root / entry["file"]
+        if not path.is_file() or sha256_file(path) != entry["sha256"]:
+            raise DraftsmithError(f"corrupt feature-store shard {entry['file']}",
+                                  got="missing file" if not path.is_file() else "sha256 mismatch",
+                                  expected=f"sha256 {entry['sha256'][:16]}...",
+                                  fix="delete the shard and its manifest entry's successors, or recapture: "
+                                  "`draftsmith capture` with the same settings resumes")
+        self._verified.add(entry["file"])
+
+    def verify(self) -> int:
+        """Check every shard's sha256; returns the number verified."""
+        for i in range(len(self.manifest["shards"])):
+            self.verify_shard(i)
+        return len(self.manifest["shards"])
+
+    def _open(self, i: int):
+        entry = self.manifest["shards"][i]
+        if entry["file"] not in self._handles:
+            if self.verify_on_read and entry["file"] not in self._verified:
+                self.verify_shard(i)
+            handle = safe_open(str(self.root / entry["file"]), framework="pt")
+            self._handles[entry["file"]] = (handle, handle.get_tensor("offsets"))
+        return self._handles[entry["file"]]
+
+    def sample(self, k: int) -> Sample:
+        """The k-th sample, read by slicing the memory-mapped shard."""
+        i, j = self.index[k]
+        handle, offsets = self._open(i)
+        a, b = int(offsets[j]), int(offsets[j + 1])
+        return Sample(*(handle.get_slice(name)[a:b] for name in SHARD_TENSORS))
+
+    def sample_length(self, k: int) -> int:
+        i, j = self.index[k]
+        _, offsets = self._open(i)
+        return int(offsets[j + 1] - offsets[j])
+
+    def token_counts(self) -> torch.Tensor:
+        with safe_open(str(self.root / TOKEN_COUNTS), framework="pt") as f:
+            return f.get_tensor("counts")
+
+    def target_tensors(self) -> dict[str, torch.Tensor]:
+        with safe_open(str(self.root / TARGET_HEAD), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}
+
+    def __iter__(self) -> Iterator[Sample]:
+        for k in range(len(self)):
+            yield self.sample(k)

@@ -1,0 +1,411 @@
+"""`draftsmith train`: train an EAGLE-3 drafter with training-time test, offline or online.
+
+- offline: features come from a feature store (`draftsmith capture`);
+- online: the target runs in the training process over a conversations file (no store).
+
+One explicit loop: periodic eval / checkpoint -> micro-batch forward / backward -> clip -> step -> log.
+The learning rate is a pure function of the step (`lr_at`), the data order a pure function of
+(seed, epoch), so a checkpoint needs only the weights, the optimizer and the step to resume exactly.
+Runs unchanged under `torchrun --nproc-per-node N` (DDP; gloo on CPU, NCCL on GPU): the loss is
+normalised by the supervised-token count of the whole global batch, so N processes with the same global
+batch compute the same update as one process with gradient accumulation.
+
+Run: draftsmith train --store runs/demo/store --out runs/demo/train --epochs 2
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from draftsmith.checkpoint import load_drafter, save_drafter
+from draftsmith.drafter import TTT_STEP_LOSS_DECAY, TTT_STEPS, DrafterConfig, Eagle3Drafter, TTTOutput, simulated_acceptance, ttt_forward
+from draftsmith.errors import DraftsmithError
+from draftsmith.features import Batch, FeatureSource, OnlineSource, StoreSource
+from draftsmith.vocab import build_draft_vocab, default_draft_vocab_size
+
+EVAL_SPLIT_SEED = 1234  # fixed: the held-back samples do not move when --seed changes
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that defines a training run (saved as train_config.json in the output directory)."""
+
+    out: str
+    """Output directory: checkpoints, metrics.jsonl, the final drafter."""
+    store: str | None = None
+    """Feature store directory (offline training)."""
+    conversations: str | None = None
+    """Conversations JSONL (online training: the target runs in this process)."""
+    target: str = "smollm2"
+    """Target for online training (and its identity check)."""
+    aux_ids: tuple[int, ...] | None = None
+    """Online only: boundary aux ids (default 2, N//2, N-3). Offline runs use the store's."""
+    draft_vocab_size: int | None = None
+    """Draft vocabulary size (default: vocab.default_draft_vocab_size)."""
+    ttt_steps: int = TTT_STEPS
+    step_loss_decay: float = TTT_STEP_LOSS_DECAY
+    lr: float = 1e-4
+    """Peak learning rate (SpecForge default 1e-4)."""
+    min_lr_ratio: float = 0.1
+    warmup_ratio: float = 0.015
+    """Share of steps with linear warm-up (SpecForge 0.015)."""
+    weight_decay: float = 0.0
+    clip: float = 0.5
+    """Gradient-norm clip (EAGLE, SpecForge)."""
+    epochs: float = 1.0
+    max_steps: int | None = None
+    """Stop after this many optimizer steps (overrides epochs)."""
+    batch_tokens: int = 4096
+    """Padded tokens per micro-batch."""
+    grad_accum: int = 1
+    max_length: int = 2048
+    eval_fraction: float = 0.05
+    eval_every: int = 100
+    save_every: int = 100
+    log_every: int = 1
+    seed: int = 0
+    device: str = "auto"
+    init_from: str | None = None
+    """Start from an existing draftsmith drafter checkpoint (same target and vocabulary size)."""
+
+    def __post_init__(self):
+        if (self.store is None) == (self.conversations is None):
+            raise DraftsmithError("train needs exactly one data source", got=f"store={self.store}, "
+                                  f"conversations={self.conversations}", expected="--store DIR or --conversations FILE",
+                                  fix="pass --store for offline training or --conversations for online training")
+        if self.ttt_steps < 1 or not 0 < self.step_loss_decay <= 1:
+            raise DraftsmithError("bad TTT settings", got=f"--ttt-steps {self.ttt_steps}, --step-loss-decay "
+                                  f"{self.step_loss_decay}", expected="steps >= 1, 0 < decay <= 1", fix="fix the flags")
+
+
+def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
+    """Linear warm-up to cfg.lr, then cosine down to cfg.lr * min_lr_ratio."""
+    warmup = max(1, int(cfg.warmup_ratio * total))
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def split_indices(n: int, eval_fraction: float) -> tuple[list[int], list[int]]:
+    """(train, eval) sample indices; eval is a fixed random share, at least one sample when n > 1."""
+    g = torch.Generator().manual_seed(EVAL_SPLIT_SEED)
+    perm = torch.randperm(n, generator=g).tolist()
+    n_eval = min(n - 1, max(1, round(eval_fraction * n))) if eval_fraction > 0 and n > 1 else 0
+    return sorted(perm[n_eval:]), sorted(perm[:n_eval])
+
+
+def micro_batches(indices: list[int], lengths: list[int], batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
+    """The epoch's micro-batches: a seeded shuffle, length-sorted in windows of 64 to cut padding."""
+    g = torch.Generator().manual_seed(seed * 1000 + epoch)
+    order = [indices[i] for i in torch.randperm(len(indices), generator=g).tolist()]
+    window = 64
+    order = [k for w in range(0, len(order), window) for k in sorted(order[w:w + window], key=lambda k: lengths[k])]
+    batches, current, longest = [], [], 0
+    for k in order:
+        n = min(lengths[k], batch_tokens)
+        if current and max(longest, n) * (len(current) + 1) > batch_tokens:
+            batches.append(current)
+            current, longest = [], 0
+        current.append(k)
+        longest = max(longest, n)
+    if current:
+        batches.append(current)
+    return batches
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    acc: list[float]
+    """Per TTT step: share of supervised positions where the drafter's argmax is the target's."""
+    tau: dict[int, float]
+    """Simulated mean acceptance length (bonus token included) of a k-token greedy chain."""
+    loss: float
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class Trainer:
+    """Holds the run's state; `run()` is the loop."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.out = Path(cfg.out)
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.device = pick_device(cfg.device)
+        if self.world > 1 and not dist.is_initialized():
+            if self.device.type == "cuda":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        self.autocast = self.device.type == "cuda"  # bf16 autocast, fp32 master weights
+        self.data: FeatureSource = (StoreSource(Path(cfg.store)) if cfg.store else
+                                    OnlineSource(Path(cfg.conversations), cfg.target, cfg.aux_ids, cfg.max_length,
+                                                 self.device))
+        self.train_idx, self.eval_idx = split_indices(len(self.data), cfg.eval_fraction)
+        self.drafter = self.build_drafter().to(self.device)
+        self.target_head = self.data.target_head().to(self.device)
+        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        self.model = self.drafter
+        if self.world > 1:
+            self.model = torch.nn.parallel.DistributedDataParallel(
+                self.drafter, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        per_step = self.world * cfg.grad_accum
+        self.steps_per_epoch = max(1, len(micro_batches(self.train_idx, self.data.lengths, cfg.batch_tokens,
+                                                        cfg.seed, 0)) // per_step)
+        self.total_steps = cfg.max_steps or max(1, int(cfg.epochs * self.steps_per_epoch))
+        self.step = 0
+
+    def build_drafter(self) -> Eagle3Drafter:
+        spec = self.data.target_spec
+        if self.cfg.init_from:
+            drafter = load_drafter(Path(self.cfg.init_from), self.data.embed_tokens())
+            if drafter.config.vocab_size != spec.vocab_size or drafter.config.target_hidden_size != spec.hidden_size:
+                raise DraftsmithError("--init-from drafter does not fit this target",
+                                      got=f"vocab {drafter.config.vocab_size}, target hidden "
+                                      f"{drafter.config.target_hidden_size}",
+                                      expected=f"vocab {spec.vocab_size}, target hidden {spec.hidden_size}",
+                                      fix="initialise from a drafter trained for this target")
+            return drafter
+        size = self.cfg.draft_vocab_size or default_draft_vocab_size(spec.vocab_size)
+        vocab = build_draft_vocab(self.data.token_counts(), size)
+        torch.manual_seed(self.cfg.seed)
+        drafter = Eagle3Drafter(DrafterConfig.from_target(spec, size, self.data.aux_ids))
+        with torch.no_grad():
+            drafter.embed_tokens.weight.copy_(self.data.embed_tokens())
+            drafter.d2t.copy_(vocab.d2t)
+            drafter.t2d.copy_(vocab.t2d)
+        self.vocab_coverage = vocab.coverage
+        return drafter
+
+    # -- one optimizer step ---------------------------------------------------------------------------
+
+    def forward(self, batch: Batch, denominators: torch.Tensor | None) -> TTTOutput:
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            return ttt_forward(self.drafter, batch.aux, batch.input_ids, batch.loss_mask, batch.last,
+                               self.target_head, self.cfg.ttt_steps, self.cfg.step_loss_decay, denominators)
+
+    def micro_batches_for(self, step: int) -> list[list[int]]:
+        """This rank's micro-batches for global step `step` (a pure function of the step)."""
+        epoch, offset = divmod(step, self.steps_per_epoch)
+        plan = micro_batches(self.train_idx, self.data.lengths, self.cfg.batch_tokens, self.cfg.seed, epoch)
+        per_step = self.world * self.cfg.grad_accum
+        mine = plan[offset * per_step: (offset + 1) * per_step]
+        return mine[self.rank * self.cfg.grad_accum: (self.rank + 1) * self.cfg.grad_accum]
+
+    def train_step(self) -> dict:
+        from draftsmith.drafter import step_masks
+
+        t0 = time.perf_counter()
+        lr = lr_at(self.step, self.total_steps, self.cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        batches = [self.data.batch(mb, self.device) for mb in self.micro_batches_for(self.step)]
+        # Global denominators: supervised positions per TTT step over the whole global batch.
+        denom = sum(step_masks(b.loss_mask, self.cfg.ttt_steps).sum(dim=(1, 2)) for b in batches).float()
+        if self.world > 1:
+            dist.all_reduce(denom)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros(self.cfg.ttt_steps, device=self.device)
+        correct = torch.zeros(self.cfg.ttt_steps, device=self.device)
+        count = torch.zeros(self.cfg.ttt_steps, device=self.device)
+        total_loss = torch.zeros((), device=self.device)
+        for i, batch in enumerate(batches):
+            out = self.forward(batch, denom)
+            scale = float(self.world)  # DDP averages gradients over ranks; the loss is already global
+            if self.world > 1 and i < len(batches) - 1:
+                with self.model.no_sync():
+                    (out.loss * scale).backward()
+            else:
+                (out.loss * scale).backward()
+            total_loss += out.loss.detach()
+            loss_sum += out.loss_sum
+            correct += out.correct_count
+            count += out.count
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.clip)
+        self.optimizer.step()
+        stats = torch.cat([total_loss.view(1), loss_sum, correct, count])
+        if self.world > 1:
+            dist.all_reduce(stats)
+        stats = stats.tolist()  # CPU-GPU sync point: once per step, for logging
+        K = self.cfg.ttt_steps
+        tokens = sum(int(b.loss_mask.numel()) for b in batches) * self.world
+        dt = time.perf_counter() - t0
+        return {"step": self.step + 1, "loss": stats[0], "loss_per_step": [s / max(c, 1) for s, c in zip(stats[1:K + 1], stats[2 * K + 1:])],
+                "acc": [a / max(c, 1) for a, c in zip(stats[K + 1:2 * K + 1], stats[2 * K + 1:])], "lr": lr,
+                "grad_norm": float(grad_norm), "ms": dt * 1000, "tokens": tokens, "tok_per_s": tokens / dt}
+
+    # -- evaluation -----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self) -> EvalResult:
+        """Teacher-forced per-step accuracy and simulated acceptance on the held-back samples."""
+        K = self.cfg.ttt_steps
+        correct, count, loss, n = torch.zeros(K), torch.zeros(K), 0.0, 0
+        tau_sum, tau_n = [0.0] * K, [0] * K
+        for mb in micro_batches(self.eval_idx, self.data.lengths, self.cfg.batch_tokens, 0, 0):
+            out = self.forward(self.data.batch(mb, self.device), None)
+            correct += out.correct_count.cpu()
+            count += out.count.cpu()
+            loss += float(out.loss)
+            n += 1
+            for k in range(1, K + 1):
+                s, c = simulated_acceptance(out.correct, out.valid, k)
+                tau_sum[k - 1] += s
+                tau_n[k - 1] += c
+        return EvalResult(acc=(correct / count.clamp(min=1)).tolist(),
+                          tau={k: tau_sum[k - 1] / max(tau_n[k - 1], 1) for k in range(1, K + 1)}, loss=loss / max(n, 1))
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+
+    def save(self, name: str) -> Path:
+        path = self.out / "checkpoints" / name
+        if self.rank == 0:
+            save_drafter(self.drafter, path, extra={"trained_steps": self.step, "store": self.cfg.store,
+                                                    "target": self.data.target_name})
+            state = {"step": self.step, "optimizer": self.optimizer.state_dict(),
+                     "rng_cpu": torch.get_rng_state(), "rng_python": random.getstate()}
+            if torch.cuda.is_available():
+                state["rng_cuda"] = torch.cuda.get_rng_state_all()
+            torch.save(state, path / "training_state.pt.tmp")
+            os.replace(path / "training_state.pt.tmp", path / "training_state.pt")
+            (self.out / "checkpoints" / "latest.tmp").write_text(name + "\n")
+            os.replace(self.out / "checkpoints" / "latest.tmp", self.out / "checkpoints" / "latest")
+        if self.world > 1:
+            dist.barrier()
+        return path
+
+    def try_resume(self) -> bool:
+        latest = self.out / "checkpoints" / "latest"
+        if not latest.is_file():
+            return False
+        path = self.out / "checkpoints" / latest.read_text().strip()
+        drafter = load_drafter(path, self.data.embed_tokens())
+        self.drafter.load_state_dict(drafter.state_dict())
+        state = torch.load(path / "training_state.pt", weights_only=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])
+        torch.set_rng_state(state["rng_cpu"])
+        random.setstate(state["rng_python"])
+        if "rng_cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng_cuda"])
+        return True
+
+    # -- the loop -------------------------------------------------------------------------------------
+
+    def log(self, record: dict) -> None:
+        if self.rank == 0:
+            with open(self.out / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def run(self, progress: bool = True) -> EvalResult:
+        self.out.mkdir(parents=True, exist_ok=True)
+        resumed = self.try_resume()
+        if self.rank == 0:
+            (self.out / "train_config.json").write_text(json.dumps(asdict(self.cfg), indent=2) + "\n")
+            print(f"train: {len(self.train_idx)} train / {len(self.eval_idx)} eval samples, {self.total_steps} steps "
+                  f"({self.steps_per_epoch}/epoch), world {self.world}, device {self.device}"
+                  + (f", resumed at step {self.step}" if resumed else ""))
+        from draftsmith.progress import progress_bar
+
+        with progress_bar("train", total=self.total_steps, unit="steps") if self.rank == 0 and progress \
+                else _null_bar() as bar:
+            if resumed:
+                bar.advance(self.step)
+            while self.step < self.total_steps:
+                if self.step % self.cfg.eval_every == 0 and self.step > 0:
+                    self.log_eval(self.evaluate())
+                record = self.train_step()
+                self.step += 1
+                self.log(record)
+                if self.rank == 0 and self.step % self.cfg.log_every == 0:
+                    print(step_line(record, self.total_steps), flush=True)
+                bar.advance(1, tokens=None, note=f"loss {record['loss']:.3f}")
+                if self.step % self.cfg.save_every == 0 or self.step == self.total_steps:
+                    self.save(f"step-{self.step:06d}")
+        result = self.evaluate()
+        self.log_eval(result)
+        if self.rank == 0:
+            save_drafter(self.drafter, self.out / "drafter", extra={"trained_steps": self.step, "store": self.cfg.store,
+                                                                   "target": self.data.target_name,
+                                                                   "eval": asdict(result)})
+        return result
+
+    def log_eval(self, result: EvalResult) -> None:
+        self.log({"step": self.step, "eval": asdict(result)})
+        if self.rank == 0:
+            taus = " ".join(f"{k}:{v:.2f}" for k, v in result.tau.items())
+            print(f"eval  {self.step:05d} | loss {result.loss:.3f} | acc {' '.join(f'{a:.2f}' for a in result.acc)} "
+                  f"| sim tau[k] {taus}", flush=True)
+
+
+class _null_bar:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def advance(self, *args, **kwargs):
+        pass
+
+
+def step_line(r: dict, total: int) -> str:
+    """The one greppable line per step (STYLE.md)."""
+    acc = " ".join(f"{a:.2f}" for a in r["acc"])
+    return (f"step {r['step']:05d}/{total:05d} | loss {r['loss']:.3f} | acc[k] {acc} | lr {r['lr']:.2e} "
+            f"| {r['ms']:.0f} ms | {r['tok_per_s']:,.0f} tok/s")
+
+
+def add_parser(sub) -> None:
+    from draftsmith.cli import example_help
+
+    p = sub.add_parser("train", help="train an EAGLE-3 drafter with training-time test",
+                       **example_help(
+                           "examples:\n"
+                           "  draftsmith train --store runs/demo/store --out runs/demo/train --epochs 2 --lr 5e-4\n"
+                           "  draftsmith train --conversations conv.jsonl --target smollm2 --out runs/online   # online\n"
+                           "  torchrun --nproc-per-node 2 -m draftsmith train --store STORE --out OUT          # DDP\n"
+                           "A killed run resumes from its last checkpoint when the same command is run again."))
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == "aux_ids":
+            p.add_argument(flag, default=None, help="online only: boundary aux ids, e.g. 2,15,27")
+        elif f.type in ("int", "int | None"):
+            p.add_argument(flag, type=int, default=f.default)
+        elif f.type in ("float",):
+            p.add_argument(flag, type=float, default=f.default)
+        else:
+            p.add_argument(flag, default=f.default, required=f.name == "out")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run_train)
+
+
+def run_train(args) -> int:
+    from draftsmith.capture import parse_ids
+
+    values = {f.name: getattr(args, f.name) for f in fields(TrainConfig)}
+    values["aux_ids"] = parse_ids(values["aux_ids"])
+    trainer = Trainer(TrainConfig(**values))
+    result = trainer.run(progress=not args.quiet)
+    if trainer.rank == 0:
+        print(f"train: drafter -> {Path(args.out) / 'drafter'} | simulated tau at k=4: "
+              f"{result.tau.get(4, float('nan')):.2f} | acc {' '.join(f'{a:.2f}' for a in result.acc)}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0

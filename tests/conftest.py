@@ -1,0 +1,76 @@
+"""Shared fixtures: tiny random Llama targets built inside the tests (no downloads), and conversations."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CORPUS = [
+    "def add(a, b): return a + b", "the quick brown fox jumps over the lazy dog", "print hello world",
+    "for i in range(10): total += i", "import math and compute the square root", "return the sorted list",
+    "what is the capital of france? paris.", "write a function that reverses a string",
+]
+
+
+def build_tokenizer(chat_template: str = CHATML):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    from tokenizers import decoders
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<|im_start|>",
+                                   eos_token="<|im_end|>", pad_token="<|im_end|>")
+    fast.chat_template = chat_template
+    return fast
+
+
+def build_tiny_target(path: Path, layers: int = 8, hidden: int = 64, seed: int = 0) -> Path:
+    """A random Llama (hidden 64, 4 heads / 2 KV heads, 8 layers) with a byte-level BPE tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = build_tokenizer()
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=512,
+                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id)
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory) -> Path:
+    return build_tiny_target(tmp_path_factory.mktemp("tiny_target"))
+
+
+def write_conversations(path: Path, n: int = 24, seed: int = 0) -> Path:
+    """n short conversations with varied assistant answers drawn from the corpus."""
+    import random
+
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for i in range(n):
+            answer = " ".join(rng.sample(CORPUS, 3))
+            conv = {"id": f"c{i}", "messages": [{"role": "user", "content": rng.choice(CORPUS)},
+                                                {"role": "assistant", "content": answer}], "meta": {}}
+            f.write(json.dumps(conv) + "\n")
+    return path
+
+
+@pytest.fixture
+def conversations(tmp_path) -> Path:
+    return write_conversations(tmp_path / "conversations.jsonl")

