@@ -30,7 +30,7 @@ $(VLLM_VENV)/.installed:
 engine-venv: $(VLLM_VENV)/.installed
 
 demo: setup
-	$(VENV)/bin/draftsmith demo
+	$(VENV)/bin/draftsmith run
 
 test: setup engine-venv
 	$(PY) -m pytest tests

@@ -36,17 +36,23 @@ def build_tokenizer(chat_template: str = CHATML):
     return fast
 
 
-def build_tiny_target(path: Path, layers: int = 8, hidden: int = 64, seed: int = 0) -> Path:
-    """A random Llama (hidden 64, 4 heads / 2 KV heads, 8 layers) with a byte-level BPE tokenizer."""
+def build_tiny_target(path: Path, layers: int = 8, hidden: int = 64, seed: int = 0, head_scale: float = 8.0) -> Path:
+    """A random Llama (hidden 64, 4 heads / 2 KV heads, 8 layers) with a byte-level BPE tokenizer.
+
+    The untied output head is scaled by `head_scale` so the target's next-token distributions are peaked,
+    like a trained model's, rather than near uniform.
+    """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tok = build_tokenizer()
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=512,
-                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                       pad_token_id=tok.pad_token_id)
     model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(head_scale)
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path

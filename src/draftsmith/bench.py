@@ -5,7 +5,8 @@ Run:
         --prompts eval --num-prompts 32 --concurrency 1,4,16 --max-tokens 128 --out runs/bench
 
 How it measures (the gpt-fast habits of STYLE.md):
-- Streaming chat completions through the OpenAI client, one level at a time: a closed loop of at most
+- Streaming chat completions through the OpenAI client, one level at a time, each level on its own
+  prompts (no prefix-cache carry-over between levels): a closed loop of at most
   `c` requests in flight (`--concurrency`) or an open loop of Poisson arrivals (`--request-rate`).
 - Warm-up requests run first and are not measured; the acceptance window starts after them.
 - TTFT = request sent -> first streamed token; ITL = gap between streamed chunks (with speculation one
@@ -62,7 +63,7 @@ class BenchSettings:
     prompts: str
     """Prompt set: `train`, `eval`, or a JSONL of {"prompt"} / {"messages"} records."""
     num_prompts: int
-    """Requests per level (prompts are reused in order when the set is smaller)."""
+    """Requests per level; each level takes the next prompts of the set, cycling when it runs out."""
     concurrency: tuple[int, ...]
     """Closed-loop levels: at most c requests in flight."""
     request_rate: tuple[float, ...]
@@ -356,8 +357,8 @@ async def served_model(client, base: str) -> str:
     return models.data[0].id
 
 
-async def bench_endpoint(url: str, s: BenchSettings, warm, measured, say=print) -> EndpointResult:
-    """Warm up on `warm`, then run every level on `measured`, scraping acceptance around each level."""
+async def bench_endpoint(url: str, s: BenchSettings, warm, per_level, say=print) -> EndpointResult:
+    """Warm up on `warm`, then run level i on `per_level[i]`, scraping acceptance around each level."""
     import httpx
     import openai
 
@@ -373,12 +374,12 @@ async def bench_endpoint(url: str, s: BenchSettings, warm, measured, say=print) 
         k = s.num_speculative_tokens
         first = before = await settled_scrape(http, base, k)
         levels = []
-        for kind, value in s.levels():
+        for (kind, value), batch in zip(s.levels(), per_level):
             start = time.perf_counter()
             if kind == "rate":
-                results = await open_loop(client, model, measured, s, value)
+                results = await open_loop(client, model, batch, s, value)
             else:
-                results = await closed_loop(client, model, measured, s, int(value))
+                results = await closed_loop(client, model, batch, s, int(value))
             duration = time.perf_counter() - start
             after = await settled_scrape(http, base, k)
             level = summarize_level(kind, value, results, duration, window_acceptance(before, after))
@@ -644,13 +645,18 @@ def settings_from_args(args) -> BenchSettings:
 
 async def measure(args, s: BenchSettings, say) -> dict[str, Any]:
     """The endpoint under test, then the baseline endpoint (never both at once), then the verdict."""
-    messages = load_messages(s.prompts, s.num_prompts + s.warmup)
-    warm, measured = messages[: s.warmup], messages[s.warmup:]
-    run = await bench_endpoint(args.endpoint, s, warm, measured, say)
+    # distinct prompts per level (while the set lasts), so no level is served from the prefix cache
+    # that an earlier level filled; both endpoints get the same prompts at the same level
+    n, levels = s.num_prompts, len(s.levels())
+    messages = load_messages(s.prompts, s.warmup + n * levels)
+    warm = messages[: s.warmup]
+    per_level = [messages[s.warmup + i * n: s.warmup + (i + 1) * n] for i in range(levels)]
+    run = await bench_endpoint(args.endpoint, s, warm, per_level, say)
     baseline = None
     if args.baseline_endpoint:
         # the baseline may serve the model under another name: let it be discovered
-        ref = await bench_endpoint(args.baseline_endpoint, dataclasses.replace(s, model=None), warm, measured, say)
+        ref = await bench_endpoint(args.baseline_endpoint, dataclasses.replace(s, model=None), warm, per_level,
+                                   say)
         apply_baseline(run.levels, {lv.key(): lv.output_tokens_per_s for lv in ref.levels})
         baseline = {"source": ref.endpoint, "model": ref.model, "levels": [lv.to_dict() for lv in ref.levels]}
     elif args.baseline_json:

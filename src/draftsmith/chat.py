@@ -133,3 +133,9 @@ def tokenize_conversation(tokenizer, messages: list[dict[str, Any]], max_length:
     if max_length is not None:
         ids, mask = ids[:max_length], mask[:max_length]
     return TokenizedSample(list(ids), mask)
+
+
+def prompt_ids(tokenizer, messages: list[dict[str, Any]]) -> list[int]:
+    """Token ids of a conversation plus the assistant header, tokenized exactly as `tokenize_conversation`."""
+    text = render(tokenizer, for_template(messages), add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -404,7 +404,7 @@ class _Run:
         self.failed: list[FailedPrompt] = []
         self.done = self.retried = self.requests = self.output_tokens = 0
         self.aborted: str | None = None
-        self.crash: BaseException | None = None
+        self.crash: Exception | None = None
         self.all_down_since: float | None = None
         self.start = time.monotonic()
         self.samples: deque[tuple[float, int, int]] = deque([(self.start, 0, 0)])
@@ -426,6 +426,8 @@ class _Run:
                 model=ep.model, messages=history, max_tokens=s.max_tokens, timeout=s.request_timeout_s,
                 extra_body=s.extra_body or None, **sampling_args(s))
             self.requests += 1
+            ep.done += 1
+            ep.connection_errors = 0
             if not resp.choices or resp.choices[0].message is None:
                 raise BadReply(f"no choices in the response from {ep.name}")
             reply = parse_reply(resp.choices[0].message.model_dump())
@@ -455,9 +457,7 @@ class _Run:
 
     # -- outcomes ----------------------------------------------------------------------------------
 
-    def on_success(self, ep: _Endpoint, item: _Item) -> None:
-        ep.connection_errors = 0
-        ep.done += 1
+    def on_success(self, item: _Item) -> None:
         self.writer.write(self.conversation(item))
         self.done += 1
         self.finish_one()
@@ -531,16 +531,14 @@ class _Run:
                 except (openai.APIError, BadReply) as exc:
                     self.on_failure(ep, item, classify(exc))
                 else:
-                    self.on_success(ep, item)
+                    self.on_success(item)
                 finally:
                     ep.in_flight -= 1
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # a bug: stop the run loudly rather than hang the other workers
+        except Exception as exc:  # a bug: stop the run loudly rather than hang the other workers
             self.crash = exc
             self.abort(f"internal error: {type(exc).__name__}: {exc}")
 
-    async def supervise(self, show: Progress | None) -> None:
+    async def supervise(self, show: LiveStatus | None) -> None:
         """Fsync finished records, refresh progress, stop when every endpoint has been down too long."""
         last_sync = time.monotonic()
         while not self.queue.closed:
@@ -590,10 +588,10 @@ async def probe(ep: _Endpoint, model: str | None) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Progress
+# Live progress
 
 
-class Progress:
+class LiveStatus:
     """Live progress on stderr: a rich table on a terminal, one greppable line every 10 s otherwise."""
 
     def __init__(self) -> None:
@@ -602,7 +600,7 @@ class Progress:
             if self.console.is_terminal else None
         self.last_line = 0.0
 
-    def __enter__(self) -> Progress:
+    def __enter__(self) -> LiveStatus:
         if self.live:
             self.live.__enter__()
         return self
@@ -712,7 +710,7 @@ async def regenerate_endpoints(prompts: list[Prompt], endpoints: list[str], writ
 
 
 async def run_workers(run: _Run) -> None:
-    with Progress() if run.settings.progress else contextlib.nullcontext() as show:
+    with LiveStatus() if run.settings.progress else contextlib.nullcontext() as show:
         supervisor = asyncio.create_task(run.supervise(show))
         workers = [asyncio.create_task(run.worker(ep)) for ep in run.endpoints for _ in range(ep.concurrency)]
         while not run.queue.closed:

@@ -1,0 +1,202 @@
+"""`draftsmith eval`: decode with target and drafter, count what is accepted, and measure the speed-up.
+
+tau (mean acceptance length) = accepted draft tokens + 1 bonus token per verification step, the
+definition vLLM's `Mean acceptance length` and SGLang's `accept len` use. per_position[i] = share of
+verification steps whose draft token i+1 was accepted (vLLM's `accepted_per_pos / num_drafts`).
+
+Run: draftsmith eval --drafter runs/demo/train/drafter --prompts eval --limit 20 --k 1,2,3,4,5 --json eval.json
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from draftsmith.errors import DraftsmithError
+
+
+@dataclass(frozen=True)
+class KResult:
+    k: int
+    tau: float
+    per_position: list[float]
+    histogram: list[int]
+    """histogram[a] = verification steps that accepted exactly a draft tokens (a = 0..k)."""
+    tokens_per_s_spec: float
+    tokens_per_s_base: float
+    speedup: float
+    verify_steps: int
+    generated_tokens: int
+    overhead_share: float
+    """Share of speculative wall time outside target and drafter forwards."""
+    identical_to_target: bool | None
+    """Greedy only: every output equals the target's own greedy output."""
+
+
+def summarize(k: int, accepted: list[int], spec_tokens: int, spec_s: float, base_tokens: int, base_s: float,
+              model_s: float, identical: bool | None) -> KResult:
+    steps = len(accepted)
+    hist = [sum(1 for a in accepted if a == i) for i in range(k + 1)]
+    per_pos = [sum(1 for a in accepted if a > i) / max(steps, 1) for i in range(k)]
+    tps_spec = spec_tokens / max(spec_s, 1e-9)
+    tps_base = base_tokens / max(base_s, 1e-9) if base_s else float("nan")
+    return KResult(k=k, tau=(sum(accepted) / max(steps, 1)) + 1.0, per_position=per_pos, histogram=hist,
+                   tokens_per_s_spec=tps_spec, tokens_per_s_base=tps_base, speedup=tps_spec / tps_base if base_s else float("nan"),
+                   verify_steps=steps, generated_tokens=spec_tokens, overhead_share=max(0.0, 1 - model_s / max(spec_s, 1e-9)),
+                   identical_to_target=identical)
+
+
+def prompt_turns(prompt) -> list[list[dict]]:
+    """System messages plus each user turn, in order."""
+    return [m for m in prompt.messages]
+
+
+def run_eval(target_name: str, drafter_dir: Path, prompts_source: str, ks: list[int], limit: int | None,
+             temperature: float, max_new_tokens: int, engine: str, dtype: str, baseline: bool, seed: int) -> list[KResult]:
+    from draftsmith.chat import prompt_ids
+    from draftsmith.checkpoint import load_drafter
+    from draftsmith.decoder import DecodeSettings, engine_aux_ids, speculative_decode, target_decode
+    from draftsmith.progress import progress_bar
+    from draftsmith.prompts import load_prompts
+    from draftsmith.target import describe_target, load_target, read_config, resolve_target
+
+    model_dir = resolve_target(target_name)
+    spec = describe_target(read_config(model_dir))
+    target, tokenizer = load_target(model_dir, dtype=dtype)
+    drafter = load_drafter(drafter_dir, target.get_input_embeddings().weight.detach().float()).to(getattr(torch, dtype)).eval()
+    drafter_config = json.loads((Path(drafter_dir) / "config.json").read_text())
+    aux_ids = engine_aux_ids(drafter_config, spec.num_layers, engine)
+    if max(aux_ids) >= spec.num_layers:
+        raise DraftsmithError(f"{engine} would read aux ids {list(aux_ids)}, past the target's {spec.num_layers} layers",
+                              got=str(drafter_config.get("eagle_config")), expected="ids inside the target",
+                              fix="re-export the drafter for this engine: draftsmith export --format " + engine)
+    prompts = load_prompts(prompts_source, limit)
+    results = []
+    for k in ks:
+        settings = DecodeSettings(k=k, temperature=temperature, max_new_tokens=max_new_tokens,
+                                  eos_token_id=tokenizer.eos_token_id)
+        accepted, spec_tok, spec_s, base_tok, base_s, model_s, identical = [], 0, 0.0, 0, 0.0, 0.0, True
+        with progress_bar(f"eval k={k}", total=len(prompts), unit="prompts") as bar:
+            for n, p in enumerate(prompts):
+                conv = []
+                for msg in p.messages:
+                    conv.append(msg)
+                    if msg["role"] != "user":
+                        continue
+                    ids = prompt_ids(tokenizer, conv)
+                    res = speculative_decode(target, drafter, ids, aux_ids, settings, seed=seed + n)
+                    accepted += res.accepted
+                    spec_tok, spec_s, model_s = spec_tok + len(res.tokens), spec_s + res.seconds, \
+                        model_s + res.target_seconds + res.drafter_seconds
+                    if baseline:
+                        base = target_decode(target, ids, settings, seed=seed + n)
+                        base_tok, base_s = base_tok + len(base.tokens), base_s + base.seconds
+                        if temperature <= 0 and base.tokens != res.tokens:
+                            identical = False
+                    conv.append({"role": "assistant", "content": tokenizer.decode(res.tokens, skip_special_tokens=True)})
+                bar.advance(1, tokens=spec_tok)
+        results.append(summarize(k, accepted, spec_tok, spec_s, base_tok, base_s, model_s,
+                                 identical if baseline and temperature <= 0 else None))
+    return results
+
+
+def recommend(results: list[KResult]) -> KResult:
+    """The k with the best measured speed-up (best tau when no baseline was measured)."""
+    if all(r.speedup == r.speedup for r in results):  # no NaN
+        return max(results, key=lambda r: r.speedup)
+    return max(results, key=lambda r: r.tau)
+
+
+def report_markdown(results: list[KResult], settings: dict) -> str:
+    best = recommend(results)
+    lines = ["# draftsmith eval", "", "| k | tau | per-position acceptance | tok/s spec | tok/s base | speed-up | overhead |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r.k} | {r.tau:.2f} | {' '.join(f'{p:.2f}' for p in r.per_position)} | "
+                     f"{r.tokens_per_s_spec:.1f} | {r.tokens_per_s_base:.1f} | {r.speedup:.2f}x | {r.overhead_share:.1%} |")
+    lines += ["", f"Recommended k: **{best.k}** (tau {best.tau:.2f}, speed-up {best.speedup:.2f}x).", "",
+              "Settings: " + ", ".join(f"{k}={v}" for k, v in settings.items())]
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: list[KResult], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    best = recommend(results)
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.bar(range(1, best.k + 1), best.per_position, color="#3b7dd8")
+    ax.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1), title=f"per-position acceptance (k={best.k})")
+    fig.tight_layout()
+    fig.savefig(out / "per_position.png", dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ks = [r.k for r in results]
+    ax.plot(ks, [r.tau for r in results], "o-", label="tau")
+    ax.plot(ks, [r.speedup for r in results], "s-", label="speed-up")
+    ax.set(xlabel="k (draft tokens)", title="tau and speed-up against k")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "tau_vs_k.png", dpi=120)
+    plt.close(fig)
+    return [out / "per_position.png", out / "tau_vs_k.png"]
+
+
+def add_parser(sub) -> None:
+    from draftsmith.cli import example_help
+
+    p = sub.add_parser("eval", help="reference speculative decoding: acceptance and speed-up",
+                       **example_help(
+                           "examples:\n"
+                           "  draftsmith eval --drafter runs/demo/train/drafter --prompts eval --limit 20 --k 4\n"
+                           "  draftsmith eval --drafter DIR --k 1,2,3,4,5,6,7 --json sweep.json --out report/\n"
+                           "  draftsmith eval --drafter DIR --engine sglang   # read aux ids the way SGLang would"))
+    p.add_argument("--target", default="smollm2")
+    p.add_argument("--drafter", type=Path, required=True)
+    p.add_argument("--prompts", default="eval", help="eval | humaneval | train | JSONL (prompt/messages/turns)")
+    p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--k", default="4", help="draft length, or a comma list to sweep (1,2,3,4)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--engine", choices=("trained", "vllm", "sglang"), default="trained",
+                   help="read the drafter's aux ids as this engine would (default: as trained)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--no-baseline", action="store_true", help="skip plain target decoding (no speed-up)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None, help="write results as JSON here")
+    p.add_argument("--out", type=Path, default=None, help="directory for eval.md and PNG plots")
+    p.set_defaults(func=run_eval_cli)
+
+
+def run_eval_cli(args) -> int:
+    try:
+        ks = [int(k) for k in str(args.k).split(",")]
+    except ValueError as exc:
+        raise DraftsmithError("bad --k", got=args.k, expected="an integer or a comma list", fix="--k 4 or --k 1,2,3") from exc
+    results = run_eval(args.target, args.drafter, args.prompts, ks, args.limit, args.temperature, args.max_new_tokens,
+                       args.engine, args.dtype, not args.no_baseline, args.seed)
+    settings = {"target": args.target, "drafter": str(args.drafter), "prompts": args.prompts, "limit": args.limit,
+                "temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "engine": args.engine,
+                "dtype": args.dtype, "batch": 1, "drafting": "chain"}
+    best = recommend(results)
+    print(report_markdown(results, settings))
+    payload = {**asdict(best), "recommended_k": best.k, "prompts": args.prompts, "sweep": [asdict(r) for r in results],
+               "settings": settings}
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "eval.md").write_text(report_markdown(results, settings))
+        plot(results, args.out)
+    if best.identical_to_target is False:
+        print("eval: WARNING: greedy speculative output differs from the target's greedy output")
+        return 1
+    return 0

@@ -1,0 +1,168 @@
+"""`draftsmith export`: write a drafter in the exact layout one consumer loads.
+
+Formats and their key maps (each checked against the consumer's loader source, see tests/test_export.py):
+
+- `vllm`: `LlamaForCausalLMEagle3`, keys `fc.weight`, `midlayer.*`, `norm.weight`, `lm_head.weight`,
+  `d2t`, `t2d`; vLLM renames `midlayer.` to `layers.0.`, `d2t` to `draft_id_to_target_id` and skips
+  `t2d` (vllm/model_executor/models/llama_eagle3.py, `load_weights`). Aux ids explicit, boundary indices.
+- `sglang`: same keys (SGLang's `llama_eagle3.py` expects `midlayer.*` and silently skips unknown
+  names); aux ids explicit in SGLang's convention: boundary - 1, since SGLang adds 1.
+- `speculators`: `Eagle3Speculator` with `speculators_config` and `transformer_layer_config`, keys
+  `layers.0.*` (vllm/transformers_utils/configs/speculators/algos.py `update_eagle3`, which defaults
+  `norm_before_residual` to True when absent, so it is always written).
+
+Every export writes every norm flag explicitly and a model card (README.md) with the serve commands.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from draftsmith.checkpoint import WEIGHTS, aux_ids_for_engine, hf_config
+from draftsmith.drafter import DrafterConfig
+from draftsmith.errors import DraftsmithError
+
+FORMATS = ("vllm", "sglang", "speculators")
+SPECULATORS_VERSION = "0.3.0"  # the speculators config schema these fields follow (vllm-project/speculators)
+
+
+def speculators_config(cfg: DrafterConfig, dtype: str, target: str, k: int, extra: dict) -> dict:
+    layer = hf_config(cfg, "vllm", dtype)
+    layer.pop("draftsmith")
+    layer.pop("eagle_config")
+    for key in ("draft_vocab_size", "target_hidden_size", "norm_before_residual", "norm_before_fc", "fc_norm",
+                "norm_output"):
+        layer.pop(key)
+    layer["architectures"] = ["LlamaForCausalLM"]
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": aux_ids_for_engine(cfg.aux_layer_ids, "speculators"),
+        "norm_before_residual": cfg.norm_before_residual,
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "torch_dtype": dtype,
+        "transformer_layer_config": layer,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k, "accept_tolerance": 0.0,
+                                  "verifier_accept_k": 1}],
+            "verifier": {"architectures": ["LlamaForCausalLM"], "name_or_path": target},
+        },
+        "draftsmith": {"drafter": cfg.to_dict(), "aux_layer_ids_boundary": list(cfg.aux_layer_ids),
+                       "aux_id_convention": "speculators", **extra},
+    }
+
+
+def rename_for(fmt: str, name: str) -> str:
+    """Checkpoint key in a format: speculators uses `layers.0.` where the others use `midlayer.`."""
+    if fmt == "speculators" and name.startswith("midlayer."):
+        return "layers.0." + name[len("midlayer."):]
+    return name
+
+
+def model_card(fmt: str, out: Path, cfg: DrafterConfig, meta: dict, k: int) -> str:
+    target = meta.get("target_path") or meta.get("target", "TARGET")
+    tau = meta.get("eval", {}).get("tau", {})
+    tau_line = ", ".join(f"k={kk}: {v:.2f}" for kk, v in tau.items()) if tau else "not measured"
+    spec = json.dumps({"method": "eagle3", "model": str(out), "num_speculative_tokens": k})
+    sgl_ids = aux_ids_for_engine(cfg.aux_layer_ids, "sglang") if min(cfg.aux_layer_ids) >= 1 else None
+    return f"""---
+library_name: draftsmith
+tags: [eagle3, speculative-decoding, draft-model]
+base_model: {meta.get('target', 'unknown')}
+---
+
+# EAGLE-3 drafter ({fmt} layout)
+
+- Target: `{meta.get('target', 'unknown')}` ({cfg.target_num_layers} layers, hidden {cfg.target_hidden_size}, vocab {cfg.vocab_size})
+- Draft vocabulary: {cfg.draft_vocab_size} tokens; one decoder layer, hidden {cfg.hidden_size}
+- Aux hidden states: boundary indices {list(cfg.aux_layer_ids)} (written here as
+  `{aux_ids_for_engine(cfg.aux_layer_ids, 'sglang' if fmt == 'sglang' else 'vllm')}` in {fmt}'s convention)
+- Training data: {meta.get('store') or 'see training config'}; trained steps: {meta.get('trained_steps', 'unknown')}
+- Measured tau (teacher-forced simulation on held-back samples): {tau_line}
+
+## Serve
+
+vLLM:
+
+```
+vllm serve {target} --speculative-config '{spec}'
+```
+
+SGLang{'' if fmt == 'sglang' else ' (export with --format sglang first: SGLang reads aux ids one layer later)'}:
+
+```
+python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 \\
+  --speculative-draft-model-path {out} --speculative-num-steps {k} --speculative-eagle-topk 1 \\
+  --speculative-num-draft-tokens {k + 1}
+```
+{'' if sgl_ids else 'Note: aux id 0 cannot be expressed for SGLang.'}
+Check before a long load: `draftsmith check --target {target} --drafter {out} --engine vllm`.
+"""
+
+
+def export(src: Path, out: Path, fmt: str, dtype: str = "bfloat16", k: int = 3, target_path: str | None = None) -> Path:
+    """Export a draftsmith checkpoint directory to `fmt` in `out`."""
+    if fmt not in FORMATS:
+        raise DraftsmithError("unknown export format", got=fmt, expected=" | ".join(FORMATS), fix="pick one")
+    config = json.loads((Path(src) / "config.json").read_text())
+    if "draftsmith" not in config:
+        raise DraftsmithError("export reads draftsmith checkpoints", got=f"{src} has no draftsmith block",
+                              expected="a directory written by `draftsmith train`",
+                              fix=f"convert it first: draftsmith convert {src} OUT --to draftsmith")
+    cfg = DrafterConfig.from_dict(config["draftsmith"]["drafter"])
+    meta = {k2: v for k2, v in config["draftsmith"].items() if k2 not in ("drafter", "aux_layer_ids_boundary",
+                                                                        "aux_id_convention")}
+    if target_path:
+        meta["target_path"] = target_path
+    state = load_file(str(Path(src) / WEIGHTS))
+    tensors = {rename_for(fmt, n): (t.to(getattr(torch, dtype)) if t.is_floating_point() else t).contiguous()
+               for n, t in state.items()}
+    tmp = Path(str(out) + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+    if fmt == "speculators":
+        new_config = speculators_config(cfg, dtype, target_path or meta.get("target", ""), k, meta)
+    else:
+        new_config = hf_config(cfg, fmt, dtype, meta)
+    (tmp / "config.json").write_text(json.dumps(new_config, indent=2) + "\n")
+    (tmp / "README.md").write_text(model_card(fmt, Path(out), cfg, meta, k))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.replace(out)
+    return Path(out)
+
+
+def add_parser(sub) -> None:
+    from draftsmith.cli import example_help
+
+    p = sub.add_parser("export", help="write a drafter in the layout vLLM, SGLang or speculators loads",
+                       **example_help(
+                           "examples:\n"
+                           "  draftsmith export runs/demo/train/drafter runs/demo/export-vllm --format vllm\n"
+                           "  draftsmith export DRAFTER out-sglang --format sglang      # aux ids written as SGLang reads them\n"
+                           "  draftsmith export DRAFTER out-spec --format speculators --k 5"))
+    p.add_argument("src", type=Path, help="draftsmith checkpoint directory")
+    p.add_argument("out", type=Path)
+    p.add_argument("--format", choices=FORMATS, default="vllm")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    p.add_argument("--k", type=int, default=3, help="draft tokens named in the card / speculators config")
+    p.add_argument("--target-path", default=None, help="target path or hub id to name in the card")
+    p.set_defaults(func=run_export)
+
+
+def run_export(args) -> int:
+    out = export(args.src, args.out, args.format, args.dtype, args.k, args.target_path)
+    print(f"export: {args.format} drafter -> {out}")
+    return 0
