@@ -19,24 +19,24 @@ CORPUS = [
 ]
 
 
-def build_tokenizer(chat_template: str = CHATML):
+def build_tokenizer(chat_template: str = CHATML, specials: tuple[str, ...] = ("<|im_start|>", "<|im_end|>"),
+                    bos: str = "<|im_start|>", eos: str = "<|im_end|>"):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<|im_start|>", "<|im_end|>"],
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", *specials],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS * 20, trainer)
     from tokenizers import decoders
     tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<|im_start|>",
-                                   eos_token="<|im_end|>", pad_token="<|im_end|>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token=bos, eos_token=eos, pad_token=eos)
     fast.chat_template = chat_template
     return fast
 
 
-def build_tiny_target(path: Path, layers: int = 8, hidden: int = 64, seed: int = 0, head_scale: float = 8.0) -> Path:
+def build_tiny_target(path: Path, layers: int = 8, hidden: int = 64, seed: int = 0, head_scale: float = 30.0) -> Path:
     """A random Llama (hidden 64, 4 heads / 2 KV heads, 8 layers) with a byte-level BPE tokenizer.
 
     The untied output head is scaled by `head_scale` so the target's next-token distributions are peaked,

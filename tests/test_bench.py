@@ -59,7 +59,7 @@ def test_slower_at_high_concurrency_names_the_batch_size_to_stop_at():
 
 def test_slower_everywhere_asks_for_better_acceptance_not_a_batch_limit():
     status, reason, step = speed_finding([level(1, 30, 0.9), level(4, 80, 0.8)], has_baseline=True)
-    assert status == "slow" and "lowest level" in reason and "batch size" not in step
+    assert status == "slow" and "lowest load" in reason and "batch size" not in step
 
 
 def test_no_spec_metrics_is_no_go():

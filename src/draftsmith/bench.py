@@ -469,7 +469,7 @@ def speed_finding(levels: list[LevelResult], has_baseline: bool) -> tuple[str, s
     first_slow = min(slow, key=lambda lv: lv.key()[1])
     safe = [lv for lv in levels if lv.key()[1] < first_slow.key()[1] and lv.speedup >= SPEEDUP_FLOOR]
     if not safe:
-        return ("slow", f"slower than without speculation from the lowest level on ({desc})",
+        return ("slow", f"slower than without speculation at {desc}, the lowest load measured included",
                 "raise acceptance (train longer, on the target's own outputs) or draft fewer tokens "
                 "(num_speculative_tokens)")
     limit = max(lv.key()[1] for lv in safe)
@@ -565,6 +565,8 @@ def write_plots(report: dict[str, Any], out: Path) -> list[Path]:
            title=f"{report['model']}")
     if not by_rate and len(set(xs)) > 1:
         ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [f"{x:g}" for x in xs])
+    ax.set_ylim(bottom=0)
     ax.legend()
     fig.tight_layout()
     paths = [out / "throughput.png"]
@@ -573,7 +575,9 @@ def write_plots(report: dict[str, Any], out: Path) -> list[Path]:
     per_pos = report["per_position"]
     if per_pos:
         fig, ax = plt.subplots(figsize=(5, 3.5))
-        ax.bar(range(len(per_pos)), per_pos)
+        bars = ax.bar(range(len(per_pos)), per_pos)
+        ax.bar_label(bars, fmt="%.3f")
+        ax.set_xticks(range(len(per_pos)))
         ax.set(xlabel="draft position", ylabel="accepted / drafts", ylim=(0, 1),
                title=f"tau {report['tau']:.2f}, acceptance rate {report['acceptance_rate']:.2f}")
         fig.tight_layout()

@@ -21,6 +21,7 @@ import torch
 
 from draftsmith.chat import TokenizedSample, tokenize_conversation
 from draftsmith.conversations import read_conversations
+from draftsmith.drafter import target_argmax
 from draftsmith.errors import DraftsmithError
 from draftsmith.progress import progress_bar
 from draftsmith.store import AUX_CONVENTION, Sample, StoreWriter, bytes_per_token, sha256_file
@@ -31,10 +32,11 @@ DEFAULT_MAX_LENGTH = 2048  # SpecForge schema / EAGLE default (reference/trainin
 
 @dataclass(frozen=True)
 class TargetFeatures:
-    """What the drafter learns from, per token. aux (B, T, 3H) and last (B, T, H)."""
+    """What the drafter learns from, per token. aux (B, T, 3H), last (B, T, H), target_argmax (B, T)."""
 
     aux: torch.Tensor
     last: torch.Tensor
+    target_argmax: torch.Tensor
 
 
 def target_identity(model_dir: Path, name: str) -> dict:
@@ -48,7 +50,7 @@ def target_identity(model_dir: Path, name: str) -> dict:
 
 @torch.inference_mode()
 def target_features(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, aux_ids: tuple[int, ...]) -> TargetFeatures:
-    """One target forward: the aux states and the final (post-norm) hidden state.
+    """One target forward: the aux states, the final (post-norm) hidden state and the argmax of its logits.
 
     Args:
         input_ids, attention_mask: (B, T).
@@ -57,7 +59,9 @@ def target_features(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     out = model.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
     hs = out.hidden_states  # N + 1 tensors (B, T, H); hs[-1] is after the final norm
     aux = torch.cat([hs[i] for i in aux_ids], dim=-1)  # (B, T, 3H)
-    return TargetFeatures(aux=aux, last=out.last_hidden_state)
+    last = out.last_hidden_state
+    argmax = target_argmax(last, model.get_output_embeddings().weight)  # (B, T), the logits in row chunks
+    return TargetFeatures(aux=aux, last=last, target_argmax=argmax)
 
 
 def tokenized_conversations(path: Path, tokenizer, max_length: int) -> list[tuple[str, TokenizedSample]]:
@@ -144,7 +148,7 @@ def capture(conversations: Path, out: Path, target: str = "smollm2", aux_ids: tu
             aux, last = feats.aux.to("cpu", torch.bfloat16), feats.last.to("cpu", torch.bfloat16)
             for b, s in enumerate(batch):
                 n = len(s.input_ids)
-                writer.add(Sample(ids[b, :n], loss[b, :n], aux[b, :n], last[b, :n]))
+                writer.add(Sample(ids[b, :n], loss[b, :n], aux[b, :n], last[b, :n], feats.target_argmax[b, :n].cpu()))
                 tokens += n
             bar.advance(len(batch), tokens=tokens)
     head = model.get_output_embeddings().weight

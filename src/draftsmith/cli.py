@@ -13,36 +13,43 @@ import sys
 
 from draftsmith.errors import DraftsmithError
 
-# Verb modules, in pipeline order. Each is imported only to register its parser.
-VERB_MODULES = (
-    "draftsmith.target",
-    "draftsmith.regenerate",
-    "draftsmith.capture",
-    "draftsmith.train",
-    "draftsmith.export",
-    "draftsmith.eval",
-    "draftsmith.run",
-    "draftsmith.check",
-    "draftsmith.launch",
-    "draftsmith.logs",
-    "draftsmith.bench",
-)
+# verb -> (module, one-line help), in pipeline order. A verb's module (and with it torch) is imported
+# only when that verb runs, so `draftsmith check` and `draftsmith diagnose` start in well under a second.
+VERBS = {
+    "target": ("draftsmith.target", "resolve a target and print its normalized spec"),
+    "regenerate": ("draftsmith.regenerate", "answer prompts with the target (local or endpoints) into conversations JSONL"),
+    "capture": ("draftsmith.capture", "capture target hidden states into a feature store"),
+    "train": ("draftsmith.train", "train an EAGLE-3 drafter with training-time test"),
+    "export": ("draftsmith.export", "write a drafter in the layout vLLM, SGLang or speculators loads"),
+    "eval": ("draftsmith.eval", "reference speculative decoding: acceptance and speed-up"),
+    "check": ("draftsmith.check", "preflight: will this target + drafter start in this engine, and accept?"),
+    "launch": ("draftsmith.launch", "start an engine, follow its load, name the root cause if it dies"),
+    "diagnose": ("draftsmith.logs", "name the root cause of a saved vLLM / SGLang log"),
+    "bench": ("draftsmith.bench", "load an endpoint, read its spec-decode metrics, say go or no-go"),
+    "run": ("draftsmith.run", "the whole pipeline in one run directory (default: the embedded SmolLM2 demo)"),
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only `verb`'s module registers its full sub-parser (all of them when verb is None)."""
     parser = argparse.ArgumentParser(
         prog="draftsmith",
         description="Train EAGLE-3 drafters and ship them to vLLM and SGLang without surprises.",
         epilog="Run `draftsmith VERB --help` for a worked example of each verb.",
     )
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
-    for name in VERB_MODULES:
-        importlib.import_module(name).add_parser(sub)
+    for name, (module, help_text) in VERBS.items():
+        if verb is None or name == verb:
+            importlib.import_module(module).add_parser(sub)
+        else:
+            sub.add_parser(name, help=help_text, add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    verb = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(verb if verb in VERBS else "")
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

@@ -319,7 +319,8 @@ def target_argmax(last: torch.Tensor, head: torch.Tensor, chunk: int = 1024) -> 
 
 def ttt_forward(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                 last: torch.Tensor, target_head: torch.Tensor, steps: int = TTT_STEPS,
-                decay: float = TTT_STEP_LOSS_DECAY, denominators: torch.Tensor | None = None) -> TTTOutput:
+                decay: float = TTT_STEP_LOSS_DECAY, denominators: torch.Tensor | None = None,
+                t_argmax: torch.Tensor | None = None) -> TTTOutput:
     """Unroll K steps of training-time test and compute the soft cross-entropy loss.
 
     Args:
@@ -327,6 +328,7 @@ def ttt_forward(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tens
             post-norm hidden state; target_head: (V, Ht) the target's lm_head weight.
         denominators: (K,) supervised-position counts over the global batch (for exact DDP / gradient
             accumulation parity); defaults to this batch's counts.
+        t_argmax: (B, T) the target's argmax over its full vocabulary, if already known (the store keeps it).
     Returns:
         TTTOutput. Step i at index t is fed token t+1+i and predicts token t+2+i, whose target
         distribution is the target's softmax at t+1+i restricted to the draft vocabulary.
@@ -336,7 +338,8 @@ def ttt_forward(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tens
     with torch.no_grad():
         z = last @ target_head[draft_ids].T.to(last.dtype)  # (B, T, Vd)
         p_target = torch.softmax(z.float(), dim=-1)
-        t_argmax = target_argmax(last, target_head)  # (B, T)
+        if t_argmax is None:
+            t_argmax = target_argmax(last, target_head)  # (B, T)
         in_vocab = drafter.t2d[t_argmax]  # (B, T): a drafter can only match tokens in its vocabulary
     if denominators is None:
         denominators = valid.sum(dim=(1, 2))
@@ -348,9 +351,10 @@ def ttt_forward(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tens
     loss_sums, corrects = [], []
     for i in range(steps):
         logits, h = drafter.step(shift_left(input_ids, 1 + i), h, positions + i, cache, first=i == 0)
-        p = shift_left(p_target, 1 + i)  # (B, T, Vd)
-        ce = -(p * torch.log_softmax(logits.float(), dim=-1)).sum(-1)  # (B, T)
-        weight = valid[i] & shift_left(in_vocab, 1 + i)
+        n = T - 1 - i  # indices t whose target (the target's softmax at t+1+i) exists; views, no copies
+        log_q = torch.log_softmax(logits[:, :n].float(), dim=-1)  # (B, n, Vd)
+        ce = -(p_target[:, 1 + i:] * log_q).sum(-1)  # (B, n)
+        weight = valid[i, :, :n] & in_vocab[:, 1 + i:]
         step_sum = (ce * weight).sum()
         loss = loss + (decay ** i) * step_sum / denominators[i].clamp(min=1)
         loss_sums.append(step_sum.detach())

@@ -711,15 +711,17 @@ async def regenerate_endpoints(prompts: list[Prompt], endpoints: list[str], writ
 
 async def run_workers(run: _Run) -> None:
     with LiveStatus() if run.settings.progress else contextlib.nullcontext() as show:
-        supervisor = asyncio.create_task(run.supervise(show))
-        workers = [asyncio.create_task(run.worker(ep)) for ep in run.endpoints for _ in range(ep.concurrency)]
-        while not run.queue.closed:
-            await asyncio.sleep(TICK_S)
-        # Finished or stopped: requests still in flight after a stop are abandoned; their prompts
-        # were not written, so a rerun does them.
-        for task in workers + [supervisor]:
-            task.cancel()
-        await asyncio.gather(*workers, supervisor, return_exceptions=True)
+        tasks = [asyncio.create_task(run.supervise(show))]
+        tasks += [asyncio.create_task(run.worker(ep)) for ep in run.endpoints for _ in range(ep.concurrency)]
+        try:
+            while not run.queue.closed:
+                await asyncio.sleep(TICK_S)
+        finally:
+            # Finished, stopped or interrupted: requests still in flight are abandoned; their prompts
+            # were not written, so a rerun does them.
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         if show:
             show.update(run)
 

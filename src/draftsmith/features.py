@@ -19,12 +19,13 @@ from draftsmith.target import TargetSpec, describe_target, load_target, read_con
 
 @dataclass
 class Batch:
-    """input_ids, loss_mask (B, T); aux (B, T, 3Ht); last (B, T, Ht) the target's final normed state."""
+    """input_ids, loss_mask, target_argmax (B, T); aux (B, T, 3Ht); last (B, T, Ht) the target's final normed state."""
 
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
     aux: torch.Tensor
     last: torch.Tensor
+    target_argmax: torch.Tensor
 
 
 class FeatureSource(Protocol):
@@ -71,11 +72,13 @@ class StoreSource:
         mask = torch.zeros(B, T, dtype=torch.long)
         aux = torch.zeros(B, T, 3 * Ht, dtype=dtype)
         last = torch.zeros(B, T, Ht, dtype=dtype)
+        argmax = torch.zeros(B, T, dtype=torch.long)
         for b, s in enumerate(samples):
             n = len(s.input_ids)
-            ids[b, :n], mask[b, :n] = s.input_ids, s.loss_mask
+            ids[b, :n], mask[b, :n], argmax[b, :n] = s.input_ids, s.loss_mask, s.target_argmax
             aux[b, :n], last[b, :n] = s.aux, s.last
-        return Batch(ids.to(device), mask.to(device), aux.to(device, non_blocking=True), last.to(device, non_blocking=True))
+        return Batch(ids.to(device), mask.to(device), aux.to(device, non_blocking=True), last.to(device, non_blocking=True),
+                     argmax.to(device))
 
     def target_head(self) -> torch.Tensor:
         return self._tensors["lm_head"].float()
@@ -108,7 +111,7 @@ class OnlineSource:
     def batch(self, indices: list[int], device: torch.device) -> Batch:
         ids, att, mask = pad_batch([self.samples[k] for k in indices], pad_id=0)
         feats = target_features(self.model, ids.to(device), att.to(device), self.aux_ids)
-        return Batch(ids.to(device), mask.to(device), feats.aux.clone(), feats.last.clone())
+        return Batch(ids.to(device), mask.to(device), feats.aux.clone(), feats.last.clone(), feats.target_argmax.clone())
 
     def target_head(self) -> torch.Tensor:
         return self.model.get_output_embeddings().weight.detach().float()

@@ -24,25 +24,25 @@ from draftsmith.errors import DraftsmithError
 @dataclass(frozen=True)
 class RegenerateStage:
     prompts: str = "train"
-    limit: int = 320
-    max_new_tokens: int = 192
-    batch_size: int = 16
+    limit: int = 256
+    max_new_tokens: int = 128
+    batch_size: int = 64
     temperature: float = 0.0
 
 
 @dataclass(frozen=True)
 class CaptureStage:
     max_length: int = 1024
-    dtype: str = "float32"
+    dtype: str = "bfloat16"
 
 
 @dataclass(frozen=True)
 class TrainStage:
-    epochs: float = 8.0
+    epochs: float = 4.0
     lr: float = 1e-3
     batch_tokens: int = 4096
-    ttt_steps: int = 5
-    draft_vocab_size: int | None = None
+    ttt_steps: int = 4
+    draft_vocab_size: int | None = 4096
     eval_fraction: float = 0.05
     seed: int = 0
 
@@ -50,9 +50,9 @@ class TrainStage:
 @dataclass(frozen=True)
 class EvalStage:
     prompts: str = "eval"
-    limit: int = 10
+    limit: int = 6
     k: str = "4"
-    max_new_tokens: int = 96
+    max_new_tokens: int = 64
 
 
 @dataclass(frozen=True)

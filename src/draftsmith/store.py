@@ -29,18 +29,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from draftsmith.errors import DraftsmithError
 
-STORE_VERSION = 1
+STORE_VERSION = 2  # 2: shards hold target_argmax
 MANIFEST = "manifest.json"
 TOKEN_COUNTS = "token_counts.safetensors"
 TARGET_HEAD = "target_head.safetensors"
 AUX_CONVENTION = "boundary: HF output_hidden_states index (0 = embeddings, b = output of layer b-1)"
 # name -> (dtype, per-token width or None for scalars). `offsets` [S+1] marks sample boundaries.
-SHARD_TENSORS = {"input_ids": torch.int32, "loss_mask": torch.uint8, "aux": torch.bfloat16, "last": torch.bfloat16}
+SHARD_TENSORS = {"input_ids": torch.int32, "loss_mask": torch.uint8, "aux": torch.bfloat16, "last": torch.bfloat16,
+                 "target_argmax": torch.int32}
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -61,18 +62,19 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 
 def bytes_per_token(hidden_size: int) -> int:
-    """Bytes the store keeps per token: 3 aux + 1 final hidden state in bf16, token id, mask."""
-    return 4 * hidden_size * 2 + 4 + 1
+    """Bytes the store keeps per token: 3 aux + 1 final hidden state in bf16, token id, mask, target argmax."""
+    return 4 * hidden_size * 2 + 4 + 1 + 4
 
 
 @dataclass
 class Sample:
-    """One stored sample. Shapes: input_ids, loss_mask (T,); aux (T, 3H); last (T, H)."""
+    """One stored sample. Shapes: input_ids, loss_mask, target_argmax (T,); aux (T, 3H); last (T, H)."""
 
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
     aux: torch.Tensor
     last: torch.Tensor
+    target_argmax: torch.Tensor
 
 
 def write_shard_file(path: Path, samples: list[Sample]) -> tuple[str, int]:
@@ -87,6 +89,7 @@ def write_shard_file(path: Path, samples: list[Sample]) -> tuple[str, int]:
         "loss_mask": torch.cat([s.loss_mask for s in samples]).to(torch.uint8),
         "aux": torch.cat([s.aux for s in samples]).to(torch.bfloat16).contiguous(),
         "last": torch.cat([s.last for s in samples]).to(torch.bfloat16).contiguous(),
+        "target_argmax": torch.cat([s.target_argmax for s in samples]).to(torch.int32),
         "offsets": torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
     }
     tmp = path.with_name(path.name + ".tmp")
@@ -96,7 +99,7 @@ def write_shard_file(path: Path, samples: list[Sample]) -> tuple[str, int]:
             os.fsync(f.fileno())
         digest = sha256_file(tmp)
         os.replace(tmp, path)
-    except OSError as exc:
+    except (OSError, SafetensorError) as exc:  # safetensors reports ENOSPC / EFBIG as SafetensorError
         tmp.unlink(missing_ok=True)
         raise DraftsmithError(f"could not write shard {path.name}", got=f"{type(exc).__name__}: {exc}",
                               expected="free disk space for the shard", fix="free space (or pick another --out) "
@@ -111,6 +114,7 @@ class StoreWriter:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.shard_tokens = shard_tokens
+        identity = json.loads(json.dumps(identity))  # compare as stored: tuples become lists
         path = self.root / MANIFEST
         if path.exists():
             self.manifest = json.loads(path.read_text())
@@ -183,6 +187,10 @@ class FeatureStore:
                                   expected="a directory written by `draftsmith capture`",
                                   fix="run `draftsmith capture --out DIR` first, or point at the right directory")
         self.manifest = json.loads(path.read_text())
+        if self.manifest.get("version") != STORE_VERSION:
+            raise DraftsmithError("feature store written by another draftsmith version",
+                                  got=f"store version {self.manifest.get('version')}", expected=f"version {STORE_VERSION}",
+                                  fix="recapture it with this version (`draftsmith capture` into a new --out)")
         if not self.manifest.get("complete"):
             raise DraftsmithError("the feature store is incomplete", got=f"{len(self.manifest['shards'])} shards, "
                                   "capture did not finish", expected="a complete store",

