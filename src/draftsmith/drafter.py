@@ -265,6 +265,10 @@ class Eagle3Drafter(nn.Module):
         h_out = self.midlayer.finish(attn, residual)
         return self.lm_head(self.norm(h_out)), h_out
 
+    def forward(self, *args, **kwargs) -> TTTOutput:
+        """The training forward: a TTT unroll (`ttt_forward`). DDP wraps this, so training calls the module."""
+        return ttt_forward(self, *args, **kwargs)
+
     def draft_to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -107,7 +108,7 @@ def stage_hash(*parts) -> str:
 
 def run_pipeline(cfg: RunConfig) -> dict:
     from draftsmith.capture import capture
-    from draftsmith.conversations import ConversationWriter, finished_ids
+    from draftsmith.conversations import ConversationWriter
     from draftsmith.export import export
     from draftsmith.prompts import load_prompts
     from draftsmith.regenerate import LocalSettings, regenerate_local
@@ -124,19 +125,33 @@ def run_pipeline(cfg: RunConfig) -> dict:
     upstream = ""
     timings = {}
 
+    conv_path, store, train_dir, export_dir = out / "conversations.jsonl", out / "store", out / "train", out / "export-vllm"
+    outputs = {"regenerate": conv_path, "capture": store, "train": train_dir, "export": export_dir,
+               "eval": out / "eval.json"}
+
     def should_run(stage: str, h: str) -> bool:
-        return stage not in cfg.skip and done.get(stage) != h
+        """Run unless finished with the same hash. Started with another hash: wipe its output first;
+        started with the same hash but not finished (killed): keep it, the stage resumes inside."""
+        if stage in cfg.skip:
+            return False
+        entry = done.get(stage) or {}
+        if entry.get("hash") == h and entry.get("complete"):
+            return False
+        if entry.get("hash") != h:
+            target = outputs[stage]
+            shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
+            done[stage] = {"hash": h, "complete": False}
+            state_path.write_text(json.dumps(done, indent=2) + "\n")
+        return True
 
     def mark(stage: str, h: str, seconds: float) -> None:
-        done[stage] = h
+        done[stage] = {"hash": h, "complete": True}
         state_path.write_text(json.dumps(done, indent=2) + "\n")
         timings[stage] = seconds
-
-    conv_path, store, train_dir, export_dir = out / "conversations.jsonl", out / "store", out / "train", out / "export-vllm"
     # regenerate
     h = stage_hash(cfg.target, asdict(cfg.regenerate))
     prompts = load_prompts(cfg.regenerate.prompts, cfg.regenerate.limit)
-    if should_run("regenerate", h) or not finished_ids(conv_path) >= {p.id for p in prompts}:
+    if should_run("regenerate", h):
         t = time.perf_counter()
         model, tokenizer = load_target(resolve_target(cfg.target))
         r = cfg.regenerate
@@ -148,14 +163,14 @@ def run_pipeline(cfg: RunConfig) -> dict:
     upstream = h
     # capture
     h = stage_hash(upstream, asdict(cfg.capture))
-    if should_run("capture", h) or not (store / "manifest.json").exists():
+    if should_run("capture", h):
         t = time.perf_counter()
         capture(conv_path, store, cfg.target, max_length=cfg.capture.max_length, dtype=cfg.capture.dtype)
         mark("capture", h, time.perf_counter() - t)
     upstream = h
     # train
     h = stage_hash(upstream, asdict(cfg.train))
-    if should_run("train", h) or not (train_dir / "drafter" / "config.json").exists():
+    if should_run("train", h):
         t = time.perf_counter()
         tr = cfg.train
         trainer = Trainer(TrainConfig(out=str(train_dir), store=str(store), epochs=tr.epochs, lr=tr.lr,
@@ -169,14 +184,14 @@ def run_pipeline(cfg: RunConfig) -> dict:
     summary["simulated_tau"] = eval_result.get("tau", {})
     # export
     h = stage_hash(upstream, "vllm")
-    if should_run("export", h) or not (export_dir / "config.json").exists():
+    if should_run("export", h):
         t = time.perf_counter()
         export(train_dir / "drafter", export_dir, "vllm", dtype="float32", target_path=str(resolve_target(cfg.target)))
         mark("export", h, time.perf_counter() - t)
     upstream = h
     # eval
     h = stage_hash(upstream, asdict(cfg.eval))
-    if "eval" not in cfg.skip and (done.get("eval") != h or not (out / "eval.json").exists()):
+    if should_run("eval", h):
         t = time.perf_counter()
         from draftsmith.eval import recommend, run_eval
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from draftsmith.checkpoint import load_drafter, save_drafter
-from draftsmith.drafter import TTT_STEP_LOSS_DECAY, TTT_STEPS, DrafterConfig, Eagle3Drafter, TTTOutput, simulated_acceptance, ttt_forward
+from draftsmith.drafter import TTT_STEP_LOSS_DECAY, TTT_STEPS, DrafterConfig, Eagle3Drafter, TTTOutput, simulated_acceptance
 from draftsmith.errors import DraftsmithError
 from draftsmith.features import Batch, FeatureSource, OnlineSource, StoreSource
 from draftsmith.vocab import build_draft_vocab, default_draft_vocab_size
@@ -197,9 +197,8 @@ class Trainer:
 
     def forward(self, batch: Batch, denominators: torch.Tensor | None) -> TTTOutput:
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            return ttt_forward(self.drafter, batch.aux, batch.input_ids, batch.loss_mask, batch.last,
-                               self.target_head, self.cfg.ttt_steps, self.cfg.step_loss_decay, denominators,
-                               batch.target_argmax)
+            return self.model(batch.aux, batch.input_ids, batch.loss_mask, batch.last, self.target_head,
+                              self.cfg.ttt_steps, self.cfg.step_loss_decay, denominators, batch.target_argmax)
 
     def micro_batches_for(self, step: int) -> list[list[int]]:
         """This rank's micro-batches for global step `step` (a pure function of the step)."""
