@@ -103,3 +103,17 @@ def test_ddp_two_processes_match_one_process_with_the_same_global_batch(store, t
     assert a[6] < a[1], "training did not move the loss; parity would be vacuous"
     for step in a:
         assert b[step] == pytest.approx(a[step], rel=1e-4), (step, a[step], b[step])
+
+
+def test_online_training_sees_the_same_features_as_the_store(tiny_target, tmp_path):
+    """Online (target in process) and offline (from the store) give the same first loss; the store keeps
+    bf16 features, so they agree to bf16 precision, not bit for bit."""
+    conv = write_conversations(tmp_path / "conv.jsonl", n=8)
+    capture(conv, tmp_path / "store", target=str(tiny_target))
+    common = dict(lr=1e-3, max_steps=2, batch_tokens=1024, draft_vocab_size=128, ttt_steps=3, eval_fraction=0.0,
+                  eval_every=10**6, save_every=10**6, log_every=10**6)
+    Trainer(TrainConfig(out=str(tmp_path / "off"), store=str(tmp_path / "store"), **common)).run(progress=False)
+    Trainer(TrainConfig(out=str(tmp_path / "on"), conversations=str(conv), target=str(tiny_target), **common)).run(progress=False)
+    off, on = losses(tmp_path / "off"), losses(tmp_path / "on")
+    assert on[1] == pytest.approx(off[1], rel=2e-2)
+    assert (tmp_path / "on" / "drafter" / "model.safetensors").exists()
