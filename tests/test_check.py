@@ -376,4 +376,4 @@ def test_real_startup_matches_the_prediction_for_a_config_time_failure(tmp_path)
     builder.wait_for_free_engine()
     actual = builder.start_vllm(target, drafter, sc.spec, tmp_path / "vllm.log", timeout_s=240)
     assert predicted["predicts_start"] is False and actual["started"] is False
-    assert "num_speculative_tokens must be provided" in (tmp_path / "vllm.log").read_text()
+    assert "`num_speculative_tokens` was not provided" in (tmp_path / "vllm.log").read_text()
