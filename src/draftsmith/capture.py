@@ -76,9 +76,14 @@ def tokenized_conversations(path: Path, tokenizer, max_length: int) -> list[tupl
 
 def batches_by_tokens(samples: list[TokenizedSample], max_tokens: int) -> list[list[int]]:
     """Contiguous groups of sample indices whose padded size stays under `max_tokens`."""
+    return group_by_tokens([len(s.input_ids) for s in samples], max_tokens)
+
+
+def group_by_tokens(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Contiguous groups of positions 0..len-1 whose padded size (longest x count) stays under `max_tokens`."""
     groups, current, longest = [], [], 0
-    for i, s in enumerate(samples):
-        n = len(s.input_ids)
+    for i, length in enumerate(lengths):
+        n = min(length, max_tokens)
         if current and max(longest, n) * (len(current) + 1) > max_tokens:
             groups.append(current)
             current, longest = [], 0

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from draftsmith.capture import group_by_tokens
 from draftsmith.checkpoint import load_drafter, save_drafter
 from draftsmith.drafter import TTT_STEP_LOSS_DECAY, TTT_STEPS, DrafterConfig, Eagle3Drafter, TTTOutput, simulated_acceptance
 from draftsmith.errors import DraftsmithError
@@ -110,17 +111,7 @@ def micro_batches(indices: list[int], lengths: list[int], batch_tokens: int, see
     order = [indices[i] for i in torch.randperm(len(indices), generator=g).tolist()]
     window = 64
     order = [k for w in range(0, len(order), window) for k in sorted(order[w:w + window], key=lambda k: lengths[k])]
-    batches, current, longest = [], [], 0
-    for k in order:
-        n = min(lengths[k], batch_tokens)
-        if current and max(longest, n) * (len(current) + 1) > batch_tokens:
-            batches.append(current)
-            current, longest = [], 0
-        current.append(k)
-        longest = max(longest, n)
-    if current:
-        batches.append(current)
-    return batches
+    return [[order[i] for i in group] for group in group_by_tokens([lengths[k] for k in order], batch_tokens)]
 
 
 @dataclass(frozen=True)
