@@ -53,13 +53,17 @@ class TrainConfig:
     draft_vocab_size: int | None = None
     """Draft vocabulary size (default: vocab.default_draft_vocab_size)."""
     ttt_steps: int = TTT_STEPS
+    """Training-time-test unroll length (EAGLE-3 / SpecForge: 7)."""
     step_loss_decay: float = TTT_STEP_LOSS_DECAY
+    """Weight of TTT step i is decay**i (EAGLE-3: 0.8)."""
     lr: float = 1e-4
     """Peak learning rate (SpecForge default 1e-4)."""
     min_lr_ratio: float = 0.1
+    """The cosine schedule ends at lr * min_lr_ratio."""
     warmup_ratio: float = 0.015
     """Share of steps with linear warm-up (SpecForge 0.015)."""
     weight_decay: float = 0.0
+    """AdamW weight decay."""
     clip: float = 0.5
     """Gradient-norm clip (EAGLE, SpecForge)."""
     epochs: float = 1.0
@@ -68,13 +72,21 @@ class TrainConfig:
     batch_tokens: int = 4096
     """Padded tokens per micro-batch."""
     grad_accum: int = 1
+    """Micro-batches per optimizer step and process."""
     max_length: int = 2048
+    """Online only: truncate conversations to this many tokens."""
     eval_fraction: float = 0.05
+    """Share of samples held back for evaluation (fixed split)."""
     eval_every: int = 100
+    """Evaluate every N steps (and at the end)."""
     save_every: int = 100
+    """Checkpoint every N steps (and at the end)."""
     log_every: int = 1
+    """Print the step line every N steps (metrics.jsonl gets every step)."""
     seed: int = 0
+    """Seed of the initialisation and the data order."""
     device: str = "auto"
+    """auto (cuda if available), cpu, cuda, cuda:1, ..."""
     init_from: str | None = None
     """Start from an existing draftsmith drafter checkpoint (same target and vocabulary size)."""
 
@@ -375,16 +387,20 @@ def add_parser(sub) -> None:
                            "  draftsmith train --conversations conv.jsonl --target smollm2 --out runs/online   # online\n"
                            "  torchrun --nproc-per-node 2 -m draftsmith train --store STORE --out OUT          # DDP\n"
                            "A killed run resumes from its last checkpoint when the same command is run again."))
+    from draftsmith.cli import field_docs
+
+    docs = field_docs(TrainConfig)
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
+        doc = docs.get(f.name, "") + (f" (default {f.default})" if f.default is not None and f.name != "out" else "")
         if f.name == "aux_ids":
-            p.add_argument(flag, default=None, help="online only: boundary aux ids, e.g. 2,15,27")
+            p.add_argument(flag, default=None, help="online only: boundary aux ids, e.g. 2,15,27 (default 2,N//2,N-3)")
         elif f.type in ("int", "int | None"):
-            p.add_argument(flag, type=int, default=f.default)
+            p.add_argument(flag, type=int, default=f.default, help=doc)
         elif f.type in ("float",):
-            p.add_argument(flag, type=float, default=f.default)
+            p.add_argument(flag, type=float, default=f.default, help=doc)
         else:
-            p.add_argument(flag, default=f.default, required=f.name == "out")
+            p.add_argument(flag, default=f.default, required=f.name == "out", help=doc)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run_train)
 
