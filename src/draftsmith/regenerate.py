@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.conversations import Conversation, ConversationWriter
-from draftsmith.endpoints import EndpointSettings, regenerate_endpoints_sync
+from draftsmith.endpoints import EndpointSettings, RegenerateSummary, regenerate_endpoints_sync
 from draftsmith.errors import DraftsmithError
 from draftsmith.progress import progress_bar
 from draftsmith.prompts import Prompt, load_prompts
@@ -40,14 +40,6 @@ class LocalSettings:
     """0 = greedy (the default: the drafter is then trained on exactly what greedy decoding emits)."""
     top_p: float = 1.0
     seed: int = 0
-
-
-@dataclass(frozen=True)
-class RegenerateSummary:
-    done: int
-    skipped: int
-    output_tokens: int
-    seconds: float
 
 
 def split_reasoning(text: str, mode: str) -> tuple[str, str | None]:
