@@ -80,3 +80,45 @@ def write_conversations(path: Path, n: int = 24, seed: int = 0) -> Path:
 @pytest.fixture
 def conversations(tmp_path) -> Path:
     return write_conversations(tmp_path / "conversations.jsonl")
+
+
+# --- a tiny trained drafter checkpoint (export and convert tests) ---------------------------------------
+
+def tiny_drafter_config():
+    from draftsmith.drafter import DrafterConfig
+
+    return DrafterConfig(hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2, head_dim=8, vocab_size=96,
+                         draft_vocab_size=48, target_hidden_size=40, target_num_layers=30, aux_layer_ids=(2, 15, 27))
+
+
+CFG = tiny_drafter_config()
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    """(drafter, checkpoint dir) of a tiny drafter after one TTT step, written by `save_drafter`."""
+    from draftsmith.checkpoint import save_drafter
+    from draftsmith.drafter import Eagle3Drafter, ttt_forward
+    from draftsmith.vocab import build_draft_vocab
+
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(CFG)
+    vocab = build_draft_vocab(torch.arange(96, 0, -1), 48)
+    drafter.d2t.copy_(vocab.d2t)
+    drafter.t2d.copy_(vocab.t2d)
+    # one training step so the weights are not an initialisation pattern
+    out = ttt_forward(drafter, torch.randn(1, 10, 120), torch.randint(0, 96, (1, 10)), torch.ones(1, 10, dtype=torch.long),
+                      torch.randn(1, 10, 40), torch.randn(96, 40), steps=2)
+    out.loss.backward()
+    torch.optim.SGD([p for p in drafter.parameters() if p.requires_grad], lr=0.1).step()
+    return drafter, save_drafter(drafter, tmp_path / "ckpt", extra={"target": "tiny"})
+
+
+def drafter_logits(drafter, seed=1):
+    """First-step draft logits (1, 9, Vd) of `drafter` on fixed random aux states and tokens."""
+    from draftsmith.drafter import StepCache
+
+    g = torch.Generator().manual_seed(seed)
+    aux, ids = torch.randn(1, 9, 120, generator=g), torch.randint(0, 96, (1, 9), generator=g)
+    h = drafter.fc(aux)
+    return drafter.step(ids, h, torch.arange(9), StepCache(), first=True)[0]

@@ -16,13 +16,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from draftsmith.checkpoint import load_drafter, save_drafter
-from draftsmith.drafter import DrafterConfig, Eagle3Drafter, ttt_forward
+from conftest import CFG, drafter_logits as logits
+from draftsmith.checkpoint import load_drafter
+from draftsmith.drafter import Eagle3Drafter
 from draftsmith.export import export
-from draftsmith.vocab import build_draft_vocab
 
-CFG = DrafterConfig(hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2, head_dim=8, vocab_size=96,
-                    draft_vocab_size=48, target_hidden_size=40, target_num_layers=30, aux_layer_ids=(2, 15, 27))
 VLLM_KEYS = {  # key -> shape, the tensors vLLM's Eagle3LlamaForCausalLM.load_weights maps
     "fc.weight": (32, 120), "midlayer.hidden_norm.weight": (32,), "midlayer.input_layernorm.weight": (32,),
     "midlayer.post_attention_layernorm.weight": (32,), "midlayer.self_attn.q_proj.weight": (32, 64),
@@ -31,30 +29,6 @@ VLLM_KEYS = {  # key -> shape, the tensors vLLM's Eagle3LlamaForCausalLM.load_we
     "midlayer.mlp.up_proj.weight": (64, 32), "midlayer.mlp.down_proj.weight": (32, 64), "norm.weight": (32,),
     "lm_head.weight": (48, 32), "d2t": (48,), "t2d": (96,),
 }
-
-
-@pytest.fixture
-def checkpoint(tmp_path):
-    torch.manual_seed(0)
-    drafter = Eagle3Drafter(CFG)
-    vocab = build_draft_vocab(torch.arange(96, 0, -1), 48)
-    drafter.d2t.copy_(vocab.d2t)
-    drafter.t2d.copy_(vocab.t2d)
-    # one training step so the weights are not an initialisation pattern
-    out = ttt_forward(drafter, torch.randn(1, 10, 120), torch.randint(0, 96, (1, 10)), torch.ones(1, 10, dtype=torch.long),
-                      torch.randn(1, 10, 40), torch.randn(96, 40), steps=2)
-    out.loss.backward()
-    torch.optim.SGD([p for p in drafter.parameters() if p.requires_grad], lr=0.1).step()
-    return drafter, save_drafter(drafter, tmp_path / "ckpt", extra={"target": "tiny"})
-
-
-def logits(drafter, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    aux, ids = torch.randn(1, 9, 120, generator=g), torch.randint(0, 96, (1, 9), generator=g)
-    h = drafter.fc(aux)
-    from draftsmith.drafter import StepCache
-
-    return drafter.step(ids, h, torch.arange(9), StepCache(), first=True)[0]
 
 
 def test_vllm_export_has_exactly_the_loader_keys_and_explicit_fields(checkpoint, tmp_path):
