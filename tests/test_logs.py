@@ -17,6 +17,7 @@ from draftsmith.logs import (
     parse_line,
     read_log,
     split_line,
+    weight_shape_detail,
 )
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"
@@ -251,3 +252,14 @@ def test_diagnose_clean_log_exits_0(capsys):
 def test_diagnose_missing_file_is_bad_input(tmp_path, capsys):
     assert main(["diagnose", str(tmp_path / "nope.log")]) == 2
     assert "log file not found" in capsys.readouterr().err
+
+
+def test_weight_shape_detail_names_fc_only_when_the_shapes_say_so():
+    fc = "AssertionError: Tried to load weights of size torch.Size([576, 1152])to a parameter of size torch.Size([576, 1728])"
+    assert "fc.weight is [576, 1152] (2 aux layers' worth)" in weight_shape_detail(fc)
+    assert "vLLM built fc.weight [576, 1728]" in weight_shape_detail(fc)
+    qkv = "Tried to load weights of size torch.Size([960, 1000])to a parameter of size torch.Size([960, 1152])"
+    assert weight_shape_detail(qkv) is None  # [H', 2H]: not the [H, 3H] fc, so no name is guessed
+    assert weight_shape_detail("RuntimeError: CUDA out of memory") is None
+    rc = analyze(read_log(FIXTURES / "vllm_cpu_bad_fc.log")).root_cause
+    assert rc.hint.startswith("the tensor is the drafter's `fc`") and "re-export the drafter" in rc.hint

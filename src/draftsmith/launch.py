@@ -130,21 +130,75 @@ def url_from_command(cmd: list[str]) -> str:
     return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{port}"
 
 
-def stop_tree(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """SIGTERM the engine's process group by its PGID, SIGKILL it after `grace_s`."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGTERM)
+def descendants(pid: int) -> list[int]:
+    """PIDs of every live process below `pid` (children, grandchildren, ...), read from /proc."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if fields[0] != "Z":
+                parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        kids = parents.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie (an exited child nobody has reaped yet)."""
     try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _signal_tree(group: int, pids: list[int], sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(group, sig)
+    for pid in pids:  # members that left the group (setsid) are still ours by parentage
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+            os.kill(pid, sig)
+
+
+def stop_tree(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """Stop the engine and every process below it: SIGTERM, then SIGKILL after `grace_s`.
+
+    Signals go to the engine's process group (its PGID is its PID: `spawn` starts a new session) and,
+    by PID, to every descendant found in /proc before and during the wait, so a worker that moved to
+    its own session is stopped too.
+    """
+    tree = set(descendants(proc.pid))
+    _signal_tree(proc.pid, sorted(tree), signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if proc.poll() is None:
+            tree |= set(descendants(proc.pid))
+        if proc.poll() is not None and not any(alive(pid) for pid in tree):
+            return
+        time.sleep(0.05)
+    _signal_tree(proc.pid, sorted(pid for pid in tree if alive(pid)), signal.SIGKILL)
+    proc.wait()
+    for _ in range(100):  # SIGKILL is asynchronous: wait (up to 5 s) until the tree is gone
+        if not any(alive(pid) for pid in tree):
+            return
+        time.sleep(0.05)
+
+
+# Engines are Python programs writing to a file, where Python block-buffers stdout: print()ed lines
+# reach the log only 8 KiB at a time, and whatever is still buffered when a process hangs or is
+# SIGKILLed never arrives, so the supervisor would see silence (a false stall) or an empty log.
+UNBUFFERED_ENV = {"PYTHONUNBUFFERED": "1"}
 
 
 def spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start `cmd` (an argument list, no shell) in a new session, stdout and stderr into `log`."""
+    """Start `cmd` (an argument list, no shell) in a new session, stdout and stderr into `log`.
+
+    The child's Python output is unbuffered (UNBUFFERED_ENV) unless `env` says otherwise.
+    """
     log.parent.mkdir(parents=True, exist_ok=True)
+    env = {**UNBUFFERED_ENV, **(os.environ if env is None else env)}
     try:
         with open(log, "wb") as out:
             return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -201,8 +255,11 @@ def report(res: LaunchResult) -> str:
     """The human summary printed when the supervisor decides."""
     head = f"{res.status.replace('_', ' ')} after {res.elapsed_s:.1f} s in phase {res.phase.replace('_', ' ')}"
     lines = [head, f"log: {res.log}"]
+    if res.status != "ready" and res.returncode is not None:
+        lines.append(f"engine exit code: {res.returncode}")
     if res.status == "stalled":
-        lines.append(f"no output for a while; last line: {res.last_line}")
+        lines.append(f"no output for a while; last line: {res.last_line}" if res.last_line
+                     else "no output at all since the engine started")
     rc = res.root_cause
     if res.status != "ready" and rc:
         lines.append(f"root cause (line {rc.line}, {rc.process or 'main process'}): {rc.text}")
@@ -253,6 +310,10 @@ def _console_hook():
     return (lambda s, e: live.update(status_line(s, e))), live
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def run_launch(args) -> int:
     cmd = list(args.command)
     if args.attach and cmd:
@@ -268,12 +329,15 @@ def run_launch(args) -> int:
                               fix="pass the file the engine writes its stdout and stderr to")
     url = args.url or (None if args.attach else url_from_command(cmd))
     proc = None if args.attach else spawn(cmd, log)
+    if proc is not None:  # `kill PID` on launch stops the engine like Ctrl-C does (finally: stop_tree)
+        with contextlib.suppress(ValueError):  # not the main thread
+            signal.signal(signal.SIGTERM, _interrupt)
     hook, live = _console_hook()
     res = None
     try:
         with live:
             res = supervise(log, url, proc, args.timeout, args.stall_timeout, hook)
-        print(json.dumps(asdict(res), indent=2, default=str) if args.json else report(res))
+        print(json.dumps(asdict(res), indent=2, default=str) if args.json else report(res), flush=True)
         if res.status == "ready" and args.then:
             return subprocess.run(shlex.split(args.then)).returncode
         if res.status == "ready" and proc and not args.detach:

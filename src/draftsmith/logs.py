@@ -421,6 +421,30 @@ def hint_for(text: str) -> Hint | None:
     return next((h for h in HINTS if h.regex.search(text)), None)
 
 
+_LOAD_SHAPES = re.compile(r"weights of size torch\.Size\(\[(\d+), (\d+)\]\)\s*to a parameter of size "
+                          r"torch\.Size\(\[(\d+), (\d+)\]\)")
+
+
+def weight_shape_detail(text: str) -> str | None:
+    """Name the drafter tensor behind vLLM's shape assertion when its shapes identify it.
+
+    vLLM's message carries only the two shapes (linear.py `weight_loader`'s assert in 0.32). An EAGLE-3
+    drafter's `fc` is the only [H, 3H] matrix it builds (llama_eagle3.py: fc = Linear(3 x target hidden,
+    hidden)), so a parameter of [H, 3H] is `fc`, and the checkpoint's column count says how many aux
+    layers' worth of hidden states it was exported for.
+    """
+    m = _LOAD_SHAPES.search(text)
+    if not m:
+        return None
+    got_out, got_in, want_out, want_in = map(int, m.groups())
+    if want_in != 3 * want_out:
+        return None
+    layers = f"{got_in // want_out} aux layers' worth" if got_in % want_out == 0 else "not a multiple of hidden"
+    return (f"the tensor is the drafter's `fc` ({want_out} = hidden size): vLLM built fc.weight "
+            f"[{want_out}, {want_in}] (3 aux layers x {want_out}), the checkpoint's fc.weight is "
+            f"[{got_out}, {got_in}] ({layers})")
+
+
 def choose_root_cause(collector: TracebackCollector) -> RootCause | None:
     """The first exception that is not only a report of an earlier death; else the first fatal marker.
 
@@ -432,7 +456,10 @@ def choose_root_cause(collector: TracebackCollector) -> RootCause | None:
     pick = (causal or exceptions or [None])[0]
     if pick is not None:
         hint = hint_for("\n".join((pick.text, *pick.detail))) or hint_for("\n".join(pick.context))
-        return RootCause(pick.line, pick.text, pick.exception_type, pick.process, hint.fix if hint else None,
+        fix = hint.fix if hint else None
+        if hint and hint.name == "drafter_weight_shape" and (named := weight_shape_detail(pick.text)):
+            fix = f"{named}; {fix}"
+        return RootCause(pick.line, pick.text, pick.exception_type, pick.process, fix,
                          hint.name if hint else None, pick.frame, pick.context, pick.detail)
     fatal = [(n, e) for n, e in collector.fatal if stopped is None or n < stopped]
     if fatal:
