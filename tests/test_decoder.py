@@ -1,4 +1,5 @@
-"""Reference speculative decoder: lossless greedy, distribution-preserving sampling, engine aux-id reading."""
+"""Reference speculative decoder: lossless greedy (chain, tree, batch > 1), distribution-preserving sampling,
+tree construction, engine aux-id reading."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import torch
 
 from conftest import CORPUS
 from draftsmith.chat import prompt_ids
-from draftsmith.decoder import (DecodeSettings, accept_sampling, engine_aux_ids, speculative_decode, target_decode)
+import draftsmith.decoder as decoder
+from draftsmith.decoder import (DecodeSettings, choose, decode_batch, engine_aux_ids, speculative_decode,
+                                target_decode)
+from draftsmith.tree import Candidates, DraftTree, accept_path, ancestry_of, chain_tree, select_tree
 from draftsmith.drafter import DrafterConfig, Eagle3Drafter
 from draftsmith.target import load_target
 from draftsmith.vocab import build_draft_vocab
@@ -32,58 +36,260 @@ def target_and_drafter(tiny_target):
     return model, tok, drafter
 
 
-def test_greedy_output_is_token_identical_to_target_greedy_on_50_prompts(target_and_drafter):
+AUX = (2, 4, 5)
+CHAIN = DecodeSettings(k=4, max_new_tokens=24)
+TREE = DecodeSettings(k=4, topk=3, draft_tokens=10, max_new_tokens=24)
+
+
+def prompts_for(tok, n: int) -> list[list[int]]:
+    """n chat prompts of varied lengths."""
+    return [prompt_ids(tok, [{"role": "user", "content": f"{CORPUS[i % len(CORPUS)]} {'x ' * (i % 5)}{i}"}])
+            for i in range(n)]
+
+
+def with_eos(settings: DecodeSettings, tok) -> DecodeSettings:
+    from dataclasses import replace
+
+    return replace(settings, eos_token_id=tok.eos_token_id)
+
+
+@pytest.fixture(scope="module")
+def reference(target_and_drafter):
+    """The target's own greedy continuations of 50 prompts (transformers' own masks, one token at a time)."""
+    model, tok, _ = target_and_drafter
+    prompts = prompts_for(tok, 50)
+    settings = with_eos(CHAIN, tok)
+    return prompts, [target_decode(model, p, settings).tokens for p in prompts]
+
+
+@pytest.mark.parametrize("settings", [CHAIN, TREE], ids=["chain", "tree"])
+def test_greedy_output_is_token_identical_to_target_greedy_on_50_prompts(target_and_drafter, reference, settings):
     model, tok, drafter = target_and_drafter
-    settings = DecodeSettings(k=4, max_new_tokens=24, eos_token_id=tok.eos_token_id)
+    prompts, base = reference
     steps = 0
-    for i in range(50):
-        text = f"{CORPUS[i % len(CORPUS)]} {i}"
-        ids = prompt_ids(tok, [{"role": "user", "content": text}])
-        spec = speculative_decode(model, drafter, ids, (2, 4, 5), settings)
-        base = target_decode(model, ids, settings)
-        assert spec.tokens == base.tokens, (i, spec.tokens, base.tokens)
+    for i, (ids, want) in enumerate(zip(prompts, base)):
+        spec = speculative_decode(model, drafter, ids, AUX, with_eos(settings, tok))
+        assert spec.tokens == want, (i, spec.tokens, want)
         steps += len(spec.accepted)
     assert steps > 50
 
 
-def test_drafter_that_copies_the_target_is_fully_accepted(target_and_drafter):
+def oracle_draft(reference_tokens: dict[int, list[int]], rng):
+    """Wrap `decoder.draft`: put the target's true continuation on a root path of every tree (so deep paths
+    are accepted, also through later siblings), and break one node of it for about half the rows."""
+    real = decoder.draft
+
+    def draft(drafter, state, settings):
+        tree = real(drafter, state, settings)
+        tokens = tree.tokens.clone()
+        for r, seq in enumerate(state.rows):
+            truth = reference_tokens[seq][len(state.tokens[seq]) - state.prompt_lens[seq]:]
+            node = rng.randrange(1, tokens.shape[1])
+            path = [j for j in range(tokens.shape[1]) if tree.ancestry[r, node, j]][1:]
+            for j in path:
+                d = int(tree.depth[r, j])
+                tokens[r, j] = truth[d - 1] if d - 1 < len(truth) else 0
+            if path and rng.random() < 0.5:
+                tokens[r, rng.choice(path)] += 1
+        return DraftTree(tokens=tokens, parent=tree.parent, depth=tree.depth, ancestry=tree.ancestry)
+
+    return draft
+
+
+@pytest.mark.parametrize("settings,batch", [(CHAIN, 1), (TREE, 1), (CHAIN, 8), (TREE, 8)],
+                         ids=["chain-b1", "tree-b1", "chain-b8", "tree-b8"])
+def test_deep_acceptance_keeps_output_identical_per_sequence(target_and_drafter, reference, monkeypatch,
+                                                             settings, batch):
+    """Trees that hold the true continuation (often not on the first sibling) are accepted deep; the caches
+    must keep exactly the accepted path, per row, while rows of different lengths share a batch."""
+    import random
+
+    model, tok, drafter = target_and_drafter
+    prompts, base = reference
+    prompts, base = prompts[:24], base[:24]
+    accepted = []
+    for start in range(0, len(prompts), batch):
+        group = list(range(start, min(start + batch, len(prompts))))
+        monkeypatch.setattr(decoder, "draft", oracle_draft({j: base[g] for j, g in enumerate(group)},
+                                                           random.Random(start)))
+        res = decode_batch(model, drafter, [prompts[g] for g in group], AUX, with_eos(settings, tok))
+        for j, g in enumerate(group):
+            assert res.tokens[j] == base[g], (g, res.tokens[j], base[g])
+            accepted += res.accepted[j]
+    assert sum(accepted) / len(accepted) > 1.0, "the oracle trees were barely accepted: the test tests nothing"
+    # a chain is k deep; a random drafter's 10-node tree is mostly 2 deep (wide near the root)
+    assert max(accepted) >= 2
+    if settings.topk == 1:
+        assert max(accepted) == settings.k
+
+
+@pytest.mark.parametrize("settings", [CHAIN, TREE], ids=["chain", "tree"])
+def test_batched_greedy_with_a_real_drafter_matches_target_greedy(target_and_drafter, reference, settings):
+    model, tok, drafter = target_and_drafter
+    prompts, base = reference
+    res = decode_batch(model, drafter, prompts[:16], AUX, with_eos(settings, tok))
+    assert res.tokens == base[:16]
+
+
+def test_plain_batched_decoding_matches_target_greedy(target_and_drafter, reference):
+    """k = 0 (the batched speed-up baseline) is plain greedy decoding through the same masks."""
+    model, tok, _ = target_and_drafter
+    prompts, base = reference
+    res = decode_batch(model, None, prompts[:12], AUX, with_eos(DecodeSettings(k=0, max_new_tokens=24), tok))
+    assert res.tokens == base[:12]
+
+
+def test_drafter_tree_mask_gives_each_node_its_own_path_context(target_and_drafter):
+    """Every drafted candidate's cumulative score equals the sum of log-probs the drafter gives along its
+    path when the path is fed alone, as a chain: the tree mask hides siblings and cousins."""
+    model, tok, drafter = target_and_drafter
+    ids = prompt_ids(tok, [{"role": "user", "content": "the quick brown fox"}])
+    settings = DecodeSettings(k=3, topk=3, draft_tokens=12, max_new_tokens=8)
+    captured = {}
+    real_select = decoder.select_tree
+
+    def spy(root, cand, nodes, max_depth):
+        captured["cand"] = cand
+        return real_select(root, cand, nodes, max_depth)
+
+    import copy
+
+    state = decoder.prefill(model, [ids], AUX, settings)
+    fresh = copy.deepcopy(state)
+    decoder.select_tree = spy
+    try:
+        decoder.draft(drafter, state, settings)
+    finally:
+        decoder.select_tree = real_select
+    cand = captured["cand"]
+    with torch.inference_mode():
+        logp, h = decoder.catch_up(drafter, fresh)
+        committed = fresh.drafter_cache.length
+        for c in range(cand.tokens.shape[1]):
+            path = [c]
+            while int(cand.parent[0, path[0]]) >= 0:
+                path.insert(0, int(cand.parent[0, path[0]]))
+            to_draft = lambda t: int(torch.nonzero(drafter.d2t + torch.arange(len(drafter.d2t)) == t)[0])
+            total, lp, hh = 0.0, logp[0], h[0]
+            for depth, node in enumerate(path):
+                t = int(cand.tokens[0, node])
+                total += float(lp[to_draft(t)])
+                if depth + 1 < len(path):
+                    n = fresh.drafter_cache.length
+                    allowed = torch.cat([fresh.drafter_valid, torch.ones(1, n - committed + 1, dtype=torch.bool)], 1)
+                    h_out = decoder.drafter_forward(drafter, torch.tensor([[t]]), hh[None, None],
+                                                    fresh.root_pos[:, None] + depth, fresh.drafter_cache, allowed[:, None])
+                    hh = h_out[0, 0]
+                    lp = decoder.draft_head(drafter, hh)
+            fresh.drafter_cache.crop(committed)
+            assert abs(total - float(cand.score[0, c])) < 1e-4, (c, total, float(cand.score[0, c]))
+
+
+def test_chain_accepts_an_oracle_draft_whole_and_stops_at_the_first_miss(target_and_drafter):
     """An oracle draft (the target's own continuation) must be accepted whole: the accept rule is right."""
     model, tok, _ = target_and_drafter
     ids = prompt_ids(tok, [{"role": "user", "content": "print hello world"}])
     base = target_decode(model, ids, DecodeSettings(max_new_tokens=6))
-    logits = model(torch.tensor([ids + base.tokens])).logits[0, len(ids) - 1:]
-    from draftsmith.decoder import accept_greedy
+    root = torch.tensor([base.tokens[0]])
+    good = chain_tree(root, torch.tensor([base.tokens[1:5]]))
+    # node i's logits: the target's prediction after the root and d_1..d_i = model(torch.tensor([ids + base.tokens])).logits[:, len(ids):len(ids) + 5]
+    path = accept_path(good, logits.argmax(-1))
+    assert (int(path.accepted[0]), int(path.bonus[0])) == (4, base.tokens[5])
+    wrong = base.tokens[1:3] + [(base.tokens[3] + 1) % 300] + base.tokens[4:5]
+    path = accept_path(chain_tree(root, torch.tensor([wrong])), logits.argmax(-1))
+    assert (int(path.accepted[0]), int(path.bonus[0])) == (2, base.tokens[3])
+    assert path.on_path[0].tolist() == [True, True, True, False, False]
 
-    accepted, bonus = accept_greedy(base.tokens[:4], logits[:5])
-    assert (accepted, bonus) == (4, base.tokens[4])
-    wrong = base.tokens[:2] + [(base.tokens[2] + 1) % 300] + base.tokens[3:4]
-    assert accept_greedy(wrong, logits[:5]) == (2, base.tokens[2])
+
+def small_tree() -> DraftTree:
+    """root(0) -> a(1)=5, b(2)=7; a -> c(3)=9; b -> d(4)=9, e(5)=4."""
+    parent = torch.tensor([[0, 0, 0, 1, 2, 2]])
+    return DraftTree(tokens=torch.tensor([[1, 5, 7, 9, 9, 4]]), parent=parent,
+                     depth=torch.tensor([[0, 1, 1, 2, 2, 2]]), ancestry=ancestry_of(parent, 2))
 
 
-def test_rejection_sampling_preserves_the_target_distribution():
-    """Draft from q, accept/resample against p: the first emitted token must follow p exactly.
+def test_tree_accepts_the_path_through_a_later_sibling():
+    tree = small_tree()
+    assert tree.ancestry[0, 5].tolist() == [True, False, True, False, False, True]
+    # the target wants 7 after the root, 4 after b, 3 after e
+    choice = torch.tensor([[7, 0, 4, 0, 0, 3]])
+    path = accept_path(tree, choice)
+    assert (int(path.accepted[0]), int(path.bonus[0])) == (2, 3)
+    assert path.on_path[0].tolist() == [True, False, True, False, False, True]
+    path = accept_path(tree, torch.tensor([[8, 0, 4, 0, 0, 3]]))  # nothing matches: the bonus is the root's choice
+    assert (int(path.accepted[0]), int(path.bonus[0])) == (0, 8)
 
-    With 40,000 trials over 6 tokens, each empirical frequency has standard error at most
-    sqrt(0.25/40000) = 0.0025; a 0.012 tolerance (4.8 sigma) fails by chance with probability < 1e-5.
+
+def test_select_tree_keeps_every_chosen_nodes_ancestors_even_on_ties():
+    g = torch.Generator().manual_seed(0)
+    B, topk, depth = 64, 3, 4
+    parents, scores, tokens, depths = [], [], [], []
+    frontier_score = torch.zeros(B, 1)
+    frontier_ids = torch.full((B, 1), -1)
+    offset = 0
+    for d in range(1, depth + 1):
+        width = frontier_ids.shape[1]
+        step = -torch.randint(0, 3, (B, width, topk), generator=g).float()  # many exact ties, zeros included
+        s = (frontier_score[:, :, None] + step).flatten(1)
+        parents.append(frontier_ids.repeat_interleave(topk, 1))
+        scores.append(s)
+        tokens.append(torch.randint(0, 100, s.shape, generator=g))
+        depths.append(torch.full((s.shape[1],), d))
+        frontier_score, sel = s.topk(topk, dim=-1)
+        frontier_ids = offset + sel
+        offset += s.shape[1]
+    cand = Candidates(tokens=torch.cat(tokens, 1), parent=torch.cat(parents, 1), score=torch.cat(scores, 1),
+                      depth=torch.cat(depths))
+    tree = select_tree(torch.zeros(B, dtype=torch.long), cand, 12, depth)
+    for b in range(B):
+        for i in range(1, 12):
+            p = int(tree.parent[b, i])
+            assert p < i and int(tree.depth[b, i]) == int(tree.depth[b, p]) + 1, (b, i)
+    assert (tree.ancestry.sum(-1) == tree.depth + 1).all()
+
+
+def test_tree_sampling_emits_exact_target_samples():
+    """Sample the target at every node, follow the matching child: the first emitted token must follow p(root)
+    and the second, after child a (token 5), p(a), although a, b, c, d, e are fixed drafts.
+
+    40,000 rows: each frequency has standard error <= sqrt(0.25/40000) = 0.0025 (first token) and
+    <= 0.0025/sqrt(P(first = 5)) ~ 0.0045 (second); tolerance 0.02 is > 4.4 sigma: by chance < 1e-4.
     """
     g = torch.Generator().manual_seed(0)
-    p_logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 0.3], [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]])
-    q = torch.softmax(torch.tensor([0.0, 2.0, 0.0, 1.0, 0.5, -1.0]), -1)
-    p = torch.softmax(p_logits[0], -1)
-    trials, counts = 40000, torch.zeros(6)
-    for _ in range(trials):
-        d = int(torch.multinomial(q, 1, generator=g))
-        accepted, bonus = accept_sampling([d], [q], p_logits, 1.0, g)
-        counts[d if accepted == 1 else bonus] += 1
-    empirical = counts / trials
-    assert torch.allclose(empirical, p, atol=0.012), (empirical, p)
+    V, rows = 10, 40000
+    logits = torch.randn(6, V, generator=g)
+    logits[0, 5] += 1.0  # make the root's first child likely enough to measure what follows it
+    tree = small_tree()
+    tree = DraftTree(tokens=tree.tokens.expand(rows, 6), parent=tree.parent.expand(rows, 6),
+                     depth=tree.depth.expand(rows, 6), ancestry=tree.ancestry.expand(rows, 6, 6))
+    path = accept_path(tree, choose(logits.expand(rows, 6, V), 1.0, g))
+    first = torch.where(path.accepted >= 1, torch.where(path.on_path[:, 1], 5, 7), path.bonus)
+    p = torch.softmax(logits, -1)
+    assert torch.allclose(torch.bincount(first, minlength=V).float() / rows, p[0], atol=0.02)
+    after_a = path.on_path[:, 1]
+    second = torch.where(path.accepted[after_a] >= 2, 9, path.bonus[after_a])
+    assert torch.allclose(torch.bincount(second, minlength=V).float() / int(after_a.sum()), p[1], atol=0.02)
 
 
-def test_speculative_sampling_runs_and_reports_acceptance(target_and_drafter):
+@pytest.mark.parametrize("settings", [DecodeSettings(k=3, temperature=0.8, max_new_tokens=20),
+                                      DecodeSettings(k=3, topk=2, draft_tokens=6, temperature=0.8, max_new_tokens=20)],
+                         ids=["chain", "tree"])
+def test_speculative_sampling_runs_and_reports_acceptance(target_and_drafter, settings):
     model, tok, drafter = target_and_drafter
     ids = prompt_ids(tok, [{"role": "user", "content": "the quick brown fox"}])
-    res = speculative_decode(model, drafter, ids, (2, 4, 5), DecodeSettings(k=3, temperature=0.8, max_new_tokens=20), seed=1)
+    res = speculative_decode(model, drafter, ids, AUX, settings, seed=1)
+    again = speculative_decode(model, drafter, ids, AUX, settings, seed=1)
     assert len(res.tokens) == 20 and all(0 <= a <= 3 for a in res.accepted)
+    assert res.tokens == again.tokens, "seeded sampling is reproducible"
+
+
+def test_settings_follow_sglang_tree_rules():
+    assert DecodeSettings(k=5, topk=4, draft_tokens=8).nodes == 8
+    assert DecodeSettings(k=4).nodes == 5
+    with pytest.raises(Exception, match="chain"):
+        DecodeSettings(k=4, topk=1, draft_tokens=8)
+    with pytest.raises(Exception, match="tree can hold"):
+        DecodeSettings(k=2, topk=2, draft_tokens=8)  # at most 1 + 2 + 4 = 7 candidates
 
 
 def test_engines_read_aux_ids_differently():

@@ -1,20 +1,29 @@
-"""Reference speculative decoder: a Hugging Face target plus a draftsmith EAGLE-3 drafter.
+"""Reference speculative decoder: a Hugging Face target plus a draftsmith EAGLE-3 drafter, batched.
 
 Small functions per phase, in the order one iteration runs them (gpt-fast style):
 
-    prefill   target over the prompt -> first token and the aux features of every prompt position
-    draft     drafter: catch up on newly committed positions (true target features), then k chain steps
-    verify    target over [last token, d_1..d_k] with its KV cache -> logits and aux features
-    commit    accept a prefix, add the bonus token, roll both KV caches back to what was accepted
+    prefill   target over the (left-padded) prompts -> first token and the aux features of every prompt position
+    draft     drafter: catch up on newly committed positions (true target features), then draft a tree
+              (a chain when topk = 1: vLLM's EAGLE-3 default; topk > 1: EAGLE-2 dynamic tree, as SGLang)
+    verify    target over the tree's N nodes with its KV cache and a tree attention mask -> logits, aux
+    accept    the deepest node whose path matches the target's choices (`tree.accept_path`)
+    commit    keep the accepted path in both KV caches, queue its features for the drafter, emit tokens
 
-Decode state is explicit (`DecodeState`). Invariant between iterations: the target has processed
-every committed token but the last (`next_token`); the drafter's cache holds entries for positions
-< `drafter_len`, each made from the target's true features; `pending_aux` holds the target features of
-positions drafter_len .. committed-1, which the next draft's first step consumes (as vLLM does).
+Batching. Every row of a batch shares one physical KV layout; `DecodeState.target_valid` (B, S) marks
+which cache slots a row may attend to (padding and draft nodes a row rejected are holes, masked out).
+Positions are explicit per row, so a slot's place in the cache never matters, only its mask bit.
+After each verification the accepted nodes of a row are moved to the front of the verified block and
+the block is cut to the longest accepted path in the batch: at batch 1 the caches hold exactly the
+committed tokens. Finished rows leave the batch. One host sync per iteration (the accepted counts and
+emitted tokens); drafting and acceptance stay on the device.
 
-Acceptance (Leviathan et al. 2023): greedy accepts d_j while it equals the target's argmax; sampling
-accepts d_j with probability min(1, p(d_j) / q(d_j)) and on rejection draws from norm(max(0, p - q)),
-which leaves the target's distribution unchanged.
+Invariant between iterations: the target has processed every committed token but each row's last
+(`root`, at position `root_pos`); the drafter's cache holds entries made from true target features;
+`pending` holds the target features of the positions the drafter has not seen yet.
+
+Greedy output is token-identical to the target's greedy decoding. Sampling (temperature > 0) uses
+deterministic drafts (argmax / top-k, as vLLM's and SGLang's EAGLE proposers) and samples the target
+at every node: the emitted tokens follow the target's distribution exactly (`tree.accept_path`).
 
 Aux ids are read the way a chosen engine reads them (`engine_aux_ids`), so a drafter whose ids the
 engine misreads shows the collapsed acceptance it will have in production.
@@ -28,53 +37,40 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from draftsmith.drafter import Eagle3Drafter, apply_rope, rope_cos_sin
+from draftsmith.drafter import Eagle3Drafter, rope_cos_sin
+from draftsmith.errors import DraftsmithError
 from draftsmith.target import default_aux_ids
-
-
-@dataclass
-class DrafterCache:
-    """The drafter's single-layer KV cache. keys/values (1, nkv, L, hd); `length` valid entries."""
-
-    keys: torch.Tensor | None = None
-    values: torch.Tensor | None = None
-    length: int = 0
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.keys is None:
-            self.keys, self.values = k, v
-        else:
-            self.keys = torch.cat([self.keys[:, :, :self.length], k], dim=2)
-            self.values = torch.cat([self.values[:, :, :self.length], v], dim=2)
-        self.length = self.keys.shape[2]
-        return self.keys, self.values
-
-    def crop(self, length: int) -> None:
-        self.length = min(self.length, length)
-
-
-@dataclass
-class DecodeState:
-    """Everything one sequence's decoding carries between iterations."""
-
-    tokens: list[int]
-    """Committed tokens (prompt included); the last one is `next_token`, not yet seen by the target."""
-    prompt_len: int
-    target_cache: object
-    drafter_cache: DrafterCache
-    drafter_len: int
-    pending_aux: torch.Tensor
-    """(1, n, 3Ht) target features of positions drafter_len .. len(tokens)-2."""
-    accepted: list[int] = field(default_factory=list)
-    """Accepted draft tokens per verification step."""
+from draftsmith.tree import Candidates, DraftTree, accept_path, chain_tree, select_tree
 
 
 @dataclass(frozen=True)
 class DecodeSettings:
     k: int = 4
+    """Draft depth: the chain length, or the tree depth (SGLang --speculative-num-steps). 0 = no drafting."""
     temperature: float = 0.0
     max_new_tokens: int = 128
     eos_token_id: int | None = None
+    topk: int = 1
+    """Children per expanded node (SGLang --speculative-eagle-topk). 1 = chain."""
+    draft_tokens: int | None = None
+    """Tree nodes per verification, the root included (SGLang --speculative-num-draft-tokens). None = k + 1."""
+
+    def __post_init__(self):
+        if self.k < 0 or self.topk < 1:
+            raise DraftsmithError("bad draft settings", got=f"k={self.k}, topk={self.topk}",
+                                  expected="k >= 0, topk >= 1", fix="--k 4 --topk 1")
+        most = 1 + sum(self.topk ** min(d, 2) for d in range(1, self.k + 1))  # topk at depth 1, topk^2 after
+        if self.topk == 1 and self.nodes != self.k + 1:
+            raise DraftsmithError("a chain (topk 1) verifies k + 1 tokens", got=f"draft_tokens={self.draft_tokens}",
+                                  expected=f"{self.k + 1} (as SGLang forces)", fix="drop --draft-tokens or raise --topk")
+        if not 1 + min(self.k, 1) <= self.nodes <= most:
+            raise DraftsmithError("draft_tokens outside what the tree can hold", got=str(self.nodes),
+                                  expected=f"2..{most} for depth {self.k}, topk {self.topk}",
+                                  fix="--draft-tokens between depth + 1 and 1 + topk + (depth-1)*topk^2")
+
+    @property
+    def nodes(self) -> int:
+        return self.draft_tokens or self.k + 1
 
 
 def engine_aux_ids(drafter_config: dict, target_layers: int, engine: str) -> tuple[int, ...]:
@@ -98,151 +94,333 @@ def config_aux_ids(config: dict) -> list[int] | None:
         "eagle_aux_hidden_state_layer_ids")
 
 
-# --- phases ---------------------------------------------------------------------------------------------
+# --- state ----------------------------------------------------------------------------------------------
 
-def target_step(target, ids: torch.Tensor, cache, aux_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Target forward over new tokens (1, n) with its cache -> logits (1, n, V), aux (1, n, 3Ht)."""
-    out = target(input_ids=ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
+@dataclass
+class Timings:
+    """Seconds inside target and drafter forwards (synchronised on accelerators), for the overhead share."""
+
+    target: float = 0.0
+    drafter: float = 0.0
+
+
+@dataclass
+class DrafterCache:
+    """The drafter's single-layer KV cache. keys/values (B, nkv, L, hd)."""
+
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys is None:
+            self.keys, self.values = k, v
+        else:
+            self.keys, self.values = torch.cat([self.keys, k], dim=2), torch.cat([self.values, v], dim=2)
+        return self.keys, self.values
+
+    def crop(self, length: int) -> None:
+        if self.keys is not None:
+            self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
+
+    def select(self, rows: torch.Tensor) -> None:
+        if self.keys is not None:
+            self.keys, self.values = self.keys[rows], self.values[rows]
+
+
+@dataclass
+class Pending:
+    """Target features the drafter has not consumed yet, one block per row (holes where valid is False)."""
+
+    aux: torch.Tensor
+    """(B, n, 3Ht) target features of positions `pos`."""
+    ids: torch.Tensor
+    """(B, n) the token after each of those positions (what the drafter is fed with the feature)."""
+    pos: torch.Tensor
+    """(B, n) positions."""
+    valid: torch.Tensor
+    """(B, n) bool."""
+
+    def select(self, rows: torch.Tensor) -> Pending:
+        return Pending(self.aux[rows], self.ids[rows], self.pos[rows], self.valid[rows])
+
+
+@dataclass
+class DecodeState:
+    """Everything a batch carries between iterations. Row r of every tensor is sequence `rows[r]`."""
+
+    rows: list[int]
+    tokens: list[list[int]]
+    """Per sequence (all of them, finished too): committed tokens, prompt included."""
+    prompt_lens: list[int]
+    target_cache: object
+    target_valid: torch.Tensor
+    """(B, S) bool: cache slots each row attends to."""
+    root: torch.Tensor
+    """(B,) each row's last committed token, not yet seen by the target."""
+    root_pos: torch.Tensor
+    """(B,) its position."""
+    drafter_cache: DrafterCache
+    drafter_valid: torch.Tensor
+    """(B, L) bool."""
+    pending: Pending
+    accepted: list[list[int]]
+    """Per sequence: accepted draft tokens per verification step."""
+    timings: Timings = field(default_factory=Timings)
+
+    def select(self, keep: list[int]) -> None:
+        """Keep only these rows (positions into `rows`)."""
+        self.rows = [self.rows[r] for r in keep]
+        if not keep:
+            return
+        idx = torch.tensor(keep, dtype=torch.long, device=self.root.device)
+        self.target_cache.batch_select_indices(idx)
+        self.drafter_cache.select(idx)
+        self.target_valid, self.drafter_valid = self.target_valid[idx], self.drafter_valid[idx]
+        self.root, self.root_pos, self.pending = self.root[idx], self.root_pos[idx], self.pending.select(idx)
+
+
+class timed:
+    """Adds the wall time of a block to a Timings field, synchronising an accelerator first and last."""
+
+    def __init__(self, timings: Timings, name: str, device: torch.device):
+        self.timings, self.name, self.cuda = timings, name, device.type == "cuda"
+
+    def __enter__(self):
+        if self.cuda:
+            torch.cuda.synchronize()  # CPU-GPU sync point: timing only
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            torch.cuda.synchronize()  # CPU-GPU sync point: timing only
+        setattr(self.timings, self.name, getattr(self.timings, self.name) + time.perf_counter() - self.t0)
+
+
+# --- forwards -------------------------------------------------------------------------------------------
+
+def target_forward(target, ids: torch.Tensor, pos: torch.Tensor, cache, allowed: torch.Tensor,
+                   aux_ids: tuple[int, ...], last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target over new tokens with its cache and an explicit mask.
+
+    Args:
+        ids, pos: (B, n) tokens and their positions; allowed: (B, n, S+n) bool, key slots each query sees.
+    Returns:
+        logits (B, n, V) (or (B, 1, V) with last_only), aux (B, n, 3Ht).
+    """
+    if target.config._attn_implementation == "eager":  # eager adds the mask to the scores
+        mask = torch.zeros(allowed.shape, dtype=target.dtype, device=ids.device)
+        mask = mask.masked_fill(~allowed, torch.finfo(target.dtype).min)[:, None]
+    else:
+        mask = allowed[:, None]  # (B, 1, n, S+n); transformers passes a 4D mask to attention as is
+    out = target(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=cache, use_cache=True,
+                 output_hidden_states=True, logits_to_keep=1 if last_only else 0)
     aux = torch.cat([out.hidden_states[i] for i in aux_ids], dim=-1)
     return out.logits, aux
 
 
-def drafter_step(drafter: Eagle3Drafter, ids: torch.Tensor, h: torch.Tensor, start: int,
-                 cache: DrafterCache) -> tuple[torch.Tensor, torch.Tensor]:
-    """Drafter forward over n new positions start..start+n-1 with its cache.
+def drafter_forward(drafter: Eagle3Drafter, ids: torch.Tensor, h: torch.Tensor, pos: torch.Tensor,
+                    cache: DrafterCache, allowed: torch.Tensor) -> torch.Tensor:
+    """Drafter layer over n new positions per row, appending their keys/values to its cache.
 
     Args:
-        ids: (1, n) tokens fed; h: (1, n, H) hidden states fed (fc(aux) or the drafter's own output).
+        ids: (B, n) tokens fed; h: (B, n, H) hidden states fed (fc(aux) or the drafter's own output);
+        pos: (B, n) positions; allowed: (B, n, L+n) bool, cache slots (old and new) each query sees.
     Returns:
-        logits (1, n, Vd), h_out (1, n, H) pre-norm.
+        h_out (B, n, H), pre-norm (apply `draft_head` for logits).
     """
     cfg = drafter.config
-    x, residual = drafter.midlayer.attention_input(drafter.embed_tokens(ids), h)  # (1, n, 2H)
-    positions = torch.arange(start, start + ids.shape[1], device=ids.device)
-    cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
-    q, k, v = drafter.midlayer.self_attn.project(x, cos.to(x.dtype), sin.to(x.dtype))
-    keys, values = cache.append(k, v)  # (1, nkv, L, hd)
-    groups = cfg.num_heads // cfg.num_kv_heads
-    n, L = ids.shape[1], keys.shape[2]
-    mask = torch.ones(n, L, dtype=torch.bool, device=ids.device).tril(diagonal=L - n)  # causal, bottom-right
-    attn = F.scaled_dot_product_attention(q, keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1),
-                                          attn_mask=mask)  # (1, nh, n, hd)
-    attn = drafter.midlayer.self_attn.o_proj(attn.transpose(1, 2).reshape(1, n, -1))
-    h_out = drafter.midlayer.finish(attn, residual)
-    return drafter.lm_head(drafter.norm(h_out)), h_out
+    B, n = ids.shape
+    x, residual = drafter.midlayer.attention_input(drafter.embed_tokens(ids), h)  # (B, n, 2H)
+    cos, sin = rope_cos_sin(pos.reshape(-1), cfg.head_dim, cfg.rope_theta)  # (B*n, hd)
+    cos, sin = cos.view(B, 1, n, -1).to(x.dtype), sin.view(B, 1, n, -1).to(x.dtype)
+    q, k, v = drafter.midlayer.self_attn.project(x, cos, sin)  # (B, nh, n, hd), (B, nkv, n, hd) x2
+    keys, values = cache.append(k, v)  # (B, nkv, L+n, hd)
+    attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[:, None], enable_gqa=True)  # (B, nh, n, hd)
+    attn = drafter.midlayer.self_attn.o_proj(attn.transpose(1, 2).reshape(B, n, -1))
+    return drafter.midlayer.finish(attn, residual)
 
 
-def draft_logits_to_target(drafter: Eagle3Drafter, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Scatter draft-vocabulary logits (.., Vd) into the target vocabulary (.., V), -inf elsewhere (as vLLM)."""
-    full = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
-    full[..., torch.arange(logits.shape[-1], device=logits.device) + drafter.d2t] = logits
-    return full
+def draft_head(drafter: Eagle3Drafter, h: torch.Tensor) -> torch.Tensor:
+    """Draft-vocabulary log-probabilities (.., Vd) of pre-norm hidden states (.., H)."""
+    return torch.log_softmax(drafter.lm_head(drafter.norm(h)).float(), dim=-1)
 
 
-def pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
-    """Greedy argmax, or a sample at `temperature`; returns (token, probabilities or None)."""
+def choose(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
+    """The target's token per position (.., V) -> (..): argmax, or one sample at `temperature`."""
     if temperature <= 0:
-        return int(logits.argmax()), None
+        return logits.argmax(dim=-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator)), probs
+    flat = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator)
+    return flat.view(probs.shape[:-1])
 
+
+def block_mask(valid_old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """(B, n, S+n): every query sees the valid old slots, plus the new slots `new` (B, n, n) allows."""
+    B, n, _ = new.shape
+    return torch.cat([valid_old[:, None, :].expand(B, n, valid_old.shape[1]), new], dim=-1)
+
+
+# --- phases ---------------------------------------------------------------------------------------------
 
 @torch.inference_mode()
-def prefill(target, drafter: Eagle3Drafter, prompt: list[int], aux_ids: tuple[int, ...], settings: DecodeSettings,
+def prefill(target, prompts: list[list[int]], aux_ids: tuple[int, ...], settings: DecodeSettings,
             generator: torch.Generator | None = None) -> DecodeState:
-    """Run the target over the prompt and choose the first new token."""
+    """Run the target over the left-padded prompts and choose each row's first new token."""
     from transformers import DynamicCache
 
-    cache = DynamicCache()
-    ids = torch.tensor([prompt], device=next(target.parameters()).device)
-    logits, aux = target_step(target, ids, cache, aux_ids)
-    token, _ = pick(logits[0, -1], settings.temperature, generator)
-    return DecodeState(tokens=list(prompt) + [token], prompt_len=len(prompt), target_cache=cache,
-                       drafter_cache=DrafterCache(), drafter_len=0, pending_aux=aux)
+    device = next(target.parameters()).device
+    B, P = len(prompts), max(len(p) for p in prompts)
+    ids = torch.zeros(B, P, dtype=torch.long)
+    valid = torch.zeros(B, P, dtype=torch.bool)
+    for b, p in enumerate(prompts):
+        ids[b, P - len(p):] = torch.tensor(p)
+        valid[b, P - len(p):] = True
+    ids, valid = ids.to(device), valid.to(device)
+    pos = (valid.cumsum(-1) - 1).clamp(min=0)
+    eye = torch.eye(P, dtype=torch.bool, device=device)
+    allowed = torch.ones_like(eye).tril() & valid[:, None, :] | eye  # causal over real tokens; pads see themselves
+    timings, cache = Timings(), DynamicCache()
+    with timed(timings, "target", device):
+        logits, aux = target_forward(target, ids, pos, cache, allowed, aux_ids, last_only=True)
+    first = choose(logits[:, -1], settings.temperature, generator)  # (B,)
+    pending = Pending(aux=aux, ids=torch.cat([ids[:, 1:], first[:, None]], dim=1), pos=pos, valid=valid)
+    firsts = first.tolist()  # CPU-GPU sync point: once per prefill
+    return DecodeState(rows=list(range(B)), tokens=[list(p) + [t] for p, t in zip(prompts, firsts)],
+                       prompt_lens=[len(p) for p in prompts], target_cache=cache, target_valid=valid, root=first,
+                       root_pos=valid.sum(-1), drafter_cache=DrafterCache(),
+                       drafter_valid=torch.zeros(B, 0, dtype=torch.bool, device=device), pending=pending,
+                       accepted=[[] for _ in prompts], timings=timings)
+
+
+def catch_up(drafter: Eagle3Drafter, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor]:
+    """Feed the pending target features to the drafter; returns each row's last (log-probs (B, Vd), h (B, H))."""
+    p = state.pending
+    B, n = p.ids.shape
+    causal = torch.ones(n, n, dtype=torch.bool, device=p.ids.device).tril()
+    allowed = block_mask(state.drafter_valid, causal & p.valid[:, None, :] | torch.eye(n, dtype=torch.bool,
+                                                                                           device=p.ids.device))
+    with timed(state.timings, "drafter", p.ids.device):
+        h = drafter_forward(drafter, p.ids, drafter.fc(p.aux), p.pos, state.drafter_cache, allowed)  # (B, n, H)
+    state.drafter_valid = torch.cat([state.drafter_valid, p.valid], dim=1)
+    last = n - 1 - p.valid.flip(-1).int().argmax(-1)  # (B,) index of each row's last valid entry
+    h_last = h[torch.arange(B, device=h.device), last]  # (B, H)
+    with timed(state.timings, "drafter", p.ids.device):
+        logp = draft_head(drafter, h_last)
+    return logp, h_last
 
 
 @torch.inference_mode()
-def draft(drafter: Eagle3Drafter, state: DecodeState, k: int, vocab_size: int, temperature: float,
-          generator: torch.Generator | None) -> tuple[list[int], list[torch.Tensor | None]]:
-    """Catch the drafter up on committed positions, then propose k tokens (a chain).
+def draft(drafter: Eagle3Drafter | None, state: DecodeState, settings: DecodeSettings) -> DraftTree:
+    """Catch the drafter up on committed positions, then draft a tree of `settings.nodes` nodes.
 
-    Returns:
-        (draft tokens d_1..d_k, their drafter distributions q over the target vocabulary when sampling).
+    Drafts are the drafter's top-k tokens (argmax for a chain) at every temperature, as the engines draft.
     """
-    start = state.drafter_len
-    n = state.pending_aux.shape[1]
-    device = state.pending_aux.device
-    ids = torch.tensor([state.tokens[start + 1: start + 1 + n]], device=device)  # next tokens, (1, n)
-    logits, h = drafter_step(drafter, ids, drafter.fc(state.pending_aux), start, state.drafter_cache)
-    state.drafter_len = start + n  # these entries were made from true target features
-    tokens, dists = [], []
-    pos = start + n
-    for j in range(k):
-        full = draft_logits_to_target(drafter, logits[0, -1], vocab_size)
-        token, q = pick(full, temperature, generator)
-        tokens.append(token)
-        dists.append(q)
-        if j == k - 1:
-            break
-        logits, h = drafter_step(drafter, torch.tensor([[token]], device=device), h[:, -1:], pos, state.drafter_cache)
-        pos += 1
-    return tokens, dists
+    if settings.k == 0:
+        return chain_tree(state.root, state.root.new_zeros(len(state.rows), 0))
+    logp, h = catch_up(drafter, state)  # (B, Vd), (B, H)
+    B, topk, device = logp.shape[0], settings.topk, logp.device
+    committed = state.drafter_cache.length
+    score, top = logp.topk(topk, dim=-1)  # (B, topk) depth-1 candidates
+    tok = top + drafter.d2t[top]  # draft ids -> target ids
+    cands = [(tok, torch.full_like(top, -1), score, 1)]
+    frontier = torch.arange(topk, device=device).expand(B, topk)  # candidate ids of the frontier nodes
+    h = h[:, None].expand(B, topk, h.shape[-1])
+    seen = torch.eye(topk, dtype=torch.bool, device=device).expand(B, topk, topk)  # (B, topk, fed so far)
+    offset = topk
+    for depth in range(1, settings.k):
+        pos = (state.root_pos + depth - 1)[:, None].expand(B, topk)
+        with timed(state.timings, "drafter", device):
+            h_out = drafter_forward(drafter, tok, h, pos, state.drafter_cache, block_mask(state.drafter_valid, seen))
+            logp = draft_head(drafter, h_out)  # (B, topk, Vd)
+        child_score, child = logp.topk(topk, dim=-1)  # (B, topk, topk)
+        child_score = (score[:, :, None] + child_score).flatten(1)  # cumulative path log-prob, (B, topk^2)
+        child_tok = (child + drafter.d2t[child]).flatten(1)
+        cands.append((child_tok, frontier.repeat_interleave(topk, dim=1), child_score, depth + 1))
+        score, sel = child_score.topk(topk, dim=-1)  # EAGLE-2: expand only the best topk next
+        slot = sel // topk  # which frontier node each new frontier node descends from
+        tok, h = child_tok.gather(1, sel), h_out.gather(1, slot[:, :, None].expand(B, topk, h_out.shape[-1]))
+        frontier = offset + sel
+        offset += topk * topk
+        seen = torch.cat([seen.gather(1, slot[:, :, None].expand(B, topk, seen.shape[2])),
+                          torch.eye(topk, dtype=torch.bool, device=device).expand(B, topk, topk)], dim=-1)
+    state.drafter_cache.crop(committed)  # draft entries are provisional; accepted ones return as pending
+    if topk == 1:
+        return chain_tree(state.root, torch.cat([c[0] for c in cands], dim=1))
+    cand = Candidates(tokens=torch.cat([c[0] for c in cands], 1), parent=torch.cat([c[1] for c in cands], 1),
+                      score=torch.cat([c[2] for c in cands], 1),
+                      depth=torch.cat([torch.full((c[0].shape[1],), c[3], device=device) for c in cands]))
+    return select_tree(state.root, cand, settings.nodes, settings.k)
 
 
 @torch.inference_mode()
-def verify(target, state: DecodeState, drafts: list[int], aux_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Target over [next_token, d_1..d_k]: logits (k+1, V) and aux features (1, k+1, 3Ht)."""
-    device = state.pending_aux.device
-    ids = torch.tensor([[state.tokens[-1]] + drafts], device=device)
-    logits, aux = target_step(target, ids, state.target_cache, aux_ids)
-    return logits[0], aux
+def verify(target, state: DecodeState, tree: DraftTree, aux_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target over the tree's nodes, each seeing the context and its own root path: logits (B, N, V), aux (B, N, 3Ht)."""
+    pos = state.root_pos[:, None] + tree.depth
+    allowed = block_mask(state.target_valid, tree.ancestry)
+    with timed(state.timings, "target", pos.device):
+        return target_forward(target, tree.tokens, pos, state.target_cache, allowed, aux_ids)
 
 
-def accept_greedy(drafts: list[int], logits: torch.Tensor) -> tuple[int, int]:
-    """Accept d_j while it is the target's argmax; returns (accepted count a, bonus token)."""
-    best = logits.argmax(-1).tolist()  # CPU-GPU sync point: once per verification
-    a = 0
-    while a < len(drafts) and drafts[a] == best[a]:
-        a += 1
-    return a, best[a]
+@torch.inference_mode()
+def commit(state: DecodeState, tree: DraftTree, aux: torch.Tensor, settings: DecodeSettings,
+           path) -> list[list[int]]:
+    """Keep each row's accepted path in both caches, queue its features, return the tokens each row emits.
+
+    Accepted nodes move to the front of the verified block (stable: root path order); the block is cut to
+    the longest path in the batch; shorter rows keep masked holes.
+    """
+    B, N = tree.tokens.shape
+    count = path.accepted + 1  # (B,) committed tokens per row this step: accepted drafts + bonus
+    order = torch.sort((~path.on_path).int(), dim=1, stable=True).indices  # (B, N) accepted nodes first
+    path_tok = tree.tokens.gather(1, order)  # root, d_1 .. d_a, then rejected
+    nxt = torch.cat([path_tok[:, 1:], path_tok[:, :1]], dim=1)
+    nxt.scatter_(1, (count - 1)[:, None], path.bonus[:, None])  # (B, N): the emitted tokens first
+    host = torch.cat([count[:, None], nxt], dim=1).tolist()  # CPU-GPU sync point: once per iteration
+    keep = max(row[0] for row in host)
+    cache = state.target_cache
+    if settings.topk > 1:  # a chain's accepted nodes are already a prefix of the block
+        for layer in cache.layers:
+            for name in ("keys", "values"):
+                t = getattr(layer, name)  # (B, nkv, S+N, hd)
+                idx = order[:, None, :, None].expand(B, t.shape[1], N, t.shape[3])
+                t[:, :, -N:] = t[:, :, -N:].gather(2, idx)
+    cache.crop(-(N - keep))
+    valid = path.on_path.gather(1, order)[:, :keep]  # (B, keep)
+    state.target_valid = torch.cat([state.target_valid, valid], dim=1)
+    state.pending = Pending(aux=aux.gather(1, order[:, :keep, None].expand(B, keep, aux.shape[-1])),
+                            ids=nxt[:, :keep], pos=state.root_pos[:, None] + torch.arange(keep, device=nxt.device),
+                            valid=valid)
+    state.root, state.root_pos = path.bonus, state.root_pos + count
+    return [row[1:1 + row[0]] for row in host]
 
 
-def accept_sampling(drafts: list[int], dists: list[torch.Tensor], logits: torch.Tensor, temperature: float,
-                    generator: torch.Generator | None) -> tuple[int, int]:
-    """Speculative rejection sampling: q >= p: accept with prob p/q; p > q: accept (ratio >= 1)."""
-    p_all = torch.softmax(logits.float() / temperature, dim=-1)  # (k+1, V)
-    for j, (d, q) in enumerate(zip(drafts, dists)):
-        p, qd = p_all[j], q
-        ratio = float(p[d] / qd[d]) if float(qd[d]) > 0 else 0.0
-        if float(torch.rand((), generator=generator)) < min(1.0, ratio):
-            continue
-        residual = torch.clamp(p - qd, min=0)
-        total = float(residual.sum())
-        residual = residual / total if total > 0 else p
-        return j, int(torch.multinomial(residual, 1, generator=generator))
-    return len(drafts), int(torch.multinomial(p_all[len(drafts)], 1, generator=generator))
+def record(state: DecodeState, emitted: list[list[int]], settings: DecodeSettings) -> None:
+    """Append each row's emitted tokens (accepted drafts + bonus), then drop finished rows."""
+    for seq, new in zip(state.rows, emitted):
+        state.tokens[seq] += new
+        state.accepted[seq].append(len(new) - 1)
+    drop_finished(state, settings)
 
 
-def commit(state: DecodeState, drafts: list[int], accepted: int, bonus: int, aux: torch.Tensor) -> None:
-    """Keep [next_token, d_1..d_a], roll the caches back, queue the accepted positions' features."""
-    state.tokens += drafts[:accepted] + [bonus]
-    processed = len(state.tokens) - 1  # the target has now seen every token but the bonus
-    excess = state.target_cache.get_seq_length() - processed
-    if excess > 0:
-        state.target_cache.crop(-excess)  # negative = drop that many (the only form every transformers accepts)
-    state.drafter_cache.crop(state.drafter_len)
-    state.pending_aux = aux[:, :accepted + 1]
-    state.accepted.append(accepted)
+def drop_finished(state: DecodeState, settings: DecodeSettings) -> None:
+    """Rows that reached max_new_tokens or EOS leave the batch."""
+    keep = [r for r, seq in enumerate(state.rows)
+            if not finished(state.tokens[seq][state.prompt_lens[seq]:], settings)]
+    if len(keep) < len(state.rows):
+        state.select(keep)
 
 
-def finished(state: DecodeState, settings: DecodeSettings) -> bool:
-    new = state.tokens[state.prompt_len:]
+def finished(new: list[int], settings: DecodeSettings) -> bool:
     return len(new) >= settings.max_new_tokens or (settings.eos_token_id is not None and settings.eos_token_id in new)
 
 
-def trim(state: DecodeState, settings: DecodeSettings) -> list[int]:
+def trim(new: list[int], settings: DecodeSettings) -> list[int]:
     """The generated tokens, cut at max_new_tokens and after the first EOS."""
-    new = state.tokens[state.prompt_len:][:settings.max_new_tokens]
+    new = new[:settings.max_new_tokens]
     if settings.eos_token_id is not None and settings.eos_token_id in new:
         new = new[:new.index(settings.eos_token_id) + 1]
     return new
@@ -258,43 +436,57 @@ class DecodeResult:
     drafter_seconds: float
 
 
+@dataclass(frozen=True)
+class BatchDecodeResult:
+    tokens: list[list[int]]
+    """Per prompt, the generated tokens."""
+    accepted: list[list[int]]
+    """Per prompt, accepted draft tokens per verification step."""
+    seconds: float
+    target_seconds: float
+    drafter_seconds: float
+
+
+def decode_batch(target, drafter: Eagle3Drafter | None, prompts: list[list[int]], aux_ids: tuple[int, ...],
+                 settings: DecodeSettings, seed: int = 0) -> BatchDecodeResult:
+    """Decode prompts together with speculation (or plain, with settings.k = 0 and no drafter)."""
+    device = next(target.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed) if settings.temperature > 0 else None
+    t0 = time.perf_counter()
+    state = prefill(target, prompts, aux_ids, settings, generator)
+    drop_finished(state, settings)  # the first token may already finish a row
+    while state.rows:
+        tree = draft(drafter, state, settings)
+        logits, aux = verify(target, state, tree, aux_ids)
+        path = accept_path(tree, choose(logits, settings.temperature, generator))
+        record(state, commit(state, tree, aux, settings, path), settings)
+    seconds = time.perf_counter() - t0
+    return BatchDecodeResult(tokens=[trim(t[n:], settings) for t, n in zip(state.tokens, state.prompt_lens)],
+                             accepted=state.accepted, seconds=seconds, target_seconds=state.timings.target,
+                             drafter_seconds=state.timings.drafter)
+
+
 def speculative_decode(target, drafter: Eagle3Drafter, prompt: list[int], aux_ids: tuple[int, ...],
                        settings: DecodeSettings, seed: int = 0) -> DecodeResult:
-    """Decode one prompt with EAGLE-3 chain drafting; returns the tokens and per-step acceptance."""
-    generator = torch.Generator().manual_seed(seed) if settings.temperature > 0 else None
-    vocab = target.config.get_text_config().vocab_size
-    t0 = time.perf_counter()
-    state = prefill(target, drafter, prompt, aux_ids, settings, generator)
-    t_target, t_drafter = time.perf_counter() - t0, 0.0
-    while not finished(state, settings):
-        t1 = time.perf_counter()
-        drafts, dists = draft(drafter, state, settings.k, vocab, settings.temperature, generator)
-        t2 = time.perf_counter()
-        logits, aux = verify(target, state, drafts, aux_ids)
-        if settings.temperature > 0:
-            accepted, bonus = accept_sampling(drafts, dists, logits, settings.temperature, generator)
-        else:
-            accepted, bonus = accept_greedy(drafts, logits)
-        t3 = time.perf_counter()
-        commit(state, drafts, accepted, bonus, aux)
-        t_drafter += t2 - t1
-        t_target += t3 - t2
-    return DecodeResult(trim(state, settings), state.accepted, time.perf_counter() - t0, t_target, t_drafter)
+    """Decode one prompt with EAGLE-3 drafting (chain or tree); returns the tokens and per-step acceptance."""
+    res = decode_batch(target, drafter, [prompt], aux_ids, settings, seed)
+    return DecodeResult(res.tokens[0], res.accepted[0], res.seconds, res.target_seconds, res.drafter_seconds)
 
 
 @torch.inference_mode()
 def target_decode(target, prompt: list[int], settings: DecodeSettings, seed: int = 0) -> DecodeResult:
-    """Plain autoregressive decoding with the same cache and step functions: the speed-up baseline."""
+    """Plain autoregressive decoding through transformers' own masks: the identity reference and batch-1 baseline."""
     from transformers import DynamicCache
 
-    generator = torch.Generator().manual_seed(seed) if settings.temperature > 0 else None
     device = next(target.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed) if settings.temperature > 0 else None
     t0 = time.perf_counter()
     cache = DynamicCache()
-    logits = target(input_ids=torch.tensor([prompt], device=device), past_key_values=cache, use_cache=True).logits
+    logits = target(input_ids=torch.tensor([prompt], device=device), past_key_values=cache, use_cache=True,
+                    logits_to_keep=1).logits
     tokens = list(prompt)
     while True:
-        token, _ = pick(logits[0, -1], settings.temperature, generator)
+        token = int(choose(logits[0, -1], settings.temperature, generator))  # CPU-GPU sync point: per token
         tokens.append(token)
         new = tokens[len(prompt):]
         if len(new) >= settings.max_new_tokens or token == settings.eos_token_id:
