@@ -5,14 +5,15 @@ EAGLE-3 drafter written here (random weights: these runs test start-up and wirin
 For each, `check` predicts (errors / silent killers), then vLLM's OpenAI server is started for real
 and its outcome recorded: started or not, and the first error line of its log. One vLLM at a time.
 
-Run: `.venv/bin/python scripts/check_vs_vllm.py [--only NAME ...] [--keep-logs DIR]` (each start-up takes
-`flock /tmp/draftsmith-engine.lock`; about 1-2 minutes each on 2 cores)
+Run: `.venv/bin/python scripts/check_vs_vllm.py [--only NAME ...] [--keep-logs DIR]`, NOT under flock: each
+start-up holds /tmp/draftsmith-engine.lock (flock(2), as flock(1) does) by itself; 1-6 minutes each on 2 cores.
 Writes benchmarks/results/check_vs_vllm.json and prints a markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import re
@@ -81,17 +82,17 @@ def write_drafter(path: Path, config: dict, tensors: dict, header_only: bool = F
     if header_only:
         write_header_only(path / "model.safetensors", tensors)
         return path
-    from safetensors.numpy import save_file
+    import torch
+    from safetensors.torch import save_file
 
-    rng = np.random.default_rng(0)
+    gen = torch.Generator().manual_seed(0)
     arrays = {}
     for name, (dtype, shape) in tensors.items():
-        if dtype == "float32":
-            arrays[name] = (rng.standard_normal(shape) * 0.02).astype(np.float32)
-            if name.endswith("norm.weight"):
-                arrays[name] = np.ones(shape, np.float32)
+        if dtype in ("float32", "bfloat16"):
+            value = torch.ones(shape) if name.endswith("norm.weight") else torch.randn(shape, generator=gen) * 0.02
+            arrays[name] = value.to(getattr(torch, dtype))
         else:
-            arrays[name] = np.zeros(shape, dtype)
+            arrays[name] = torch.zeros(shape, dtype={"int64": torch.int64, "bool": torch.bool}[dtype])
     save_file(arrays, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
 
@@ -122,7 +123,7 @@ class Scenario:
     tensors: dict = field(default_factory=drafter_tensors)
     spec: dict = field(default_factory=lambda: {"method": "eagle3", "num_speculative_tokens": 3})
     drafter_dirname: str = "drafter-eagle3"
-    extra_args: tuple[str, ...] = ()
+    target: str = "smollm2"  # or "gpt2": a tiny random GPT-2, which vLLM has no EAGLE-3 support for
 
 
 SCENARIOS = [
@@ -150,7 +151,37 @@ SCENARIOS = [
     Scenario("missing-lm-head", "no lm_head.weight", tensors=drafter_tensors(lm_head=False)),
     Scenario("short-context", "drafter max_position_embeddings 512 < max_model_len 2048",
              config=drafter_config(max_position_embeddings=512)),
+    Scenario("target-hidden", "config says target_hidden_size 640 (target has 576)",
+             config=drafter_config(target_hidden_size=640)),
+    Scenario("d2t-size", "d2t has 4096 entries, draft_vocab_size says 8192",
+             tensors={**drafter_tensors(), "d2t": ("int64", (4096,))}),
+    Scenario("layers0-keys", "speculators / ModelOpt key layout: layers.0.* instead of midlayer.*",
+             tensors=drafter_tensors(layout="layers.0")),
+    Scenario("bf16-drafter", "drafter stored in bfloat16, served in float32",
+             config=drafter_config(torch_dtype="bfloat16"),
+             tensors={k: ("bfloat16" if d == "float32" else d, sh) for k, (d, sh) in drafter_tensors().items()}),
+    Scenario("no-eagle3-target", "GPT-2 target (no EAGLE-3 support in vLLM), ids [1, 3, 4] of its 6 layers",
+             config=drafter_config(eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 3, 4]},
+                                   draftsmith={"aux_layer_ids_boundary": [1, 3, 4], "aux_id_convention": "vllm",
+                                               "norm_before_residual": False}),
+             target="gpt2"),
 ]
+
+
+def make_target(kind: str, work: Path) -> Path:
+    """The target a scenario runs against: the embedded SmolLM2, or a tiny random GPT-2 with its tokenizer."""
+    from draftsmith.target import resolve_target
+
+    smol = resolve_target("smollm2")
+    if kind == "smollm2":
+        return smol
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_crash_logs", ROOT / "scripts" / "make_crash_logs.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod.write_gpt2_target(work / "gpt2-target", tokenizer_from=smol)
 
 
 def predict(target: Path, drafter: Path, spec: dict) -> dict:
@@ -171,11 +202,15 @@ START_TIMEOUT_S = 420.0
 METHOD_RE = re.compile(r"SpeculativeConfig\(method='(\w+)'")
 
 
-def start_vllm(target: Path, drafter: Path, spec: dict, log: Path) -> dict:
-    """Start vLLM's server once under `flock`, followed by `draftsmith launch`'s supervisor.
+def start_vllm(target: Path, drafter: Path, spec: dict, log: Path, timeout_s: float = START_TIMEOUT_S,
+               lock: bool = False) -> dict:
+    """Start vLLM's server once, followed by `draftsmith launch`'s supervisor.
 
     Outcome: `ready` (/health and /v1/models answered) or `crashed` (with the root cause `diagnose`
     finds: its line in the log and its text). The whole process tree is stopped afterwards.
+    `lock` holds ENGINE_LOCK while the server lives: the same flock(2) lock `flock /tmp/draftsmith-engine.lock`
+    takes, taken here so the wait for it is not counted as start-up time (the script does this; a caller
+    already under that lock, such as an engine-tier test run with `flock`, must not, or it waits on itself).
     """
     from draftsmith.engine import VLLM_CPU_ENV, VllmServe, engine_python, free_port
     from draftsmith.launch import spawn, stop_tree, supervise
@@ -184,14 +219,17 @@ def start_vllm(target: Path, drafter: Path, spec: dict, log: Path) -> dict:
     port = free_port()
     serve = VllmServe(target=target, drafter=None, port=port,
                       extra_args=("--speculative-config", json.dumps({**spec, "model": str(drafter)})))
-    cmd = ["flock", ENGINE_LOCK, *serve.command(engine_python("vllm"))]
+    cmd = serve.command(engine_python("vllm"))
     env = {**os.environ, **VLLM_CPU_ENV, "HF_HUB_OFFLINE": "1"}
-    t0 = time.perf_counter()
-    proc = spawn(cmd, log, env=env)
-    try:
-        res = supervise(log, f"http://127.0.0.1:{port}", proc, timeout_s=START_TIMEOUT_S, stall_s=START_TIMEOUT_S)
-    finally:
-        stop_tree(proc)
+    with open(ENGINE_LOCK, "a") as held:
+        if lock:
+            fcntl.flock(held, fcntl.LOCK_EX)  # released when the file closes, after the tree is stopped
+        t0 = time.perf_counter()
+        proc = spawn(cmd, log, env=env)
+        try:
+            res = supervise(log, f"http://127.0.0.1:{port}", proc, timeout_s=timeout_s, stall_s=timeout_s)
+        finally:
+            stop_tree(proc)
     text = log.read_text(errors="replace") if log.exists() else ""
     method = METHOD_RE.search(text)
     rc = analyze(read_log(log)).root_cause if res.status != "ready" else None
@@ -222,13 +260,10 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT / "src"))
-    from draftsmith.target import resolve_target
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", help="scenario names to run (merged into the existing result file)")
     ap.add_argument("--keep-logs", type=Path, help="copy each engine log into this folder")
     args = ap.parse_args(argv)
-    target = resolve_target("smollm2")
     old = json.loads(RESULT.read_text())["rows"] if args.only and RESULT.exists() else []
     rows = {r["scenario"]: r for r in old}
     work = Path(tempfile.mkdtemp(prefix="check-vs-vllm-"))
@@ -236,10 +271,11 @@ def main(argv: list[str] | None = None) -> int:
         for sc in SCENARIOS:
             if args.only and sc.name not in args.only:
                 continue
+            target = make_target(sc.target, work / sc.name)
             drafter = write_drafter(work / sc.name / sc.drafter_dirname, sc.config, sc.tensors)
-            row = {"scenario": sc.name, "what": sc.what, "speculative_config": sc.spec,
+            row = {"scenario": sc.name, "what": sc.what, "target": sc.target, "speculative_config": sc.spec,
                    **predict(target, drafter, sc.spec)}
-            row |= start_vllm(target, drafter, sc.spec, work / sc.name / "vllm.log")
+            row |= start_vllm(target, drafter, sc.spec, work / sc.name / "vllm.log", lock=True)
             row["agree"] = row["predicts_start"] == row["started"]
             if args.keep_logs:
                 args.keep_logs.mkdir(parents=True, exist_ok=True)
@@ -252,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     RESULT.parent.mkdir(parents=True, exist_ok=True)
     RESULT.write_text(json.dumps({
         "what": "check's prediction (rules for vLLM 0.33.0, which vllm-cpu 0.32.0 carries) vs a real vllm-cpu start-up",
-        "command": ".venv/bin/python scripts/check_vs_vllm.py", "target": "smollm2 (SmolLM2-135M)",
+        "command": ".venv/bin/python scripts/check_vs_vllm.py", "target": "smollm2 (SmolLM2-135M) unless a row says gpt2",
         "engine": "vllm-cpu 0.32.0, --dtype float32 --max-model-len 2048, VLLM_CPU_KVCACHE_SPACE=1",
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "agree": f"{sum(r['agree'] for r in ordered)}/{len(ordered)}", "rows": ordered}, indent=2) + "\n")

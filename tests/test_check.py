@@ -373,7 +373,6 @@ def test_real_startup_matches_the_prediction_for_a_config_time_failure(tmp_path)
     sc = next(s for s in builder.SCENARIOS if s.name == "no-k")
     drafter = builder.write_drafter(tmp_path / sc.drafter_dirname, sc.config, sc.tensors)
     predicted = builder.predict(target, drafter, sc.spec)
-    builder.wait_for_free_engine()
-    actual = builder.start_vllm(target, drafter, sc.spec, tmp_path / "vllm.log", timeout_s=240)
+    actual = builder.start_vllm(target, drafter, sc.spec, tmp_path / "vllm.log", timeout_s=600)
     assert predicted["predicts_start"] is False and actual["started"] is False
     assert "`num_speculative_tokens` was not provided" in (tmp_path / "vllm.log").read_text()

@@ -29,7 +29,7 @@ from draftsmith.safetensors_header import ModelTensors, read_model_tensors
 from draftsmith.target import MLA_MODEL_TYPES, default_aux_ids, describe_target, resolve_target
 
 Severity = Literal["error", "warning", "ok"]
-ENGINES = ("vllm", "sglang")
+ENGINES = ("vllm", "sglang", "llamacpp")
 RULES_DIR = Path(__file__).parent / "rules"
 OPS = {"eq", "ne", "in", "not_in", "lt", "gt", "contains_any", "contains_none", "is_true", "is_false", "present",
        "absent"}
@@ -291,6 +291,9 @@ def speculative_config(engine: str, raw: str | None, args: dict[str, str], draft
                                   fix="pass valid JSON in single quotes") from exc
         spec.setdefault("model", drafter)
         return spec, False
+    if engine == "llamacpp":  # llama-server flags (common/arg.cpp); the spec type defaults from the GGUF
+        given = {k: args[k] for k in ("spec_type", "spec_draft_n_max", "spec_draft_p_min") if k in args}
+        return given or {"spec_type": "draft-eagle3"}, not given
     keys = ("speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps",
             "speculative_eagle_topk", "speculative_num_draft_tokens")
     given = {k: args[k] for k in keys if k in args}
@@ -331,8 +334,19 @@ def version_table(entries: list[dict], version: str, key: str) -> set:
     return out
 
 
+# Hugging Face configs that name the common fields through `attribute_map` aliases (transformers
+# models/gpt2/configuration_gpt2.py: GPT2Config.attribute_map; the same names in GPT-J, Bloom-era configs).
+HF_ALIASES = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
+              "n_positions": "max_position_embeddings"}
+
+
+def with_standard_names(config: dict[str, Any]) -> dict[str, Any]:
+    """`config` with hidden_size & co. filled in from their GPT-2-style aliases where only those exist."""
+    return {**{std: config[alias] for alias, std in HF_ALIASES.items() if alias in config}, **config}
+
+
 def target_facts(path: Path, book: RuleBook, version: str) -> dict[str, Any]:
-    config = read_dir_config(path)
+    config = with_standard_names(read_dir_config(path))
     spec = describe_target(config)
     tensors = read_model_tensors(path)
     arch = spec.architectures[0] if spec.architectures else ""
@@ -412,6 +426,8 @@ def aux_facts(f: dict[str, Any], engine: str) -> dict[str, Any]:
         trained, basis = None, "unknown"
     # vLLM reads explicit ids as boundary indices; SGLang adds 1 (engines.md §3.2). Defaults agree.
     reads = (list(ids) if engine == "vllm" else [i + 1 for i in ids]) if ids else default
+    if engine == "llamacpp":  # what its GGUF holds or its converter will write (llamacpp.llamacpp_facts)
+        reads = f["llamacpp_aux_reads"]
     return {
         "aux_trained": trained, "aux_basis": basis, "aux_engine_reads": reads,
         "aux_mismatch": None if trained is None else reads != trained,
@@ -458,6 +474,9 @@ def spec_facts(engine: str, spec: dict, args: dict[str, str], f: dict[str, Any])
         })
         out["spec_draft_tp_bad"] = out["spec_draft_tp"] not in (None, 1, out["target_tp"])
         return out
+    if engine == "llamacpp":
+        p_min = spec.get("spec_draft_p_min")
+        return out | {"ll_spec_type": spec.get("spec_type"), "ll_p_min": float(p_min) if p_min else None}
     topk, steps = _int(spec.get("speculative_eagle_topk")), _int(spec.get("speculative_num_steps"))
     out.update({
         "sg_algorithm": str(spec.get("speculative_algorithm") or "").upper() or None,
@@ -478,6 +497,10 @@ def gather_facts(target: Path, drafter: Path, engine: str, version: str, book: R
     f: dict[str, Any] = {"engine": engine, "engine_version": version}
     f |= target_facts(target, book, version)
     f |= drafter_facts(drafter, f["target_hidden_size"], f["target_vocab_size"])
+    if engine == "llamacpp":
+        from draftsmith.llamacpp import llamacpp_facts
+
+        f |= llamacpp_facts(drafter, f["target_num_layers"])
     f |= spec_facts(engine, spec, args, f)
     f |= aux_facts(f, engine)
     f |= norm_facts(f, engine, book, version)
