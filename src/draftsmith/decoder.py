@@ -209,7 +209,7 @@ def target_forward(target, ids: torch.Tensor, pos: torch.Tensor, cache, allowed:
     Args:
         ids, pos: (B, n) tokens and their positions; allowed: (B, n, S+n) bool, key slots each query sees.
     Returns:
-        logits (B, n, V) (or (B, 1, V) with last_only), aux (B, n, 3Ht).
+        logits (B, n, V) (or (B, 1, V) with last_only), aux (B, n, 3Ht) ((B, n, 0) without aux_ids).
     """
     if target.config._attn_implementation == "eager":  # eager adds the mask to the scores
         mask = torch.zeros(allowed.shape, dtype=target.dtype, device=ids.device)
@@ -217,8 +217,8 @@ def target_forward(target, ids: torch.Tensor, pos: torch.Tensor, cache, allowed:
     else:
         mask = allowed[:, None]  # (B, 1, n, S+n); transformers passes a 4D mask to attention as is
     out = target(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=cache, use_cache=True,
-                 output_hidden_states=True, logits_to_keep=1 if last_only else 0)
-    aux = torch.cat([out.hidden_states[i] for i in aux_ids], dim=-1)
+                 output_hidden_states=bool(aux_ids), logits_to_keep=1 if last_only else 0)
+    aux = torch.cat([out.hidden_states[i] for i in aux_ids], dim=-1) if aux_ids else ids.new_zeros(*ids.shape, 0)
     return out.logits, aux
 
 

@@ -4,6 +4,10 @@ tau (mean acceptance length) = accepted draft tokens + 1 bonus token per verific
 definition vLLM's `Mean acceptance length` and SGLang's `accept len` use. per_position[i] = share of
 verification steps whose draft token i+1 was accepted (vLLM's `accepted_per_pos / num_drafts`).
 
+Drafting is a chain of k tokens (vLLM) or, with --topk > 1, an EAGLE-2 tree of --draft-tokens nodes and depth
+k (SGLang's --speculative-eagle-topk / --speculative-num-draft-tokens / --speculative-num-steps). With
+--batch-size B, B prompts decode together, each with its own acceptance; the baseline runs at the same batch.
+
 Run: draftsmith eval --drafter runs/demo/train/drafter --prompts eval --limit 20 --k 1,2,3,4,5 --json eval.json
 """
 
@@ -22,8 +26,10 @@ from draftsmith.errors import DraftsmithError
 @dataclass(frozen=True)
 class KResult:
     k: int
+    """Draft depth: the chain length, or the tree depth (SGLang --speculative-num-steps)."""
     tau: float
     per_position: list[float]
+    """per_position[i] = share of verification steps that accepted at least i+1 draft tokens."""
     histogram: list[int]
     """histogram[a] = verification steps that accepted exactly a draft tokens (a = 0..k)."""
     tokens_per_s_spec: float
@@ -35,10 +41,16 @@ class KResult:
     """Share of speculative wall time outside target and drafter forwards."""
     identical_to_target: bool | None
     """Greedy only: every output equals the target's own greedy output."""
+    topk: int = 1
+    """Children per expanded tree node; 1 = chain."""
+    draft_tokens: int = 0
+    """Tree nodes verified per step, the root included (SGLang --speculative-num-draft-tokens); k + 1 for a chain."""
+    batch_size: int = 1
 
 
 def summarize(k: int, accepted: list[int], spec_tokens: int, spec_s: float, base_tokens: int, base_s: float,
-              model_s: float, identical: bool | None) -> KResult:
+              model_s: float, identical: bool | None, topk: int = 1, draft_tokens: int | None = None,
+              batch_size: int = 1) -> KResult:
     steps = len(accepted)
     hist = [sum(1 for a in accepted if a == i) for i in range(k + 1)]
     per_pos = [sum(1 for a in accepted if a > i) / max(steps, 1) for i in range(k)]
@@ -47,19 +59,56 @@ def summarize(k: int, accepted: list[int], spec_tokens: int, spec_s: float, base
     return KResult(k=k, tau=(sum(accepted) / max(steps, 1)) + 1.0, per_position=per_pos, histogram=hist,
                    tokens_per_s_spec=tps_spec, tokens_per_s_base=tps_base, speedup=tps_spec / tps_base if base_s else float("nan"),
                    verify_steps=steps, generated_tokens=spec_tokens, overhead_share=max(0.0, 1 - model_s / max(spec_s, 1e-9)),
-                   identical_to_target=identical)
+                   identical_to_target=identical, topk=topk, draft_tokens=draft_tokens or k + 1, batch_size=batch_size)
 
 
-def prompt_turns(prompt) -> list[list[dict]]:
-    """System messages plus each user turn, in order."""
-    return [m for m in prompt.messages]
+@dataclass
+class Totals:
+    """What one k's run over the prompt set adds up."""
+
+    accepted: list[int]
+    spec_tokens: int = 0
+    spec_s: float = 0.0
+    model_s: float = 0.0
+    base_tokens: int = 0
+    base_s: float = 0.0
+    identical: bool = True
+
+
+def turn_batches(prompts, batch_size: int):
+    """Groups of at most batch_size prompts, each answered turn by turn: yields (group, conversations so far)
+    lists whose last message is the user turn to answer; the caller appends the answer to each conversation."""
+    for start in range(0, len(prompts), batch_size):
+        group = prompts[start:start + batch_size]
+        convs, cursors = [[] for _ in group], [0] * len(group)
+        while True:
+            owners = []
+            for j, p in enumerate(group):
+                while cursors[j] < len(p.messages):
+                    msg = p.messages[cursors[j]]
+                    cursors[j] += 1
+                    convs[j].append(msg)
+                    if msg["role"] == "user":
+                        owners.append(j)
+                        break
+            if not owners:
+                break
+            yield start, [convs[j] for j in owners]
 
 
 def run_eval(target_name: str, drafter_dir: Path, prompts_source: str, ks: list[int], limit: int | None,
-             temperature: float, max_new_tokens: int, engine: str, dtype: str, baseline: bool, seed: int) -> list[KResult]:
+             temperature: float, max_new_tokens: int, engine: str, dtype: str, baseline: bool, seed: int,
+             batch_size: int = 1, topk: int = 1, draft_tokens: int | None = None) -> list[KResult]:
+    """Decode the prompt set with speculation for each k (the tree depth when topk > 1) and without.
+
+    Args:
+        batch_size: prompts decoded together (per-sequence acceptance); the baseline runs at the same batch.
+        topk, draft_tokens: tree settings (SGLang's --speculative-eagle-topk / --speculative-num-draft-tokens);
+            topk 1 is a chain of k tokens.
+    """
     from draftsmith.chat import prompt_ids
     from draftsmith.checkpoint import load_drafter
-    from draftsmith.decoder import DecodeSettings, engine_aux_ids, speculative_decode, target_decode
+    from draftsmith.decoder import DecodeSettings, decode_batch, engine_aux_ids, target_decode
     from draftsmith.progress import progress_bar
     from draftsmith.prompts import load_prompts
     from draftsmith.target import describe_target, load_target, read_config, resolve_target
@@ -78,29 +127,37 @@ def run_eval(target_name: str, drafter_dir: Path, prompts_source: str, ks: list[
     results = []
     for k in ks:
         settings = DecodeSettings(k=k, temperature=temperature, max_new_tokens=max_new_tokens,
-                                  eos_token_id=tokenizer.eos_token_id)
-        accepted, spec_tok, spec_s, base_tok, base_s, model_s, identical = [], 0, 0.0, 0, 0.0, 0.0, True
+                                  eos_token_id=tokenizer.eos_token_id, topk=topk, draft_tokens=draft_tokens)
+        plain = DecodeSettings(k=0, temperature=temperature, max_new_tokens=max_new_tokens,
+                               eos_token_id=tokenizer.eos_token_id)
+        tot = Totals(accepted=[])
         with progress_bar(f"eval k={k}", total=len(prompts), unit="prompts") as bar:
-            for n, p in enumerate(prompts):
-                conv = []
-                for msg in p.messages:
-                    conv.append(msg)
-                    if msg["role"] != "user":
-                        continue
-                    ids = prompt_ids(tokenizer, conv)
-                    res = speculative_decode(target, drafter, ids, aux_ids, settings, seed=seed + n)
-                    accepted += res.accepted
-                    spec_tok, spec_s, model_s = spec_tok + len(res.tokens), spec_s + res.seconds, \
-                        model_s + res.target_seconds + res.drafter_seconds
-                    if baseline:
-                        base = target_decode(target, ids, settings, seed=seed + n)
-                        base_tok, base_s = base_tok + len(base.tokens), base_s + base.seconds
-                        if temperature <= 0 and base.tokens != res.tokens:
-                            identical = False
-                    conv.append({"role": "assistant", "content": tokenizer.decode(res.tokens, skip_special_tokens=True)})
-                bar.advance(1, tokens=spec_tok)
-        results.append(summarize(k, accepted, spec_tok, spec_s, base_tok, base_s, model_s,
-                                 identical if baseline and temperature <= 0 else None))
+            done = -1
+            for n, convs in turn_batches(prompts, batch_size):
+                ids = [prompt_ids(tokenizer, c) for c in convs]
+                res = decode_batch(target, drafter, ids, aux_ids, settings, seed=seed + n)
+                for acc in res.accepted:
+                    tot.accepted += acc
+                tot.spec_tokens += sum(len(t) for t in res.tokens)
+                tot.spec_s, tot.model_s = tot.spec_s + res.seconds, tot.model_s + res.target_seconds + res.drafter_seconds
+                if baseline:  # batch 1: transformers' own decoding; batch > 1: the same batched loop, no drafter
+                    if len(ids) == 1:
+                        one = target_decode(target, ids[0], plain, seed=seed + n)
+                        base_tokens, base_s = [one.tokens], one.seconds
+                    else:
+                        many = decode_batch(target, None, ids, (), plain, seed=seed + n)
+                        base_tokens, base_s = many.tokens, many.seconds
+                    tot.base_tokens += sum(len(t) for t in base_tokens)
+                    tot.base_s += base_s
+                    tot.identical &= temperature > 0 or base_tokens == res.tokens
+                for c, t in zip(convs, res.tokens):
+                    c.append({"role": "assistant", "content": tokenizer.decode(t, skip_special_tokens=True)})
+                if n != done:
+                    bar.advance(min(batch_size, len(prompts) - n), tokens=tot.spec_tokens)
+                    done = n
+        results.append(summarize(k, tot.accepted, tot.spec_tokens, tot.spec_s, tot.base_tokens, tot.base_s,
+                                 tot.model_s, tot.identical if baseline and temperature <= 0 else None,
+                                 topk=topk, draft_tokens=settings.nodes, batch_size=batch_size))
     return results
 
 
@@ -113,10 +170,11 @@ def recommend(results: list[KResult]) -> KResult:
 
 def report_markdown(results: list[KResult], settings: dict) -> str:
     best = recommend(results)
-    lines = ["# draftsmith eval", "", "| k | tau | per-position acceptance | tok/s spec | tok/s base | speed-up | overhead |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["# draftsmith eval", "",
+             "| k (depth) | topk | draft tokens | tau | per-position acceptance | tok/s spec | tok/s base | speed-up | overhead |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r.k} | {r.tau:.2f} | {' '.join(f'{p:.2f}' for p in r.per_position)} | "
+        lines.append(f"| {r.k} | {r.topk} | {r.draft_tokens} | {r.tau:.2f} | {' '.join(f'{p:.2f}' for p in r.per_position)} | "
                      f"{r.tokens_per_s_spec:.1f} | {r.tokens_per_s_base:.1f} | {r.speedup:.2f}x | {r.overhead_share:.1%} |")
     lines += ["", f"Recommended k: **{best.k}** (tau {best.tau:.2f}, speed-up {best.speedup:.2f}x).", "",
               "Settings: " + ", ".join(f"{k}={v}" for k, v in settings.items())]
@@ -133,7 +191,7 @@ def plot(results: list[KResult], out: Path) -> list[Path]:
     best = recommend(results)
     fig, ax = plt.subplots(figsize=(5, 3.2))
     ax.bar(range(1, best.k + 1), best.per_position, color="#3b7dd8")
-    ax.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1), title=f"per-position acceptance (k={best.k})")
+    ax.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1), title=f"per-position acceptance (k={best.k}, topk={best.topk})")
     fig.tight_layout()
     fig.savefig(out / "per_position.png", dpi=120)
     plt.close(fig)
@@ -157,12 +215,21 @@ def add_parser(sub) -> None:
                            "examples:\n"
                            "  draftsmith eval --drafter runs/demo/train/drafter --prompts eval --limit 20 --k 4\n"
                            "  draftsmith eval --drafter DIR --k 1,2,3,4,5,6,7 --json sweep.json --out report/\n"
-                           "  draftsmith eval --drafter DIR --engine sglang   # read aux ids the way SGLang would"))
+                           "  draftsmith eval --drafter DIR --engine sglang   # read aux ids the way SGLang would\n"
+                           "  draftsmith eval --drafter DIR --topk 4 --draft-tokens 8 --depth 5   # SGLang's default tree\n"
+                           "  draftsmith eval --drafter DIR --k 3 --batch-size 4"))
     p.add_argument("--target", default="smollm2")
     p.add_argument("--drafter", type=Path, required=True)
     p.add_argument("--prompts", default="eval", help="eval | humaneval | train | JSONL (prompt/messages/turns)")
     p.add_argument("--limit", type=int, default=20)
-    p.add_argument("--k", default="4", help="draft length, or a comma list to sweep (1,2,3,4)")
+    p.add_argument("--k", default=None, help="draft length (tree depth), or a comma list to sweep (1,2,3,4)")
+    p.add_argument("--topk", type=int, default=1,
+                   help="tree drafting: children per expanded node (SGLang --speculative-eagle-topk); 1 = chain")
+    p.add_argument("--draft-tokens", type=int, default=None,
+                   help="tree nodes verified per step, root included (SGLang --speculative-num-draft-tokens)")
+    p.add_argument("--depth", type=int, default=None,
+                   help="tree depth (SGLang --speculative-num-steps); replaces --k; default: draft-tokens - 1")
+    p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (per-sequence acceptance)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--engine", choices=("trained", "vllm", "sglang"), default="trained",
@@ -177,14 +244,25 @@ def add_parser(sub) -> None:
 
 def run_eval_cli(args) -> int:
     try:
-        ks = [int(k) for k in str(args.k).split(",")]
+        ks = [int(k) for k in str(args.k or 4).split(",")]
     except ValueError as exc:
         raise DraftsmithError("bad --k", got=args.k, expected="an integer or a comma list", fix="--k 4 or --k 1,2,3") from exc
+    if args.topk > 1 and args.draft_tokens is None:
+        raise DraftsmithError("a tree needs its node budget", got=f"--topk {args.topk} without --draft-tokens",
+                              expected="--draft-tokens M (root included)", fix="--topk 4 --draft-tokens 8 --depth 5")
+    if args.depth is not None:
+        ks = [args.depth]
+    elif args.topk > 1 and args.k is None:
+        ks = [args.draft_tokens - 1]  # deep enough for any path the node budget allows
+    if args.batch_size < 1:
+        raise DraftsmithError("bad --batch-size", got=str(args.batch_size), expected=">= 1", fix="--batch-size 4")
     results = run_eval(args.target, args.drafter, args.prompts, ks, args.limit, args.temperature, args.max_new_tokens,
-                       args.engine, args.dtype, not args.no_baseline, args.seed)
+                       args.engine, args.dtype, not args.no_baseline, args.seed, batch_size=args.batch_size,
+                       topk=args.topk, draft_tokens=args.draft_tokens)
     settings = {"target": args.target, "drafter": str(args.drafter), "prompts": args.prompts, "limit": args.limit,
                 "temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "engine": args.engine,
-                "dtype": args.dtype, "batch": 1, "drafting": "chain"}
+                "dtype": args.dtype, "batch": args.batch_size, "drafting": "tree" if args.topk > 1 else "chain",
+                "topk": args.topk, "draft_tokens": args.draft_tokens, "depth": ks if len(ks) > 1 else ks[0]}
     best = recommend(results)
     print(report_markdown(results, settings))
     payload = {**asdict(best), "recommended_k": best.k, "prompts": args.prompts, "sweep": [asdict(r) for r in results],
