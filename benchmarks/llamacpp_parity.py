@@ -1,0 +1,118 @@
+"""tau of one drafter in llama.cpp, vLLM and `draftsmith eval`, on the same prompts, k and length.
+
+All three decode greedily in fp32 (f32 GGUFs for llama.cpp) from the same prompt token ids (the target's
+chat template applied by draftsmith, sent as ids to llama-server `/completion` and vLLM `/v1/completions`),
+so the three see identical inputs. Engine counters are differenced around the measured requests.
+Starts engines: run it under the shared lock.
+
+    flock /tmp/draftsmith-engine.lock .venv/bin/python benchmarks/llamacpp_parity.py \
+        --drafter runs/demo/train/drafter --k 3 --prompts 4 --max-tokens 48
+
+Writes benchmarks/results/llamacpp_parity.json (and, with --save-metrics DIR, llama-server's raw
+/metrics text before and after the requests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from draftsmith import llamacpp
+from draftsmith.metrics import acceptance_from_counters, parse_spec_counters
+
+OUT = Path(__file__).parent / "results" / "llamacpp_parity.json"
+
+
+def metrics_text(base: str) -> str:
+    return urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+
+
+def window(before: str, after: str) -> dict:
+    (source, b), (_, a) = parse_spec_counters(before), parse_spec_counters(after)
+    acc = acceptance_from_counters(a.minus(b), source)
+    return {"tau": acc.tau, "per_position": list(acc.per_position), "drafts": acc.drafts, "accepted": acc.accepted,
+            "draft_tokens": acc.draft_tokens}
+
+
+def vllm_tokens(base: str, ids: list[int], max_tokens: int) -> list[int]:
+    """Greedy `/v1/completions` from token ids; vLLM returns text, so tokens are re-encoded by the caller."""
+    body = {"model": "target", "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0}
+    req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return json.loads(r.read())["choices"][0]["text"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--drafter", type=Path, required=True, help="draftsmith checkpoint directory")
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--save-metrics", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args()
+
+    from transformers import AutoTokenizer
+
+    from draftsmith.chat import prompt_ids
+    from draftsmith.engine import VllmServe
+    from draftsmith.engine import serve as serve_vllm
+    from draftsmith.eval import run_eval
+    from draftsmith.export import export
+    from draftsmith.prompts import load_prompts
+    from draftsmith.target import resolve_target
+
+    target = resolve_target("smollm2")
+    tok = AutoTokenizer.from_pretrained(target)
+    prompts = [prompt_ids(tok, p.messages) for p in load_prompts("eval", args.prompts)]
+    result: dict = {"drafter": str(args.drafter), "k": args.k, "prompts": args.prompts, "max_tokens": args.max_tokens,
+                    "dtype": "float32", "host": platform.node(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "command": "flock /tmp/draftsmith-engine.lock .venv/bin/python benchmarks/llamacpp_parity.py "
+                               f"--drafter {args.drafter} --k {args.k} --prompts {args.prompts} --max-tokens {args.max_tokens}"}
+    [ours] = run_eval("smollm2", args.drafter, "eval", [args.k], args.prompts, 0.0, args.max_tokens, "vllm", "float32",
+                      True, 0)
+    result["eval"] = {"tau": ours.tau, "per_position": ours.per_position, "verify_steps": ours.verify_steps,
+                      "identical_to_target": ours.identical_to_target}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        gguf = export(args.drafter, tmp / "llamacpp", "llamacpp", "float32", args.k, str(target))
+        manifest = json.loads((gguf / "llamacpp.json").read_text())
+        spec = llamacpp.LlamaServe(Path(manifest["target_gguf"]), gguf / manifest["drafter_gguf"], k=args.k)
+        with llamacpp.serve(spec, tmp / "llama.log") as base:
+            before = metrics_text(base)
+            done = [llamacpp.complete(base, ids, args.max_tokens) for ids in prompts]
+            time.sleep(0.5)
+            after = metrics_text(base)
+        result["llamacpp"] = window(before, after) | {
+            "timings_draft_n": sum(c.draft_n for c in done), "timings_draft_n_accepted": sum(c.draft_n_accepted for c in done),
+            "texts": [tok.decode(c.tokens, skip_special_tokens=True) for c in done]}
+        if args.save_metrics:
+            args.save_metrics.mkdir(parents=True, exist_ok=True)
+            (args.save_metrics / "llamacpp_spec_before.prom").write_text(before)
+            (args.save_metrics / "llamacpp_spec_after.prom").write_text(after)
+        if not args.skip_vllm:
+            export(args.drafter, tmp / "vllm", "vllm", "float32", args.k, str(target))
+            vspec = VllmServe(target=target, drafter=tmp / "vllm", num_speculative_tokens=args.k, max_model_len=1024)
+            with serve_vllm(vspec, tmp / "vllm.log", timeout_s=900) as base:
+                before = metrics_text(base)
+                texts = [vllm_tokens(base, ids, args.max_tokens) for ids in prompts]
+                time.sleep(1.0)
+                after = metrics_text(base)
+            result["vllm"] = window(before, after) | {"texts": texts}
+            result["texts_equal_llamacpp_vllm"] = [a.strip() == b.strip() for a, b in
+                                                   zip(result["llamacpp"]["texts"], texts)]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    row = " | ".join(f"{name} {result[name]['tau']:.3f}" for name in ("eval", "llamacpp", "vllm") if name in result)
+    print(f"tau (k={args.k}, {args.prompts} prompts, {args.max_tokens} tokens): {row}")
+
+
+if __name__ == "__main__":
+    main()

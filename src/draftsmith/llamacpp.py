@@ -1,0 +1,313 @@
+"""llama.cpp: EAGLE-3 drafters as GGUF for `llama-server --spec-type draft-eagle3`, and the server itself.
+
+The GGUF is written by llama.cpp's own converter (`convert_hf_to_gguf.py`, vendored in the PyPI sdist of
+`llama-cpp-python`, unpacked and built by `make llama-server`) from our vLLM-layout export, so what
+llama.cpp loads is exactly what its own tooling produces. Facts this module relies on, all read in
+llama-cpp-python 0.3.36 (vendor/llama.cpp):
+
+- The converter detects EAGLE-3 by `draft_vocab_size` with one layer (conversion/llama.py:49-53) and
+  writes `eagle3.target_layers` from the *top-level* `eagle_aux_hidden_state_layer_ids` only; without
+  it, it writes its default [2, L//2, L-3] (conversion/llama.py:74-82). Our vLLM export keeps the ids in
+  `eagle_config`, so the llamacpp export also writes them on top.
+- llama.cpp reads id k as the *input* of target layer k (`t_layer_inp[il] = inpL`, src/models/llama.cpp:127;
+  common/speculative.cpp:541-548; id == n_layer is the last layer's output), i.e. our boundary
+  index, and needs exactly three ids (src/models/eagle3.cpp:6-11).
+- `d2t` is stored as absolute target ids (I64), `t2d` is dropped (conversion/llama.py:233-255, 329-350).
+- Responses carry `timings.draft_n` / `timings.draft_n_accepted`; `--metrics` exposes
+  `llamacpp:spec_decode_num_{drafts,draft_tokens,accepted_tokens}_total` and
+  `..._num_accepted_tokens_per_pos_total{position}` (tools/server/server-task.cpp:1553-1614).
+
+Run: `draftsmith export runs/demo/train/drafter out-llamacpp --format llamacpp --dtype float32`, then the
+`llama-server` command printed in `out-llamacpp/README.md`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.target import cache_dir, default_aux_ids
+
+LLAMACPP_SPEC = "llama-cpp-python==0.3.36"  # the sdist `make llama-server` builds (Makefile LLAMACPP_SPEC)
+DIR_ENV = "DRAFTSMITH_LLAMACPP_DIR"
+OUTTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+EAGLE3_ARCH = "eagle3"  # gguf-py MODEL_ARCH_NAMES[MODEL_ARCH.EAGLE3]
+NUM_AUX = 3  # src/models/eagle3.cpp:9 "EAGLE3 requires exactly 3 entries in 'extract_layers'"
+MANIFEST = "llamacpp.json"
+
+
+# ---------------------------------------------------------------- where llama.cpp lives
+
+def install_dir() -> Path:
+    """$DRAFTSMITH_LLAMACPP_DIR, else `<cache>/llama.cpp/llama-cpp-python-<version>` (made by the Makefile)."""
+    override = os.environ.get(DIR_ENV)
+    return Path(override) if override else cache_dir() / "llama.cpp" / LLAMACPP_SPEC.replace("==", "-")
+
+
+def _built(path: Path, what: str) -> Path:
+    if not path.is_file():
+        raise DraftsmithError(f"llama.cpp's {what} is missing", got=str(path),
+                              expected=f"the {LLAMACPP_SPEC} sdist unpacked and built under {install_dir()}",
+                              fix=f"run `make llama-server` (or set {DIR_ENV})")
+    return path
+
+
+def converter_path() -> Path:
+    return _built(install_dir() / "src" / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py", "converter")
+
+
+def server_binary() -> Path:
+    return _built(install_dir() / "build" / "bin" / "llama-server", "llama-server")
+
+
+# ---------------------------------------------------------------- conversion
+
+def convert(model_dir: Path, out_file: Path, outtype: str, target_dir: Path | None = None) -> Path:
+    """Run `convert_hf_to_gguf.py` (with its vendored gguf-py) in this interpreter; atomic on success."""
+    out_file = Path(out_file)
+    tmp = out_file.with_name(out_file.name + ".tmp")
+    cmd = [sys.executable, str(converter_path()), str(model_dir), "--outfile", str(tmp), "--outtype", outtype]
+    if target_dir is not None:
+        cmd += ["--target-model-dir", str(target_dir)]
+    env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if res.returncode != 0 or not tmp.is_file():
+        tmp.unlink(missing_ok=True)
+        tail = "\n".join((res.stdout + res.stderr).strip().splitlines()[-8:])
+        raise DraftsmithError("llama.cpp's converter failed", got=f"exit {res.returncode}: {tail}",
+                              expected=f"a GGUF at {out_file}",
+                              fix="a missing Python module: `pip install -e '.[llamacpp]'`; otherwise read the lines above")
+    tmp.replace(out_file)
+    return out_file
+
+
+@dataclass(frozen=True)
+class GgufDrafter:
+    """What llama.cpp will read from a drafter GGUF (header metadata only, no weight data)."""
+
+    arch: str
+    target_layers: tuple[int, ...] | None
+    target_hidden_size: int | None
+    norm_before_residual: bool | None
+    draft_vocab_size: int | None
+    """Rows of `d2t`, None without d2t (then llama.cpp drafts over the full target vocabulary)."""
+
+
+def read_gguf(path: Path) -> GgufDrafter:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+
+    def value(key: str):
+        field = reader.fields.get(key)
+        return None if field is None else field.contents()
+
+    arch = str(value("general.architecture"))
+    layers = value(f"{arch}.target_layers")
+    d2t = next((t for t in reader.tensors if t.name == "d2t"), None)
+    return GgufDrafter(arch=arch, target_layers=tuple(int(i) for i in layers) if layers is not None else None,
+                       target_hidden_size=value(f"{arch}.target_hidden_size"),
+                       norm_before_residual=value(f"{arch}.norm_before_residual"),
+                       draft_vocab_size=int(d2t.shape[0]) if d2t is not None else None)
+
+
+def target_gguf(target_dir: Path, outtype: str = "f32") -> Path:
+    """The target as GGUF, converted once into `<cache>/llama.cpp/targets/` and reused.
+
+    Keyed by the directory and its config and weight files, so a changed target converts again.
+    """
+    target_dir = Path(target_dir).resolve()
+    stamp = [str(target_dir), (target_dir / "config.json").read_text()]
+    for f in sorted(target_dir.glob("*.safetensors")):
+        stamp.append(f"{f.name}:{f.stat().st_size}:{int(f.stat().st_mtime)}")
+    key = hashlib.sha256("\n".join(stamp).encode()).hexdigest()[:12]
+    out = install_dir().parent / "targets" / f"{target_dir.name}-{key}-{outtype}.gguf"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return convert(target_dir, out, outtype)
+
+
+# ---------------------------------------------------------------- export
+
+def llamacpp_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The vLLM-layout config with the aux ids where llama.cpp's converter reads them (top level)."""
+    from draftsmith.checkpoint import aux_ids_for_engine
+
+    boundary = tuple(config["draftsmith"]["aux_layer_ids_boundary"])
+    if len(boundary) != NUM_AUX:
+        raise DraftsmithError("llama.cpp runs EAGLE-3 drafters on exactly three target layers",
+                              got=f"aux ids {list(boundary)}", expected=f"{NUM_AUX} ids",
+                              fix="train the drafter on three aux layers")
+    ids = aux_ids_for_engine(boundary, "llamacpp")
+    return {**config, "eagle_aux_hidden_state_layer_ids": ids,
+            "eagle_config": {**config["eagle_config"], "eagle_aux_hidden_state_layer_ids": ids},
+            "draftsmith": {**config["draftsmith"], "aux_id_convention": "llamacpp"}}
+
+
+def draft_args(drafter: str | Path, k: int) -> list[str]:
+    """EAGLE-3 with exactly k draft tokens: no minimum, no probability cut-off (common/arg.cpp:4140-4200)."""
+    return ["-md", str(drafter), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(k),
+            "--spec-draft-n-min", "0", "--spec-draft-p-min", "0"]
+
+
+def serve_command(target: str | Path, drafter: str | Path, k: int) -> list[str]:
+    return ["llama-server", "-m", str(target), *draft_args(drafter, k), "--metrics"]
+
+
+def model_card(out: Path, drafter_gguf: str, target: str, ids: list[int], k: int, converted: bool) -> str:
+    cmd = " ".join(serve_command(target, out / drafter_gguf, k))
+    origin = "converted from the target directory by draftsmith" if converted else "given by you"
+    return f"""# EAGLE-3 drafter for llama.cpp (GGUF)
+
+- `{drafter_gguf}`: written by llama.cpp's `convert_hf_to_gguf.py` ({LLAMACPP_SPEC} sdist) from the
+  vLLM-layout files next to it (`config.json`, `model.safetensors`).
+- Aux layers: `eagle3.target_layers = {ids}`; llama.cpp reads id k as the input of target layer k, the
+  boundary indices the drafter was trained on.
+- Target GGUF ({origin}): `{target}`
+
+## Serve
+
+```
+{cmd} --host 127.0.0.1 --port 8080
+```
+
+Responses carry `timings.draft_n` and `timings.draft_n_accepted`; `/metrics` carries
+`llamacpp:spec_decode_*`, which `draftsmith bench --endpoint http://127.0.0.1:8080` reads.
+Check first: `draftsmith check --target TARGET_DIR --drafter {out} --engine llamacpp`.
+"""
+
+
+def export_llamacpp(src: Path, out: Path, dtype: str, k: int, target_path: str | None,
+                    target_gguf_path: str | None = None) -> Path:
+    """Write `out/`: the vLLM-layout files, `drafter-<type>.gguf`, `llamacpp.json` and a model card.
+
+    Args:
+        src: a draftsmith checkpoint directory.
+        target_path: the target (directory, `.gguf`, hub id or `smollm2`); default: the one recorded
+            in the checkpoint. The converter takes its tokenizer and layer count from it.
+        target_gguf_path: the user's own GGUF of the target; without it the target is converted (cached).
+    Raises:
+        DraftsmithError: not three aux ids, a converter failure, or a GGUF whose target layers differ
+            from the trained ones.
+    """
+    from draftsmith.export import export
+    from draftsmith.target import resolve_target
+
+    if target_gguf_path and not Path(target_gguf_path).is_file():
+        raise DraftsmithError("--target-gguf is not a file", got=str(target_gguf_path), expected="a .gguf of the target",
+                              fix="pass the GGUF you serve, or leave the flag out to convert the target")
+    config = json.loads((Path(src) / "config.json").read_text())
+    target_dir = resolve_target(target_path or (config.get("draftsmith") or {}).get("target") or "smollm2")
+    outtype = OUTTYPES[dtype]
+    tmp = Path(str(out) + ".llamacpp-tmp")
+    export(src, tmp, "vllm", dtype, k, str(target_dir))
+    hf = llamacpp_config(json.loads((tmp / "config.json").read_text()))
+    (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    name = f"drafter-{outtype}.gguf"
+    meta = read_gguf(convert(tmp, tmp / name, outtype, target_dir))
+    want = tuple(hf["eagle_aux_hidden_state_layer_ids"])
+    if meta.arch != EAGLE3_ARCH or meta.target_layers != want:
+        raise DraftsmithError("the converted GGUF does not read the layers the drafter was trained on",
+                              got=f"arch {meta.arch}, target_layers {meta.target_layers}",
+                              expected=f"arch {EAGLE3_ARCH}, target_layers {want}",
+                              fix="report this with the converter version; llama.cpp changed how it reads aux ids")
+    converted = target_gguf_path is None
+    tgt = str(Path(target_gguf_path).resolve()) if target_gguf_path else str(target_gguf(target_dir))
+    manifest = {"drafter_gguf": name, "target_gguf": tgt, "target_gguf_converted": converted,
+                "target_dir": str(target_dir), "target_layers": list(want), "k": k, "outtype": outtype,
+                "converter": LLAMACPP_SPEC, "serve": serve_command(tgt, Path(out).resolve() / name, k)}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    (tmp / "README.md").write_text(model_card(Path(out).resolve(), name, tgt, list(want), k, converted))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.replace(out)
+    return Path(out)
+
+
+# ---------------------------------------------------------------- check facts
+
+def llamacpp_facts(drafter_dir: Path, target_num_layers: int) -> dict[str, Any]:
+    """The aux ids llama.cpp will read: from a drafter GGUF in the directory, else what the converter
+    would write from this config.json (top-level ids only, else its default)."""
+    config = json.loads((Path(drafter_dir) / "config.json").read_text())
+    ggufs = sorted(Path(drafter_dir).glob("*.gguf"))
+    meta = read_gguf(ggufs[0]) if ggufs else None
+    top = config.get("eagle_aux_hidden_state_layer_ids")
+    nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if meta is not None and meta.target_layers is not None:
+        reads, source = list(meta.target_layers), f"GGUF {ggufs[0].name}"
+    elif top:
+        reads, source = list(top), "config.json top-level ids (the converter writes them)"
+    else:
+        reads, source = list(default_aux_ids(target_num_layers)), "the converter's default [2, L//2, L-3]"
+    return {"llamacpp_aux_reads": reads, "llamacpp_aux_source": source, "llamacpp_aux_count": len(reads),
+            "llamacpp_gguf": str(ggufs[0]) if ggufs else None, "llamacpp_gguf_arch": meta.arch if meta else None,
+            "llamacpp_nested_ids_ignored": bool(nested) and not top and meta is None and list(nested) != reads,
+            "llamacpp_eagle_config_ids": list(nested) if nested else None}
+
+
+# ---------------------------------------------------------------- serving
+
+@dataclass(frozen=True)
+class LlamaServe:
+    """Everything that defines one `llama-server` start (greedy-comparable EAGLE-3 settings)."""
+
+    target: Path
+    drafter: Path | None = None
+    k: int = 3
+    port: int = 0
+    ctx_size: int = 2048
+    threads: int = 2
+    parallel: int = 1
+
+    def command(self, binary: Path) -> list[str]:
+        cmd = [str(binary), "-m", str(self.target), "--host", "127.0.0.1", "--port", str(self.port),
+               "--ctx-size", str(self.ctx_size), "--threads", str(self.threads), "--parallel", str(self.parallel),
+               "--metrics", "--no-webui"]
+        if self.drafter is not None:
+            cmd += draft_args(self.drafter, self.k)
+        return cmd
+
+
+@contextlib.contextmanager
+def serve(spec: LlamaServe, log: Path, timeout_s: float = 300.0) -> Iterator[str]:
+    """Start `llama-server` for `spec`, yield its base URL once `/health` answers, stop it on exit."""
+    from draftsmith.engine import free_port, serve_process
+
+    if spec.port == 0:
+        spec = LlamaServe(**{**spec.__dict__, "port": free_port()})
+    with serve_process(spec.command(server_binary()), spec.port, log, timeout_s) as base:
+        yield base
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One greedy `/completion` answer: the token ids and llama.cpp's own draft statistics."""
+
+    tokens: list[int]
+    draft_n: int
+    draft_n_accepted: int
+
+
+def complete(base: str, prompt_ids: list[int], max_tokens: int, timeout_s: float = 300.0) -> Completion:
+    """Greedy completion of token ids (no tokenizer round trip), prompt cache off."""
+    body = {"prompt": prompt_ids, "n_predict": max_tokens, "temperature": 0.0, "return_tokens": True,
+            "cache_prompt": False}
+    req = urllib.request.Request(base + "/completion", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        res = json.loads(r.read())
+    timings = res.get("timings") or {}
+    return Completion(tokens=list(res["tokens"]), draft_n=int(timings.get("draft_n", 0)),
+                      draft_n_accepted=int(timings.get("draft_n_accepted", 0)))
