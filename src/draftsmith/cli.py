@@ -28,6 +28,7 @@ VERBS = {
     "diagnose": ("draftsmith.logs", "name the root cause of a saved vLLM / SGLang log"),
     "bench": ("draftsmith.bench", "load an endpoint, read its spec-decode metrics, say go or no-go"),
     "run": ("draftsmith.run", "the whole pipeline in one run directory (default: the embedded SmolLM2 demo)"),
+    "report": ("draftsmith.report", "re-render a run directory's one-page report (markdown, HTML, JSON)"),
 }
 
 

