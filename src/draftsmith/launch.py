@@ -323,18 +323,19 @@ def run_launch(args) -> int:
         raise DraftsmithError("no engine command given", got="nothing after `--`",
                               expected="draftsmith launch [options] -- ENGINE COMMAND...",
                               fix="e.g. draftsmith launch -- python -m vllm.entrypoints.openai.api_server --model DIR")
-    log = args.attach or args.log or Path("runs") / time.strftime("launch-%Y%m%d-%H%M%S.log")
+    # The PID keeps two launches started in the same second from truncating one log.
+    log = args.attach or args.log or Path("runs") / f"launch-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
     if args.attach and not log.exists():
         raise DraftsmithError("log to attach to not found", got=str(log), expected="the engine's log file",
                               fix="pass the file the engine writes its stdout and stderr to")
     url = args.url or (None if args.attach else url_from_command(cmd))
-    proc = None if args.attach else spawn(cmd, log)
-    if proc is not None:  # `kill PID` on launch stops the engine like Ctrl-C does (finally: stop_tree)
-        with contextlib.suppress(ValueError):  # not the main thread
-            signal.signal(signal.SIGTERM, _interrupt)
-    hook, live = _console_hook()
-    res = None
+    hook, live = _console_hook()  # before the engine starts: a Ctrl-C during this import would orphan it
+    proc = res = previous = None
     try:
+        if not args.attach:
+            with contextlib.suppress(ValueError):  # not the main thread
+                previous = signal.signal(signal.SIGTERM, _interrupt)  # `kill` on launch acts like Ctrl-C
+            proc = spawn(cmd, log)
         with live:
             res = supervise(log, url, proc, args.timeout, args.stall_timeout, hook)
         print(json.dumps(asdict(res), indent=2, default=str) if args.json else report(res), flush=True)
@@ -349,3 +350,5 @@ def run_launch(args) -> int:
     finally:
         if proc and not (args.detach and res is not None and res.status == "ready"):
             stop_tree(proc)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
