@@ -9,7 +9,9 @@ synchronised on accelerators); everything else (masks, tree building, acceptance
 host sync, Python) is overhead. Warm-up decode excluded.
 
 Run: .venv/bin/python benchmarks/bench_decoder.py [--limit 8] [--max-new-tokens 64] [--threads 2]
-Writes benchmarks/results/decoder_overhead.json (or --out).
+Writes benchmarks/results/decoder_overhead.json (or --out). On a machine without SmolLM2's weights (the GPU
+machine), `--target DIR --random-weights` builds the same architecture from DIR's config.json with random
+weights (timings depend on shapes, not values) and DIR's tokenizer.
 """
 
 from __future__ import annotations
@@ -71,13 +73,22 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--target", default="smollm2")
+    ap.add_argument("--random-weights", action="store_true", help="the target's architecture with random weights")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/decoder_overhead.json"))
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    model_dir = resolve_target("smollm2")
+    model_dir = resolve_target(args.target)
     spec = describe_target(read_config(model_dir))
-    target, tok = load_target(model_dir, device=args.device)
+    if args.random_weights:
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        torch.manual_seed(0)
+        target = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)).to(args.device).eval()
+        tok = AutoTokenizer.from_pretrained(model_dir)
+    else:
+        target, tok = load_target(model_dir, device=args.device)
     drafter = random_drafter(target, spec)
     aux_ids = tuple(spec.default_aux_ids)
     prompts = [prompt_ids(tok, p.messages) for p in load_prompts("eval", args.limit)]
@@ -96,10 +107,12 @@ def main() -> None:
         "what": "share of speculative-decoding wall time outside target and drafter forwards (goal <= 10 %)",
         "drafter": "randomly initialised EAGLE-3 drafter of the demo's shape (draft vocab 4096): acceptance ~0, "
                    "so tokens/s here are not speed-ups; each step still drafts and verifies the full chain/tree",
-        "target": "smollm2 (SmolLM2-135M-Instruct, fp32)", "prompts": f"eval[:{args.limit}]",
+        "target": f"{args.target} (fp32{', RANDOM weights of its architecture' if args.random_weights else ''})",
+        "prompts": f"eval[:{args.limit}]",
         "max_new_tokens": args.max_new_tokens, "device": args.device, "torch_threads": torch.get_num_threads(),
         "load_average_1m_at_end": os.getloadavg()[0], "cpu_count": os.cpu_count(), "torch": torch.__version__,
-        "python": platform.python_version(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "python": platform.python_version(), "transformers": __import__("transformers").__version__,
+        "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "command": "benchmarks/bench_decoder.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
                                                                if v is not None and k != "out"),
         "plain_target_greedy_tokens_per_s": round(plain / plain_s, 2),

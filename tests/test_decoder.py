@@ -3,20 +3,19 @@ tree construction, engine aux-id reading."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
 import torch
 
+import draftsmith.decoder as decoder
 from conftest import CORPUS
 from draftsmith.chat import prompt_ids
-import draftsmith.decoder as decoder
 from draftsmith.decoder import (DecodeSettings, choose, decode_batch, engine_aux_ids, speculative_decode,
                                 target_decode)
-from draftsmith.tree import Candidates, DraftTree, accept_path, ancestry_of, chain_tree, select_tree
 from draftsmith.drafter import DrafterConfig, Eagle3Drafter
 from draftsmith.target import load_target
+from draftsmith.tree import Candidates, DraftTree, accept_path, ancestry_of, chain_tree, select_tree
 from draftsmith.vocab import build_draft_vocab
 
 
@@ -131,6 +130,31 @@ def test_batched_greedy_with_a_real_drafter_matches_target_greedy(target_and_dra
     assert res.tokens == base[:16]
 
 
+def test_batched_drafts_equal_single_sequence_drafts(target_and_drafter, reference, monkeypatch):
+    """Padding, holes and per-row positions must not change what the drafter proposes for a sequence:
+    the trees drafted for each prompt at batch 6 equal those drafted for it alone."""
+    model, tok, drafter = target_and_drafter
+    prompts, _ = reference
+    real = decoder.draft
+
+    def trees(batch_prompts):
+        seen = {}
+
+        def spy(drafter, state, settings):
+            tree = real(drafter, state, settings)
+            for r, seq in enumerate(state.rows):
+                seen.setdefault(seq, []).append(tree.tokens[r].tolist())
+            return tree
+
+        monkeypatch.setattr(decoder, "draft", spy)
+        decode_batch(model, drafter, batch_prompts, AUX, with_eos(TREE, tok))
+        return seen
+
+    batched = trees(prompts[:6])
+    for i in range(6):
+        assert trees([prompts[i]])[0] == batched[i], i
+
+
 def test_plain_batched_decoding_matches_target_greedy(target_and_drafter, reference):
     """k = 0 (the batched speed-up baseline) is plain greedy decoding through the same masks."""
     model, tok, _ = target_and_drafter
@@ -139,7 +163,7 @@ def test_plain_batched_decoding_matches_target_greedy(target_and_drafter, refere
     assert res.tokens == base[:12]
 
 
-def test_drafter_tree_mask_gives_each_node_its_own_path_context(target_and_drafter):
+def test_drafter_tree_mask_gives_each_node_its_own_path_context(target_and_drafter, monkeypatch):
     """Every drafted candidate's cumulative score equals the sum of log-probs the drafter gives along its
     path when the path is fed alone, as a chain: the tree mask hides siblings and cousins."""
     model, tok, drafter = target_and_drafter
@@ -156,12 +180,10 @@ def test_drafter_tree_mask_gives_each_node_its_own_path_context(target_and_draft
 
     state = decoder.prefill(model, [ids], AUX, settings)
     fresh = copy.deepcopy(state)
-    decoder.select_tree = spy
-    try:
-        decoder.draft(drafter, state, settings)
-    finally:
-        decoder.select_tree = real_select
+    monkeypatch.setattr(decoder, "select_tree", spy)
+    decoder.draft(drafter, state, settings)
     cand = captured["cand"]
+    draft_id = {int(t): i for i, t in enumerate(drafter.d2t + torch.arange(len(drafter.d2t)))}
     with torch.inference_mode():
         logp, h = decoder.catch_up(drafter, fresh)
         committed = fresh.drafter_cache.length
@@ -169,11 +191,10 @@ def test_drafter_tree_mask_gives_each_node_its_own_path_context(target_and_draft
             path = [c]
             while int(cand.parent[0, path[0]]) >= 0:
                 path.insert(0, int(cand.parent[0, path[0]]))
-            to_draft = lambda t: int(torch.nonzero(drafter.d2t + torch.arange(len(drafter.d2t)) == t)[0])
             total, lp, hh = 0.0, logp[0], h[0]
             for depth, node in enumerate(path):
                 t = int(cand.tokens[0, node])
-                total += float(lp[to_draft(t)])
+                total += float(lp[draft_id[t]])
                 if depth + 1 < len(path):
                     n = fresh.drafter_cache.length
                     allowed = torch.cat([fresh.drafter_valid, torch.ones(1, n - committed + 1, dtype=torch.bool)], 1)
@@ -192,7 +213,8 @@ def test_chain_accepts_an_oracle_draft_whole_and_stops_at_the_first_miss(target_
     base = target_decode(model, ids, DecodeSettings(max_new_tokens=6))
     root = torch.tensor([base.tokens[0]])
     good = chain_tree(root, torch.tensor([base.tokens[1:5]]))
-    # node i's logits: the target's prediction after the root and d_1..d_i = model(torch.tensor([ids + base.tokens])).logits[:, len(ids):len(ids) + 5]
+    # node i's logits: the target's prediction after the root and d_1..d_i
+    logits = model(torch.tensor([ids + base.tokens])).logits[:, len(ids):len(ids) + 5]  # (1, 5, V)
     path = accept_path(good, logits.argmax(-1))
     assert (int(path.accepted[0]), int(path.bonus[0])) == (4, base.tokens[5])
     wrong = base.tokens[1:3] + [(base.tokens[3] + 1) % 300] + base.tokens[4:5]

@@ -22,8 +22,11 @@ Invariant between iterations: the target has processed every committed token but
 `pending` holds the target features of the positions the drafter has not seen yet.
 
 Greedy output is token-identical to the target's greedy decoding. Sampling (temperature > 0) uses
-deterministic drafts (argmax / top-k, as vLLM's and SGLang's EAGLE proposers) and samples the target
-at every node: the emitted tokens follow the target's distribution exactly (`tree.accept_path`).
+deterministic drafts (the drafter's argmax / top-k) and samples the target at every node: this is
+rejection sampling with q = onehot(draft), the rule of vLLM v1's rejection sampler without draft probs
+(`sample/rejection_sampler.py`, NO_DRAFT_PROBS: draft_prob = 1, recovery from p with the draft zeroed)
+and SGLang's `tree_speculative_sampling_target_only`; the emitted tokens follow the target's
+distribution exactly (`tree.accept_path`).
 
 Aux ids are read the way a chosen engine reads them (`engine_aux_ids`), so a drafter whose ids the
 engine misreads shows the collapsed acceptance it will have in production.
@@ -32,6 +35,7 @@ engine misreads shows the collapsed acceptance it will have in production.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -40,7 +44,7 @@ import torch.nn.functional as F
 from draftsmith.drafter import Eagle3Drafter, rope_cos_sin
 from draftsmith.errors import DraftsmithError
 from draftsmith.target import default_aux_ids
-from draftsmith.tree import Candidates, DraftTree, accept_path, chain_tree, select_tree
+from draftsmith.tree import AcceptedPath, Candidates, DraftTree, accept_path, chain_tree, select_tree
 
 
 @dataclass(frozen=True)
@@ -183,21 +187,17 @@ class DecodeState:
         self.root, self.root_pos, self.pending = self.root[idx], self.root_pos[idx], self.pending.select(idx)
 
 
-class timed:
+@contextmanager
+def timed(timings: Timings, name: str, device: torch.device):
     """Adds the wall time of a block to a Timings field, synchronising an accelerator first and last."""
-
-    def __init__(self, timings: Timings, name: str, device: torch.device):
-        self.timings, self.name, self.cuda = timings, name, device.type == "cuda"
-
-    def __enter__(self):
-        if self.cuda:
-            torch.cuda.synchronize()  # CPU-GPU sync point: timing only
-        self.t0 = time.perf_counter()
-
-    def __exit__(self, *exc):
-        if self.cuda:
-            torch.cuda.synchronize()  # CPU-GPU sync point: timing only
-        setattr(self.timings, self.name, getattr(self.timings, self.name) + time.perf_counter() - self.t0)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()  # CPU-GPU sync point: timing only
+    t0 = time.perf_counter()
+    yield
+    if cuda:
+        torch.cuda.synchronize()  # CPU-GPU sync point: timing only
+    setattr(timings, name, getattr(timings, name) + time.perf_counter() - t0)
 
 
 # --- forwards -------------------------------------------------------------------------------------------
@@ -317,7 +317,7 @@ def catch_up(drafter: Eagle3Drafter, state: DecodeState) -> tuple[torch.Tensor, 
 def draft(drafter: Eagle3Drafter | None, state: DecodeState, settings: DecodeSettings) -> DraftTree:
     """Catch the drafter up on committed positions, then draft a tree of `settings.nodes` nodes.
 
-    Drafts are the drafter's top-k tokens (argmax for a chain) at every temperature, as the engines draft.
+    Drafts are the drafter's top-k tokens (argmax for a chain) at every temperature (see the module docstring).
     """
     if settings.k == 0:
         return chain_tree(state.root, state.root.new_zeros(len(state.rows), 0))
@@ -367,7 +367,7 @@ def verify(target, state: DecodeState, tree: DraftTree, aux_ids: tuple[int, ...]
 
 @torch.inference_mode()
 def commit(state: DecodeState, tree: DraftTree, aux: torch.Tensor, settings: DecodeSettings,
-           path) -> list[list[int]]:
+           path: AcceptedPath) -> list[list[int]]:
     """Keep each row's accepted path in both caches, queue its features, return the tokens each row emits.
 
     Accepted nodes move to the front of the verified block (stable: root path order); the block is cut to
