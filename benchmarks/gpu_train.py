@@ -41,6 +41,16 @@ def sync_time() -> float:
     return time.perf_counter()
 
 
+def optimizer_step(drafter, opt, params, aux, ids, mask, last, head, ttt: int, t_argmax=None) -> None:
+    """One TTT step as the trainer runs it: bf16 autocast forward, backward, clip 0.5, AdamW."""
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = ttt_forward(drafter, aux, ids, mask, last, head, steps=ttt, t_argmax=t_argmax)
+    out.loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 0.5)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
 def bench_train(seq: int, steps: int = 10, warmup: int = 3, ttt: int = 7, compile_step: bool = False,
                 profile: bool = False) -> dict:
     dev = torch.device("cuda")
@@ -62,12 +72,7 @@ def bench_train(seq: int, steps: int = 10, warmup: int = 3, ttt: int = 7, compil
     times = []
     for i in range(warmup + steps):
         t0 = sync_time()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = ttt_forward(drafter, aux, ids, mask, last, head, steps=ttt)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 0.5)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        optimizer_step(drafter, opt, params, aux, ids, mask, last, head, ttt)
         t1 = sync_time()
         if i >= warmup:
             times.append(t1 - t0)
@@ -91,22 +96,43 @@ def bench_train(seq: int, steps: int = 10, warmup: int = 3, ttt: int = 7, compil
             "trainable_params_m": sum(p.numel() for p in params) / 1e6}
 
 
-def bench_capture(seq: int = 4096, batches: int = 5) -> dict:
+def llama8b_target_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+                       architectures=["LlamaForCausalLM"])
+
+
+def qwen3_moe_target_config():
+    """Qwen3-30B-A3B shapes: 48 layers, hidden 2048, 128 experts (8 active) of width 768, 32 / 4 heads."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                          head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                          intermediate_size=6144, vocab_size=151936, max_position_embeddings=40960,
+                          architectures=["Qwen3MoeForCausalLM"])
+
+
+def bench_capture(seq: int = 4096, batches: int = 5, moe: bool = False) -> dict:
     """Pure target forward against draftsmith's target_features (aux + final state) on the same batches."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from draftsmith.capture import target_features
+    from draftsmith.target import describe_target
 
-    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0)
+    cfg = qwen3_moe_target_config() if moe else llama8b_target_config()
     cfg._attn_implementation = "sdpa"
+    torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
-    ids = torch.randint(0, 128256, (1, seq), device="cuda")
+        model = AutoModelForCausalLM.from_config(cfg).eval()
+    torch.set_default_dtype(torch.float32)
+    aux_ids = describe_target(cfg.to_dict()).default_aux_ids
+    ids = torch.randint(0, cfg.vocab_size, (1, seq), device="cuda")
     att = torch.ones_like(ids)
     res = {}
     for name, fn in (("pure_forward", lambda: model.model(input_ids=ids, attention_mask=att, use_cache=False)),
-                     ("capture", lambda: target_features(model, ids, att, (2, 16, 29)))):
+                     ("capture", lambda: target_features(model, ids, att, aux_ids))):
         with torch.inference_mode():
             for _ in range(2):
                 fn()
@@ -118,21 +144,156 @@ def bench_capture(seq: int = 4096, batches: int = 5) -> dict:
             t1 = sync_time()
         res[name + "_tokens_per_s"] = seq * batches / (t1 - t0)
     res["ratio"] = res["capture_tokens_per_s"] / res["pure_forward_tokens_per_s"]
-    res["seq"] = seq
+    res.update(seq=seq, model=cfg.architectures[0], params_b=sum(p.numel() for p in model.parameters()) / 1e9)
     return res
+
+
+def bench_online(seq: int = 4096, steps: int = 6, warmup: int = 2) -> dict:
+    """Online training: the Llama-3.1-8B-shaped target (bf16) and the drafter in one process; each step runs
+    the target forward for the features, then the TTT-7 drafter step on them."""
+    from transformers import LlamaForCausalLM
+
+    from draftsmith.capture import target_features
+
+    cfg = llama8b_target_config()
+    cfg._attn_implementation = "sdpa"
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        target = LlamaForCausalLM(cfg).eval()
+    torch.set_default_dtype(torch.float32)
+    dev = torch.device("cuda")
+    drafter = Eagle3Drafter(llama8b_drafter()).to(dev)
+    drafter.d2t.copy_(torch.arange(32000, device=dev) * 3)
+    drafter.t2d[torch.arange(32000, device=dev) * 4] = True
+    head = target.get_output_embeddings().weight.detach()
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=True)
+    ids = torch.randint(0, 128256, (1, seq), device=dev)
+    att, mask = torch.ones_like(ids), torch.ones_like(ids)
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for i in range(warmup + steps):
+        t0 = sync_time()
+        with torch.inference_mode():
+            feats = target_features(target, ids, att, (2, 16, 29))
+        optimizer_step(drafter, opt, params, feats.aux.clone(), ids, mask, feats.last.clone(), head, 7,
+                       feats.target_argmax.clone())
+        t1 = sync_time()
+        if i >= warmup:
+            times.append(t1 - t0)
+    times.sort()
+    step_s = times[len(times) // 2]
+    return {"mode": "online", "seq": seq, "tokens_per_s": seq / step_s, "step_ms": step_s * 1000,
+            "peak_gb": torch.cuda.max_memory_allocated() / 1e9}
+
+
+class SyntheticSource:
+    """Random features of Llama-3.1-8B shapes for the real Trainer (FeatureSource protocol), seeded per sample,
+    so every rank and every run sees the same sample k."""
+
+    def __init__(self, samples: int, seq: int, device: torch.device):
+        from draftsmith.target import describe_target
+
+        cfg = llama8b_drafter()
+        self.target_spec = describe_target(llama8b_target_config().to_dict())
+        self.target_name, self.aux_ids, self.lengths = "synthetic-llama-3.1-8b", cfg.aux_layer_ids, [seq] * samples
+        self.seq, self.device = seq, device
+        self.V, self.H = self.target_spec.vocab_size, self.target_spec.hidden_size
+        g = torch.Generator(device=device).manual_seed(0)
+        self._head = (torch.randn(self.V, self.H, device=device, generator=g) * 0.02).to(torch.bfloat16)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def batch(self, indices: list[int], device: torch.device):
+        from draftsmith.features import Batch, feature_dtype
+
+        out = []
+        for k in indices:
+            g = torch.Generator(device=device).manual_seed(1000 + k)
+            dtype = feature_dtype(device)
+            aux = torch.randn(1, self.seq, 3 * self.H, device=device, generator=g, dtype=dtype)
+            last = torch.randn(1, self.seq, self.H, device=device, generator=g, dtype=dtype)
+            ids = torch.randint(0, self.V, (1, self.seq), device=device, generator=g)
+            out.append((ids, torch.ones_like(ids), aux, last, ids.roll(-1, 1)))
+        return Batch(*(torch.cat(t) for t in zip(*out)))
+
+    def target_head(self) -> torch.Tensor:
+        return self._head
+
+    def embed_tokens(self) -> torch.Tensor:
+        return torch.randn(self.V, self.H, generator=torch.Generator().manual_seed(1)) * 0.02
+
+    def token_counts(self) -> torch.Tensor:
+        return torch.randint(0, 1000, (self.V,), generator=torch.Generator().manual_seed(2))
+
+
+def bench_trainer(args) -> None:
+    """The real `draftsmith train` loop (DDP or FSDP2 under torchrun) on synthetic Llama-3.1-8B features.
+
+    Prints one JSON line (rank 0): per-step losses and tokens/s (median over steps after the warm-up)."""
+    import os
+
+    from draftsmith.train import Trainer, TrainConfig
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device(args.device)
+    if cuda:
+        torch.cuda.set_device(device)
+    cfg = TrainConfig(out=f"/tmp/bench_trainer_{args.parallel}_{world}_{args.grad_accum}", store="<synthetic>",
+                      draft_vocab_size=llama8b_drafter().draft_vocab_size, lr=1e-4, warmup_ratio=0.0, clip=0.5, batch_tokens=args.seq,
+                      grad_accum=args.grad_accum, max_steps=args.steps, eval_fraction=0.0, eval_every=10**9,
+                      save_every=10**9, log_every=10**9, parallel=args.parallel, device=str(device),
+                      compile=args.compile)
+    import shutil
+
+    shutil.rmtree(cfg.out, ignore_errors=True)
+    trainer = Trainer(cfg, data=SyntheticSource(args.steps * world * args.grad_accum + 8, args.seq, device))
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    records = []
+    while trainer.step < trainer.total_steps:
+        records.append(trainer.train_step())
+        trainer.step += 1
+    if trainer.rank == 0:
+        timed = sorted(r["ms"] for r in records[3:])
+        ms = timed[len(timed) // 2]
+        tokens = records[-1]["tokens"]
+        print(json.dumps({"mode": "trainer", "parallel": args.parallel if world > 1 else "single", "world": world,
+                          "compiled": args.compile,
+                          "grad_accum": args.grad_accum, "seq": args.seq, "step_ms": ms,
+                          "tokens_per_s": tokens / ms * 1000, "tokens_per_s_per_gpu": tokens / ms * 1000 / world,
+                          "peak_gb_rank0": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
+                          "losses": [round(r["loss"], 6) for r in records]}), flush=True)
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seq", default="2048,4096")
     ap.add_argument("--capture", action="store_true")
+    ap.add_argument("--capture-moe", action="store_true", help="capture vs forward on a Qwen3-30B-A3B-shaped MoE")
+    ap.add_argument("--online", action="store_true", help="online training: 8B-shaped target + drafter in one process")
     ap.add_argument("--compile", action="store_true", help="torch.compile the drafter step")
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one step")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu_train.json"))
+    ap.add_argument("--trainer", action="store_true",
+                    help="run the real Trainer loop (use under torchrun for DDP / FSDP2); prints one JSON line")
+    ap.add_argument("--parallel", default="ddp")
+    ap.add_argument("--grad-accum", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of the trainer mode")
     args = ap.parse_args()
+    if args.trainer:
+        args.seq = int(args.seq.split(",")[0])
+        return bench_trainer(args)
     result = {"command": " ".join(sys.argv), "date": datetime.date.today().isoformat(),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "train": []}
-    for seq in [int(s) for s in args.seq.split(",")]:
+    for seq in [int(s) for s in args.seq.split(",") if s.isdigit()]:
         try:
             r = bench_train(seq, compile_step=args.compile, profile=args.profile)
         except torch.OutOfMemoryError as exc:
@@ -143,6 +304,14 @@ def main() -> None:
     if args.capture:
         result["capture"] = bench_capture()
         print(json.dumps(result["capture"]), flush=True)
+    if args.capture_moe:
+        torch.cuda.empty_cache()
+        result["capture_moe"] = bench_capture(moe=True, batches=3)
+        print(json.dumps(result["capture_moe"]), flush=True)
+    if args.online:
+        torch.cuda.empty_cache()
+        result["online"] = bench_online()
+        print(json.dumps(result["online"]), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
 

@@ -123,3 +123,20 @@ def test_draft_vocab_maps_are_the_engines_d2t_and_t2d():
     assert v.t2d.tolist() == [True, False, True, True, False, True, False, False]
     assert v.coverage == pytest.approx(30 / 34)
     assert default_draft_vocab_size(49152) == 8192 and default_draft_vocab_size(128256) == 32000
+
+
+def test_soft_cross_entropy_matches_log_softmax_form_in_value_and_gradient():
+    from draftsmith.drafter import SoftCrossEntropy
+
+    torch.manual_seed(0)
+    z = torch.randn(2, 5, 11, dtype=torch.float64, requires_grad=True)
+    p = torch.softmax(torch.randn(2, 5, 11, dtype=torch.float64) * 3, -1)
+    p[0, 0] *= 0.5  # a row whose mass does not sum to 1 (the s factor matters)
+    w = torch.rand(2, 5, dtype=torch.float64)
+    ours = SoftCrossEntropy.apply(z, p)
+    ref = -(p * torch.log_softmax(z, -1)).sum(-1)
+    assert torch.allclose(ours, ref, atol=1e-12)
+    (g_ours,) = torch.autograd.grad((ours * w).sum(), z)
+    (g_ref,) = torch.autograd.grad((ref * w).sum(), z)
+    assert torch.allclose(g_ours, g_ref, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda x: SoftCrossEntropy.apply(x, p), (z,))

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import write_conversations
 from draftsmith.capture import capture
@@ -81,11 +82,13 @@ def test_killed_run_resumes_on_the_same_loss_curve(store, tmp_path):
         assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), step
 
 
-def test_ddp_two_processes_match_one_process_with_the_same_global_batch(store, tmp_path):
-    """gloo DDP(2) with grad_accum 1 vs 1 process with grad_accum 2: the same micro-batches per step.
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_processes_match_one_process_with_the_same_global_batch(store, tmp_path, parallel):
+    """gloo DDP(2) / FSDP2(2) with grad_accum 1 vs 1 process with grad_accum 2: the same micro-batches per step.
 
-    Tolerance: fp32 gradients summed in a different order (all-reduce vs accumulation) differ by ~1e-7
-    relative per step; over 6 AdamW steps the losses agree to ~1e-5, far below the change one step makes.
+    Tolerance: fp32 gradients summed in a different order (all-reduce or reduce-scatter vs accumulation)
+    differ by ~1e-7 relative per step; over 6 AdamW steps the losses agree to ~1e-5, far below the change
+    one step makes. The exported drafters (gathered from the shards under FSDP) agree to the same order.
     """
     one, two = tmp_path / "one", tmp_path / "two"
     r = subprocess.run([*CLI, "train", *train_args(store, one, **{"max-steps": "6", "grad-accum": "2"})],
@@ -94,7 +97,7 @@ def test_ddp_two_processes_match_one_process_with_the_same_global_batch(store, t
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                         str(29500 + os.getpid() % 1000), "-m", "draftsmith.cli", "train",
-                        *train_args(store, two, **{"max-steps": "6", "grad-accum": "1"})],
+                        *train_args(store, two, **{"max-steps": "6", "grad-accum": "1", "parallel": parallel})],
                        capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "world 2" in r.stdout
@@ -103,6 +106,13 @@ def test_ddp_two_processes_match_one_process_with_the_same_global_batch(store, t
     assert a[6] < a[1], "training did not move the loss; parity would be vacuous"
     for step in a:
         assert b[step] == pytest.approx(a[step], rel=1e-4), (step, a[step], b[step])
+    from safetensors.torch import load_file
+
+    wa, wb = load_file(one / "drafter" / "model.safetensors"), load_file(two / "drafter" / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        assert wa[key].shape == wb[key].shape, key
+        assert torch.allclose(wa[key], wb[key], rtol=1e-3, atol=1e-5), key
 
 
 def test_online_training_sees_the_same_features_as_the_store(tiny_target, tmp_path):

@@ -88,10 +88,11 @@ def hf_config(cfg: DrafterConfig, engine: str = "vllm", dtype: str = "float32",
     }
 
 
-def drafter_state(drafter: Eagle3Drafter, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The exported tensors, in the checkpoint's key names."""
+def drafter_state(drafter: Eagle3Drafter, dtype: torch.dtype | None = None,
+                  state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The exported tensors, in the checkpoint's key names (from `state` when given: an FSDP-gathered one)."""
     out = {}
-    for name, tensor in drafter.state_dict().items():
+    for name, tensor in (drafter.state_dict() if state is None else state).items():
         if name in NOT_EXPORTED:
             continue
         t = tensor.detach().cpu()
@@ -102,11 +103,13 @@ def drafter_state(drafter: Eagle3Drafter, dtype: torch.dtype | None = None) -> d
 
 
 def save_drafter(drafter: Eagle3Drafter, path: Path, engine: str = "vllm", dtype: str = "float32",
-                 extra: dict[str, Any] | None = None) -> Path:
-    """Write config.json and model.safetensors (to temporary names, then renamed)."""
+                 extra: dict[str, Any] | None = None, state: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write config.json and model.safetensors (to temporary names, then renamed).
+
+    `state`: the full state dict when the module's own is sharded (FSDP2 gathers it first)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    state = drafter_state(drafter, getattr(torch, dtype))
+    state = drafter_state(drafter, getattr(torch, dtype), state)
     save_file(state, str(path / (WEIGHTS + ".tmp")), metadata={"format": "pt"})
     os.replace(path / (WEIGHTS + ".tmp"), path / WEIGHTS)
     config = hf_config(drafter.config, engine, dtype, extra)

@@ -199,29 +199,32 @@ def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag_k: l
         (B, nh, T, hd).
     """
     B, nh, T, hd = q.shape
-    groups = nh // k0.shape[1]
+    nkv = k0.shape[1]
+    groups = nh // nkv
     scale = 1.0 / math.sqrt(hd)
     if not diag_k:
-        k0, v0 = k0.repeat_interleave(groups, 1), v0.repeat_interleave(groups, 1)
-        return F.scaled_dot_product_attention(q, k0, v0, is_causal=True, scale=scale)
-    dk = torch.stack(diag_k, dim=-2).repeat_interleave(groups, 1)  # (B, nh, T, i, hd)
-    dv = torch.stack(diag_v, dim=-2).repeat_interleave(groups, 1)  # (B, nh, T, i, hd)
+        return F.scaled_dot_product_attention(q, k0, v0, is_causal=True, scale=scale, enable_gqa=groups > 1)
+    # Diagonal scores per KV group, without repeating K/V per query head.
+    qg = q.view(B, nkv, groups, T, hd)
+    dk = torch.stack(diag_k, dim=-2)  # (B, nkv, T, i, hd)
+    dv = torch.stack(diag_v, dim=-2)  # (B, nkv, T, i, hd)
     acc = torch.promote_types(q.dtype, torch.float32)  # softmax statistics in at least fp32
-    d = torch.einsum("bhtd,bhtjd->bhtj", q, dk).to(acc) * scale  # (B, nh, T, i)
-    a = torch.logsumexp(d, dim=-1)  # (B, nh, T)
+    d = torch.einsum("bkgtd,bktjd->bkgtj", qg, dk).to(acc) * scale  # (B, nkv, g, T, i)
+    a = torch.logsumexp(d, dim=-1).reshape(B, nh, T)  # (B, nh, T)
     a_hi = a.to(q.dtype).to(acc)
     a_lo = a - a_hi
     pad = 8 - (hd % 8) if hd % 8 else 8  # room for 2 channels; keep the head dim a multiple of 8
     # Queries: [q, a_hi/scale, a_lo/scale, 0...], with one dummy query row in front (dropped below).
     q_ext = torch.cat([q, (torch.stack([a_hi, a_lo], -1) / scale).to(q.dtype), q.new_zeros(B, nh, T, pad - 2)], -1)
     q_ext = F.pad(q_ext, (0, 0, 1, 0))  # (B, nh, T+1, hd+pad)
-    k_ext = F.pad(k0.repeat_interleave(groups, 1), (0, pad, 1, 0))  # summary key at index 0, zeros for now
+    k_ext = F.pad(k0, (0, pad, 1, 0))  # (B, nkv, T+1, hd+pad): summary key at index 0, zeros for now
     k_ext[:, :, 0, hd:hd + 2] = 1.0
-    v_ext = F.pad(v0.repeat_interleave(groups, 1), (0, pad, 1, 0))
+    v_ext = F.pad(v0, (0, pad, 1, 0))
     v_ext[:, :, 0, hd] = 1.0
-    out = F.scaled_dot_product_attention(q_ext, k_ext, v_ext, is_causal=True, scale=scale)[:, :, 1:]  # (B, nh, T, hd+pad)
+    out = F.scaled_dot_product_attention(q_ext, k_ext, v_ext, is_causal=True, scale=scale,
+                                         enable_gqa=groups > 1)[:, :, 1:]  # (B, nh, T, hd+pad)
     share = out[..., hd:hd + 1]  # (B, nh, T, 1): the diagonal keys' total probability
-    diag = torch.einsum("bhtj,bhtjd->bhtd", torch.softmax(d, -1).to(q.dtype), dv)  # (B, nh, T, hd)
+    diag = torch.einsum("bkgtj,bktjd->bkgtd", torch.softmax(d, -1).to(q.dtype), dv).reshape(B, nh, T, hd)
     return out[..., :hd] + share * diag
 
 
@@ -301,6 +304,32 @@ class TTTOutput:
         return (self.correct & self.valid).sum(dim=(1, 2))
 
 
+class SoftCrossEntropy(torch.autograd.Function):
+    """Per-row soft cross-entropy -sum_v p_v log softmax(z)_v = s * logsumexp(z) - sum_v p_v z_v, s = sum_v p_v.
+
+    Fused by hand so that no fp32 log-probabilities of shape (B, T, Vd) are kept for the backward
+    (7 TTT steps x T x Vd x 4 bytes: 7.3 GB at T = 8192, Vd = 32k): the backward recomputes
+    softmax(z) from the saved logits and the row's logsumexp, and its gradient is (s softmax(z) - p) g.
+
+    Args: logits (..., Vd) any float dtype; p (..., Vd) fp32 target probabilities (not differentiated).
+    Returns: (...) fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        z = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        lse = torch.logsumexp(z, dim=-1)  # (...)
+        s = p.sum(-1)
+        ctx.save_for_backward(logits, p, lse, s)
+        return s * lse - (p * z).sum(-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        logits, p, lse, s = ctx.saved_tensors
+        g = (torch.exp(logits.to(lse.dtype) - lse[..., None]) * s[..., None] - p) * grad[..., None]
+        return g.to(logits.dtype), None
+
+
 def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
     """x[:, n:] padded with zeros at the end to the same length (B, T, ...)."""
     if n == 0:
@@ -356,8 +385,7 @@ def ttt_forward(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tens
     for i in range(steps):
         logits, h = drafter.step(shift_left(input_ids, 1 + i), h, positions + i, cache, first=i == 0)
         n = T - 1 - i  # indices t whose target (the target's softmax at t+1+i) exists; views, no copies
-        log_q = torch.log_softmax(logits[:, :n].float(), dim=-1)  # (B, n, Vd)
-        ce = -(p_target[:, 1 + i:] * log_q).sum(-1)  # (B, n)
+        ce = SoftCrossEntropy.apply(logits[:, :n], p_target[:, 1 + i:])  # (B, n)
         weight = valid[i, :, :n] & in_vocab[:, 1 + i:]
         step_sum = (ce * weight).sum()
         loss = loss + (decay ** i) * step_sum / denominators[i].clamp(min=1)

@@ -30,7 +30,7 @@ from draftsmith.capture import group_by_tokens
 from draftsmith.checkpoint import load_drafter, save_drafter
 from draftsmith.drafter import TTT_STEP_LOSS_DECAY, TTT_STEPS, DrafterConfig, Eagle3Drafter, TTTOutput, simulated_acceptance
 from draftsmith.errors import DraftsmithError
-from draftsmith.features import Batch, FeatureSource, OnlineSource, StoreSource
+from draftsmith.features import Batch, FeatureSource, OnlineSource, StoreSource, feature_dtype
 from draftsmith.vocab import build_draft_vocab, default_draft_vocab_size
 
 EVAL_SPLIT_SEED = 1234  # fixed: the held-back samples do not move when --seed changes
@@ -89,6 +89,12 @@ class TrainConfig:
     """auto (cuda if available), cpu, cuda, cuda:1, ..."""
     init_from: str | None = None
     """Start from an existing draftsmith drafter checkpoint (same target and vocabulary size)."""
+    compile: bool = False
+    """torch.compile the drafter's TTT step (fuses its elementwise work; for GPU runs, where it pays back the
+    compile time; varying sequence lengths recompile once, then run with dynamic shapes)."""
+    parallel: str = "ddp"
+    """Under torchrun: ddp (each rank holds the whole drafter) or fsdp (FSDP2 `fully_shard`: weights,
+    gradients and AdamW state sharded across ranks, for drafters whose training state does not fit one device)."""
 
     def __post_init__(self):
         if (self.store is None) == (self.conversations is None):
@@ -98,6 +104,9 @@ class TrainConfig:
         if self.ttt_steps < 1 or not 0 < self.step_loss_decay <= 1:
             raise DraftsmithError("bad TTT settings", got=f"--ttt-steps {self.ttt_steps}, --step-loss-decay "
                                   f"{self.step_loss_decay}", expected="steps >= 1, 0 < decay <= 1", fix="fix the flags")
+        if self.parallel not in ("ddp", "fsdp"):
+            raise DraftsmithError("unknown --parallel", got=self.parallel, expected="ddp or fsdp",
+                                  fix="pass --parallel ddp (default) or --parallel fsdp")
 
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
@@ -144,7 +153,8 @@ def pick_device(name: str) -> torch.device:
 class Trainer:
     """Holds the run's state; `run()` is the loop."""
 
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: TrainConfig, data: FeatureSource | None = None):
+        """`data` replaces the source named by cfg (benchmarks feed synthetic features of real shapes)."""
         self.cfg = cfg
         self.out = Path(cfg.out)
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -156,18 +166,27 @@ class Trainer:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
         self.autocast = self.device.type == "cuda"  # bf16 autocast, fp32 master weights
-        self.data: FeatureSource = (StoreSource(Path(cfg.store)) if cfg.store else
-                                    OnlineSource(Path(cfg.conversations), cfg.target, cfg.aux_ids, cfg.max_length,
-                                                 self.device))
+        self.data: FeatureSource = data or (StoreSource(Path(cfg.store)) if cfg.store else
+                                            OnlineSource(Path(cfg.conversations), cfg.target, cfg.aux_ids, cfg.max_length,
+                                                         self.device))
         self.train_idx, self.eval_idx = split_indices(len(self.data), cfg.eval_fraction)
         self.drafter = self.build_drafter().to(self.device)
-        self.target_head = self.data.target_head().to(self.device)
-        params = [p for p in self.drafter.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        # In the features' dtype (bf16 on GPU: ttt_forward computes in it anyway; half the memory of fp32).
+        self.target_head = self.data.target_head().to(self.device, feature_dtype(self.device))
+        if cfg.compile:
+            self.drafter.step = torch.compile(self.drafter.step)
+        self.fsdp = self.world > 1 and cfg.parallel == "fsdp"
         self.model = self.drafter
-        if self.world > 1:
+        if self.fsdp:  # shards the drafter's parameters in place; the optimizer then holds only this rank's shard
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(self.drafter)
+        elif self.world > 1:
             self.model = torch.nn.parallel.DistributedDataParallel(
                 self.drafter, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
+                                           fused=self.device.type == "cuda")
         per_step = self.world * cfg.grad_accum
         self.steps_per_epoch = max(1, len(micro_batches(self.train_idx, self.data.lengths, cfg.batch_tokens,
                                                         cfg.seed, 0)) // per_step)
@@ -230,8 +249,12 @@ class Trainer:
         total_loss = torch.zeros((), device=self.device)
         for i, batch in enumerate(batches):
             out = self.forward(batch, denom)
-            scale = float(self.world)  # DDP averages gradients over ranks; the loss is already global
-            if self.world > 1 and i < len(batches) - 1:
+            scale = float(self.world)  # DDP and FSDP average gradients over ranks; the loss is already global
+            last = i == len(batches) - 1
+            if self.fsdp:
+                self.drafter.set_requires_gradient_sync(last)
+                (out.loss * scale).backward()
+            elif self.world > 1 and not last:
                 with self.model.no_sync():
                     (out.loss * scale).backward()
             else:
@@ -241,6 +264,8 @@ class Trainer:
             correct += out.correct_count
             count += out.count
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.clip)
+        if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
+            grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
         stats = torch.cat([total_loss.view(1), loss_sum, correct, count])
         if self.world > 1:
@@ -276,12 +301,25 @@ class Trainer:
 
     # -- checkpoints ----------------------------------------------------------------------------------
 
+    def full_states(self) -> tuple[dict | None, dict]:
+        """(model state or None for the module's own, optimizer state); under FSDP gathered on every rank
+        (a collective: all ranks call it) into full, unsharded tensors keyed by parameter name."""
+        if not self.fsdp:
+            return None, self.optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return (get_model_state_dict(self.drafter, options=options),
+                get_optimizer_state_dict(self.drafter, self.optimizer, options=options))
+
     def save(self, name: str) -> Path:
         path = self.out / "checkpoints" / name
+        model_state, optim_state = self.full_states()
         if self.rank == 0:
             save_drafter(self.drafter, path, extra={"trained_steps": self.step, "store": self.cfg.store,
-                                                    "target": self.data.target_name})
-            state = {"step": self.step, "optimizer": self.optimizer.state_dict(),
+                                                    "target": self.data.target_name}, state=model_state)
+            state = {"step": self.step, "optimizer": optim_state, "optimizer_layout": "fsdp" if self.fsdp else "torch",
                      "rng_cpu": torch.get_rng_state(), "rng_python": random.getstate()}
             if torch.cuda.is_available():
                 state["rng_cuda"] = torch.cuda.get_rng_state_all()
@@ -299,9 +337,22 @@ class Trainer:
             return False
         path = self.out / "checkpoints" / latest.read_text().strip()
         drafter = load_drafter(path, self.data.embed_tokens())
-        self.drafter.load_state_dict(drafter.state_dict())
         state = torch.load(path / "training_state.pt", weights_only=True)
-        self.optimizer.load_state_dict(state["optimizer"])
+        layout = state.get("optimizer_layout", "torch")
+        if layout != ("fsdp" if self.fsdp else "torch"):
+            raise DraftsmithError("checkpoint written under another --parallel mode", got=f"{layout} optimizer state in {path}",
+                                  expected="fsdp" if self.fsdp else "ddp / single process",
+                                  fix="resume with the --parallel mode the run was started with")
+        if self.fsdp:
+            from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                                 set_optimizer_state_dict)
+
+            options = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(self.drafter, drafter.state_dict(), options=options)
+            set_optimizer_state_dict(self.drafter, self.optimizer, state["optimizer"], options=options)
+        else:
+            self.drafter.load_state_dict(drafter.state_dict())
+            self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
         torch.set_rng_state(state["rng_cpu"])
         random.setstate(state["rng_python"])
@@ -343,10 +394,11 @@ class Trainer:
                     self.save(f"step-{self.step:06d}")
         result = self.evaluate()
         self.log_eval(result)
+        model_state, _ = self.full_states()
         if self.rank == 0:
             save_drafter(self.drafter, self.out / "drafter", extra={"trained_steps": self.step, "store": self.cfg.store,
                                                                    "target": self.data.target_name,
-                                                                   "eval": asdict(result)})
+                                                                   "eval": asdict(result)}, state=model_state)
         return result
 
     def log_eval(self, result: EvalResult) -> None:
@@ -386,6 +438,7 @@ def add_parser(sub) -> None:
                            "  draftsmith train --store runs/demo/store --out runs/demo/train --epochs 2 --lr 5e-4\n"
                            "  draftsmith train --conversations conv.jsonl --target smollm2 --out runs/online   # online\n"
                            "  torchrun --nproc-per-node 2 -m draftsmith train --store STORE --out OUT          # DDP\n"
+                           "  torchrun --nproc-per-node 8 -m draftsmith train --store STORE --out OUT --parallel fsdp\n"
                            "A killed run resumes from its last checkpoint when the same command is run again."))
     from draftsmith.cli import field_docs
 
@@ -397,6 +450,8 @@ def add_parser(sub) -> None:
             p.add_argument(flag, default=None, help="online only: boundary aux ids, e.g. 2,15,27 (default 2,N//2,N-3)")
         elif f.type in ("int", "int | None"):
             p.add_argument(flag, type=int, default=f.default, help=doc)
+        elif f.type == "bool":
+            p.add_argument(flag, action="store_true", help=docs.get(f.name, ""))
         elif f.type in ("float",):
             p.add_argument(flag, type=float, default=f.default, help=doc)
         else:
