@@ -215,7 +215,9 @@ def target_forward(target, ids: torch.Tensor, pos: torch.Tensor, cache, allowed:
         mask = torch.zeros(allowed.shape, dtype=target.dtype, device=ids.device)
         mask = mask.masked_fill(~allowed, torch.finfo(target.dtype).min)[:, None]
     else:
-        mask = allowed[:, None]  # (B, 1, n, S+n); transformers passes a 4D mask to attention as is
+        # (B, 1, n, S+n): a 4D mask reaches attention as is (transformers 5.24 masking_utils.py
+        # `_preprocess_mask_arguments`: "If the mask is already 4D, simply return as-is"); SDPA reads True = attend
+        mask = allowed[:, None]
     out = target(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=cache, use_cache=True,
                  output_hidden_states=bool(aux_ids), logits_to_keep=1 if last_only else 0)
     aux = torch.cat([out.hidden_states[i] for i in aux_ids], dim=-1) if aux_ids else ids.new_zeros(*ids.shape, 0)
