@@ -359,18 +359,20 @@ def test_live_vllm_cpu_broken_drafter_is_named_the_moment_it_dies(tmp_path, reco
     log, seen, stop = tmp_path / "bad.log", {}, threading.Event()
     watcher = threading.Thread(target=watch_for, args=(log, b"AssertionError: Tried to load weights", seen, stop))
     env = {**os.environ, **VLLM_CPU_ENV, "HF_HUB_OFFLINE": "1"}
-    launcher = launch_cli(["--log", str(log), "--timeout", "900", "--stall-timeout", "600", "--",
-                           *bad.command(python)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    with open(tmp_path / "launch.err", "w") as err_file:
+        launcher = launch_cli(["--log", str(log), "--timeout", "900", "--stall-timeout", "600", "--",
+                               *bad.command(python)], stdout=subprocess.PIPE, stderr=err_file, env=env)
     watcher.start()
     try:
         first = launcher.stdout.readline()  # launch prints its report in one go once it has decided
         reported_at = time.monotonic()
-        out, err = launcher.communicate(timeout=120)
+        out = first + launcher.stdout.read()  # the rest of the report, until launch exits
+        launcher.wait(timeout=120)
     finally:
         stop.set()
         if launcher.poll() is None:
             kill_leftovers(launcher, set())
-    out = first + out
+    err = (tmp_path / "launch.err").read_text()
     assert launcher.returncode == EXIT_CODES["crashed"] == 3, out + err + log.read_text()[-3000:]
     assert first.startswith("crashed after") and "in phase loading drafter" in first
     assert "engine exit code" not in out  # named from the worker's traceback while the API server still ran

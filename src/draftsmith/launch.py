@@ -330,11 +330,15 @@ def run_launch(args) -> int:
                               fix="pass the file the engine writes its stdout and stderr to")
     url = args.url or (None if args.attach else url_from_command(cmd))
     hook, live = _console_hook()  # before the engine starts: a Ctrl-C during this import would orphan it
-    proc = res = previous = None
+    proc = res = None
+    previous: dict[int, object] = {}
     try:
         if not args.attach:
-            with contextlib.suppress(ValueError):  # not the main thread
-                previous = signal.signal(signal.SIGTERM, _interrupt)  # `kill` on launch acts like Ctrl-C
+            # `kill` acts like Ctrl-C; and Ctrl-C / `kill -INT` always stops launch, even when it inherited
+            # SIGINT as ignored (a background job of a shell without job control, e.g. `nohup ... &`).
+            for sig, handler in ((signal.SIGTERM, _interrupt), (signal.SIGINT, signal.default_int_handler)):
+                with contextlib.suppress(ValueError):  # not the main thread
+                    previous[sig] = signal.signal(sig, handler)
             proc = spawn(cmd, log)
         with live:
             res = supervise(log, url, proc, args.timeout, args.stall_timeout, hook)
@@ -350,5 +354,5 @@ def run_launch(args) -> int:
     finally:
         if proc and not (args.detach and res is not None and res.status == "ready"):
             stop_tree(proc)
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
