@@ -274,16 +274,15 @@ def write_result(rows: dict[str, dict]) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT / "src"))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", nargs="*", help="scenario names to run (merged into the existing result file)")
+    ap.add_argument("--only", nargs="*", help="scenario names to run, in this order (merged into the existing result file)")
     ap.add_argument("--keep-logs", type=Path, help="copy each engine log into this folder")
     args = ap.parse_args(argv)
     old = json.loads(RESULT.read_text())["rows"] if args.only and RESULT.exists() else []
     rows = {r["scenario"]: r for r in old}
     work = Path(tempfile.mkdtemp(prefix="check-vs-vllm-"))
     try:
-        for sc in SCENARIOS:
-            if args.only and sc.name not in args.only:
-                continue
+        by_name = {sc.name: sc for sc in SCENARIOS}
+        for sc in [by_name[n] for n in args.only] if args.only else SCENARIOS:  # in the order given
             target = make_target(sc.target, work / sc.name)
             drafter = write_drafter(work / sc.name / sc.drafter_dirname, sc.config, sc.tensors)
             row = {"scenario": sc.name, "what": sc.what, "target": sc.target, "speculative_config": sc.spec,
