@@ -191,13 +191,13 @@ class SyntheticSource:
     """Random features of Llama-3.1-8B shapes for the real Trainer (FeatureSource protocol), seeded per sample,
     so every rank and every run sees the same sample k."""
 
-    def __init__(self, samples: int, seq: int, device: torch.device):
+    def __init__(self, samples: int, seq: int, device: torch.device, dtype: torch.dtype | None = None):
         from draftsmith.target import describe_target
 
         cfg = llama8b_drafter()
         self.target_spec = describe_target(llama8b_target_config().to_dict())
         self.target_name, self.aux_ids, self.lengths = "synthetic-llama-3.1-8b", cfg.aux_layer_ids, [seq] * samples
-        self.seq, self.device = seq, device
+        self.seq, self.device, self.dtype = seq, device, dtype
         self.V, self.H = self.target_spec.vocab_size, self.target_spec.hidden_size
         g = torch.Generator(device=device).manual_seed(0)
         self._head = (torch.randn(self.V, self.H, device=device, generator=g) * 0.02).to(torch.bfloat16)
@@ -211,7 +211,7 @@ class SyntheticSource:
         out = []
         for k in indices:
             g = torch.Generator(device=device).manual_seed(1000 + k)
-            dtype = feature_dtype(device)
+            dtype = self.dtype or feature_dtype(device)
             aux = torch.randn(1, self.seq, 3 * self.H, device=device, generator=g, dtype=dtype)
             last = torch.randn(1, self.seq, self.H, device=device, generator=g, dtype=dtype)
             ids = torch.randint(0, self.V, (1, self.seq), device=device, generator=g)
@@ -242,14 +242,18 @@ def bench_trainer(args) -> None:
     if cuda:
         torch.cuda.set_device(device)
     cfg = TrainConfig(out=f"/tmp/bench_trainer_{args.parallel}_{world}_{args.grad_accum}", store="<synthetic>",
-                      draft_vocab_size=llama8b_drafter().draft_vocab_size, lr=1e-4, warmup_ratio=0.0, clip=0.5, batch_tokens=args.seq,
+                      draft_vocab_size=llama8b_drafter().draft_vocab_size, lr=1e-4, warmup_ratio=0.0, clip=args.clip, batch_tokens=args.seq,
                       grad_accum=args.grad_accum, max_steps=args.steps, eval_fraction=0.0, eval_every=10**9,
                       save_every=10**9, log_every=10**9, parallel=args.parallel, device=str(device),
                       compile=args.compile)
     import shutil
 
     shutil.rmtree(cfg.out, ignore_errors=True)
-    trainer = Trainer(cfg, data=SyntheticSource(args.steps * world * args.grad_accum + 8, args.seq, device))
+    trainer = Trainer(cfg, data=SyntheticSource(args.steps * world * args.grad_accum + 8, args.seq, device,
+                                                torch.float32 if args.fp32 else None))
+    if args.fp32:  # no bf16 autocast: isolates rounding of bf16 GEMMs from the parallel scheme in parity runs
+        trainer.autocast = False
+        trainer.target_head = trainer.target_head.float()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     records = []
@@ -261,11 +265,12 @@ def bench_trainer(args) -> None:
         ms = timed[len(timed) // 2]
         tokens = records[-1]["tokens"]
         print(json.dumps({"mode": "trainer", "parallel": args.parallel if world > 1 else "single", "world": world,
-                          "compiled": args.compile,
+                          "compiled": args.compile, "fp32": args.fp32,
                           "grad_accum": args.grad_accum, "seq": args.seq, "step_ms": ms,
                           "tokens_per_s": tokens / ms * 1000, "tokens_per_s_per_gpu": tokens / ms * 1000 / world,
                           "peak_gb_rank0": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
-                          "losses": [round(r["loss"], 6) for r in records]}), flush=True)
+                          "losses": [round(r["loss"], 6) for r in records],
+                          "grad_norms": [round(r["grad_norm"], 6) for r in records]}), flush=True)
     if world > 1:
         import torch.distributed as dist
 
@@ -286,6 +291,8 @@ def main() -> None:
     ap.add_argument("--parallel", default="ddp")
     ap.add_argument("--grad-accum", type=int, default=1)
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--clip", type=float, default=0.5, help="trainer mode: gradient-norm clip")
+    ap.add_argument("--fp32", action="store_true", help="trainer mode without bf16 autocast (parity checks)")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of the trainer mode")
     args = ap.parse_args()
     if args.trainer:

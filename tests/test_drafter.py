@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from draftsmith.drafter import DrafterConfig, Eagle3Drafter, simulated_acceptance, step_masks, ttt_attention, ttt_forward
+from draftsmith.drafter import (DrafterConfig, Eagle3Drafter, TTTOutput, simulated_acceptance, step_masks, ttt_attention,
+                                ttt_forward)
 from draftsmith.vocab import build_draft_vocab, default_draft_vocab_size
 
 
@@ -140,3 +141,15 @@ def test_soft_cross_entropy_matches_log_softmax_form_in_value_and_gradient():
     (g_ref,) = torch.autograd.grad((ref * w).sum(), z)
     assert torch.allclose(g_ours, g_ref, atol=1e-12)
     assert torch.autograd.gradcheck(lambda x: SoftCrossEntropy.apply(x, p), (z,))
+
+
+def test_ttt_output_is_a_pytree_so_fsdp2_can_hook_its_backward():
+    """FSDP2 finds forward outputs by pytree traversal; an opaque TTTOutput let ranks step on unreduced
+    gradients on CUDA (docs/gpu.md). The loss must be among the leaves it sees."""
+    import torch.utils._pytree as pytree
+
+    out = TTTOutput(loss=torch.tensor(1.0, requires_grad=True), loss_sum=torch.zeros(2),
+                    correct=torch.zeros(2, 1, 3, dtype=torch.bool), valid=torch.ones(2, 1, 3, dtype=torch.bool))
+    leaves, spec = pytree.tree_flatten(out)
+    assert any(leaf is out.loss for leaf in leaves)
+    assert pytree.tree_unflatten(leaves, spec) == out

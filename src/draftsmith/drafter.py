@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch import nn
 
 from draftsmith.target import TargetSpec
@@ -328,6 +329,13 @@ class SoftCrossEntropy(torch.autograd.Function):
         logits, p, lse, s = ctx.saved_tensors
         g = (torch.exp(logits.to(lse.dtype) - lse[..., None]) * s[..., None] - p) * grad[..., None]
         return g.to(logits.dtype), None
+
+
+# FSDP2 finds a forward's output tensors by pytree traversal and hooks its pre-backward work on them,
+# including the root's end-of-backward wait for the gradient reduce-scatter. Without this registration it
+# cannot see into TTTOutput: on CUDA (asynchronous reduce-scatter) each rank then stepped on its own
+# unreduced gradient (grad norm sqrt(2) x the single-GPU one on 2 H200s); synchronous gloo hid it on CPU.
+pytree.register_dataclass(TTTOutput)
 
 
 def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
