@@ -235,7 +235,7 @@ def test_launch_and_bench_in_vllm_cpu_fill_the_report(small_run, tmp_path):
     engine_python("vllm")  # fails (does not skip) when the engine venv is missing
     run = copy_run(small_run, tmp_path / "run")
     # the small run's own saved config, with the engine stages back on: only they are new
-    r = subprocess.run([*CLI, str(run / "run_config.yaml"), "--out", str(run), "skip=[]", "bench.num_prompts=2",
+    r = subprocess.run([*CLI, "--out", str(run), str(run / "run_config.yaml"), "skip=[]", "bench.num_prompts=2",
                         "bench.max_tokens=24", "launch.timeout_s=600"], capture_output=True, text=True)
     assert r.returncode in (0, 1), r.stdout[-3000:] + r.stderr[-3000:]  # 1 = bench said no-go
     summary = json.loads((run / "summary.json").read_text())
