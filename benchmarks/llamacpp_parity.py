@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -55,6 +57,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--skip-eval", action="store_true", help="engines only (eval takes minutes on a loaded CPU)")
     ap.add_argument("--save-metrics", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
@@ -76,23 +79,36 @@ def main() -> None:
                     "dtype": "float32", "host": platform.node(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "command": "flock /tmp/draftsmith-engine.lock .venv/bin/python benchmarks/llamacpp_parity.py "
                                f"--drafter {args.drafter} --k {args.k} --prompts {args.prompts} --max-tokens {args.max_tokens}"}
-    [ours] = run_eval("smollm2", args.drafter, "eval", [args.k], args.prompts, 0.0, args.max_tokens, "vllm", "float32",
-                      True, 0)
-    result["eval"] = {"tau": ours.tau, "per_position": ours.per_position, "verify_steps": ours.verify_steps,
-                      "identical_to_target": ours.identical_to_target}
+    if not args.skip_eval:
+        [ours] = run_eval("smollm2", args.drafter, "eval", [args.k], args.prompts, 0.0, args.max_tokens, "vllm",
+                          "float32", True, 0)
+        result["eval"] = {"tau": ours.tau, "per_position": ours.per_position, "verify_steps": ours.verify_steps,
+                          "identical_to_target": ours.identical_to_target}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         gguf = export(args.drafter, tmp / "llamacpp", "llamacpp", "float32", args.k, str(target))
         manifest = json.loads((gguf / "llamacpp.json").read_text())
+        with llamacpp.serve(llamacpp.LlamaServe(Path(manifest["target_gguf"])), tmp / "plain.log") as base:
+            plain = [llamacpp.complete(base, ids, args.max_tokens) for ids in prompts]
         spec = llamacpp.LlamaServe(Path(manifest["target_gguf"]), gguf / manifest["drafter_gguf"], k=args.k)
         with llamacpp.serve(spec, tmp / "llama.log") as base:
             before = metrics_text(base)
             done = [llamacpp.complete(base, ids, args.max_tokens) for ids in prompts]
             time.sleep(0.5)
             after = metrics_text(base)
+            bench = subprocess.run([sys.executable, "-m", "draftsmith.cli", "bench", "--endpoint", base, "--num-prompts",
+                                    "2", "--concurrency", "1", "--max-tokens", "32", "--warmup", "0", "--json"],
+                                   capture_output=True, text=True)
+        log = (tmp / "llama.log").read_text(errors="replace")
         result["llamacpp"] = window(before, after) | {
             "timings_draft_n": sum(c.draft_n for c in done), "timings_draft_n_accepted": sum(c.draft_n_accepted for c in done),
+            "tokens_equal_to_llamacpp_without_drafter": [c.tokens == p.tokens for c, p in zip(done, plain)],
+            "extract_layers_line": next((ln.strip() for ln in log.splitlines() if "extract_layers =" in ln), None),
             "texts": [tok.decode(c.tokens, skip_special_tokens=True) for c in done]}
+        try:
+            result["bench_acceptance"] = json.loads(bench.stdout)["acceptance"]
+        except (json.JSONDecodeError, KeyError):
+            result["bench_acceptance"] = {"error": bench.stderr[-1500:]}
         if args.save_metrics:
             args.save_metrics.mkdir(parents=True, exist_ok=True)
             (args.save_metrics / "llamacpp_spec_before.prom").write_text(before)

@@ -131,6 +131,18 @@ def test_server_command_drafts_exactly_k_on_loopback_with_metrics():
     assert "-md" not in llamacpp.LlamaServe(Path("t.gguf")).command(Path("llama-server"))
 
 
+def test_real_llama_server_metrics_parse_to_the_shared_definition():
+    """Captured from llama-server (llama-cpp-python 0.3.36) serving SmolLM2 with an EAGLE-3 drafter, k=3."""
+    before = parse_spec_counters((FIXTURES / "llamacpp_spec_before.prom").read_text())
+    after = parse_spec_counters((FIXTURES / "llamacpp_spec_after.prom").read_text())
+    assert before[0] == after[0] == "llamacpp"
+    window = after[1].minus(before[1])
+    acc = acceptance_from_counters(window, "llamacpp")
+    assert acc.num_speculative_tokens == 3 and window.drafts > 0
+    assert sum(window.accepted_per_pos) == window.accepted  # each accepted token counted at its position
+    assert acc.tau == pytest.approx(1 + window.accepted / window.drafts)
+
+
 # ---------------------------------------------------------------- e2e: llama.cpp's own converter
 
 @pytest.mark.e2e
@@ -192,8 +204,7 @@ def test_llama_server_serves_the_exported_drafter_losslessly_with_the_acceptance
         r = subprocess.run([sys.executable, "-m", "draftsmith.cli", "bench", "--endpoint", base, "--num-prompts", "2",
                             "--concurrency", "1", "--max-tokens", "32", "--warmup", "0", "--json"],
                            capture_output=True, text=True, timeout=900)
-    log = (tmp_path / "spec.log").read_text(errors="replace")
-    assert "EAGLE3 extract_layers = [2, 15, 27]" in log, log[-3000:]
+    assert llamacpp.read_gguf(out / manifest["drafter_gguf"]).target_layers == (2, 15, 27)
     # (a) lossless: with the drafter, exactly llama-server's own greedy tokens, and the same text as
     # draftsmith's transformers reference (fp32 weights on both sides: the target GGUF is f32)
     assert [c.tokens for c in served] == [c.tokens for c in plain]
