@@ -254,3 +254,18 @@ def test_launch_and_bench_in_vllm_cpu_fill_the_report(small_run, tmp_path):
     assert "## Throughput" in (run / "report.md").read_text()
     out = subprocess.run(["pgrep", "-f", str(run / "export-vllm")], capture_output=True, text=True).stdout
     assert not out.strip(), "a vLLM server of this run is still running"
+
+
+def test_verdict_uses_parity_to_rule_out_a_misread_drafter():
+    """bench alone reads tau ~1 as a wiring fault; when the reference decoder measured the same tau, the report
+    says the engine reads the drafter right (and keeps the bench reason when the two disagree)."""
+    from draftsmith.report import decide
+
+    bench = {"verdict": {"decision": "no-go", "reasons": ["tau 1.10: ... the engine reads wrong (aux ...)", "slower"],
+                         "next_steps": []}}
+    close = decide({"bench": bench, "parity": {"k": 3, "engine_tau": 1.10, "reference_tau": 1.09, "difference": 0.01}})
+    assert close["decision"] == "no-go"
+    assert not any("reads wrong" in r for r in close["reasons"])
+    assert "reads the drafter as trained" in close["reasons"][0] and "slower" in close["reasons"]
+    far = decide({"bench": bench, "parity": {"k": 3, "engine_tau": 1.10, "reference_tau": 2.4, "difference": -1.3}})
+    assert any("reads wrong" in r for r in far["reasons"])

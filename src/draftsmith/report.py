@@ -135,6 +135,9 @@ def bench_summary(data: dict | None) -> dict | None:
             "settings": {k: s[k] for k in ("prompts", "num_prompts", "max_tokens", "temperature", "warmup")}}
 
 
+PARITY_TOLERANCE = 0.25  # engine vs reference tau: the bound the engine tier of the tests holds vLLM to
+
+
 def parity(ev: dict | None, bench: dict | None) -> dict | None:
     """The engine's tau next to the reference decoder's at the same k."""
     if not ev or not bench or bench.get("tau") is None:
@@ -159,8 +162,15 @@ def decide(doc: dict) -> dict:
                 "reasons": [failed["error"].splitlines()[0]] + reasons}
     if doc.get("bench"):
         v = doc["bench"]["verdict"]
+        why, p = list(v["reasons"]), doc.get("parity")
+        if p and p["reference_tau"] is not None and abs(p["difference"]) <= PARITY_TOLERANCE:
+            # bench alone cannot tell a misread drafter from a weak one; the reference decoder reads it as trained,
+            # so an engine tau this close to the reference's rules the wiring fault out.
+            why = [r for r in why if "reads wrong" not in r]
+            why.insert(0, f"engine tau {p['engine_tau']:.2f} matches the reference decoder's {p['reference_tau']:.2f} "
+                          f"at k={p['k']}: the engine reads the drafter as trained; the drafter itself accepts little")
         return {"decision": v["decision"], "source": "bench: vLLM with and without the drafter",
-                "reasons": v["reasons"] + reasons, "next_steps": v.get("next_steps", [])}
+                "reasons": why + reasons, "next_steps": v.get("next_steps", [])}
     ev = doc.get("eval")
     if ev:
         from draftsmith.bench import SPEEDUP_FLOOR, TAU_WIRING_FAULT
