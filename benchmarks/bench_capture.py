@@ -74,7 +74,7 @@ def main() -> None:
               "threads": torch.get_num_threads(), "dtype": args.dtype, "tokens": tokens, "batches": len(batches) - 1,
               "plain_forward_tokens_per_s": tokens / plain_s, "capture_tokens_per_s": tokens / capture_s,
               "ratio": plain_s / capture_s, "bytes_per_token_stored": bytes_per_token(h),
-              "bytes_per_token_usual_8H_bf16": 8 * h, "hidden_size": h}
+              "bytes_per_token_usual_8xHx2": 8 * h * 2, "hidden_size": h}
     out = Path("benchmarks/results/capture_cpu.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
