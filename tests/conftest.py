@@ -156,20 +156,15 @@ def small_run(tmp_path_factory) -> Path:
     return out
 
 
-def read_spec_counters(base: str) -> dict[str, float]:
-    """vLLM's `vllm:spec_decode_num_*_total` counters from /metrics (per-position ones keyed `name[pos]`)."""
+def read_spec_counters(base: str):
+    """vLLM's cumulative spec-decode counters from /metrics, through draftsmith.metrics' parser."""
     import urllib.request
 
-    from prometheus_client.parser import text_string_to_metric_families
+    from draftsmith.metrics import parse_spec_counters
 
-    text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
-    totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name.startswith("vllm:spec_decode_num_") and sample.name.endswith("_total"):
-                key = sample.name + (f"[{sample.labels['position']}]" if "position" in sample.labels else "")
-                totals[key] = totals.get(key, 0.0) + sample.value
-    return totals
+    parsed = parse_spec_counters(urllib.request.urlopen(base + "/metrics", timeout=10).read().decode())
+    assert parsed is not None, f"{base}/metrics has no spec-decode counters"
+    return parsed[1]
 
 
 @dataclass(frozen=True)
@@ -203,9 +198,8 @@ def serve_and_measure(drafter: Path, log: Path, k: int = E2E_K) -> Served:
                                                 max_tokens=ENGINE_MAX_TOKENS).choices[0].message.content
                  for p in load_prompts("eval", ENGINE_PROMPTS)]
         after = read_spec_counters(base)
-    delta = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in after}
-    return Served(texts, delta["vllm:spec_decode_num_drafts_total"],
-                  delta["vllm:spec_decode_num_accepted_tokens_total"], log.read_text(errors="replace"))
+    delta = after.minus(before)
+    return Served(texts, delta.drafts, delta.accepted, log.read_text(errors="replace"))
 
 
 def target_greedy_texts() -> list[str]:

@@ -24,6 +24,7 @@ Run: `draftsmith export runs/demo/train/drafter out-llamacpp --format llamacpp -
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -286,7 +287,7 @@ def serve(spec: LlamaServe, log: Path, timeout_s: float = 300.0) -> Iterator[str
     from draftsmith.engine import free_port, serve_process
 
     if spec.port == 0:
-        spec = LlamaServe(**{**spec.__dict__, "port": free_port()})
+        spec = dataclasses.replace(spec, port=free_port())
     with serve_process(spec.command(server_binary()), spec.port, log, timeout_s) as base:
         yield base
 
