@@ -408,3 +408,16 @@ def test_sigkill_mid_run_then_rerun_gives_every_id_exactly_once(server, tmp_path
     summary = json.loads(done.stdout)
     assert summary["ok"] and summary["done"] + summary["skipped"] == n, summary
     assert_exactly(out, {f"k{i}" for i in range(n)})
+
+
+def test_endpoint_backend_without_openai_says_how_to_install_it(tmp_path, monkeypatch):
+    """The local backend imports this module too; without the client only the endpoint backend refuses."""
+    import draftsmith.endpoints as endpoints
+    from draftsmith.errors import DraftsmithError
+    from draftsmith.prompts import Prompt
+
+    monkeypatch.setattr(endpoints, "openai", None)
+    with ConversationWriter(tmp_path / "c.jsonl") as writer, pytest.raises(DraftsmithError) as err:
+        endpoints.regenerate_endpoints_sync([Prompt("p0", [{"role": "user", "content": "hi"}])],
+                                            ["http://127.0.0.1:9/v1"], writer, endpoints.EndpointSettings())
+    assert "pip install" in err.value.fix and "openai" in str(err.value)

@@ -40,7 +40,10 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
-import openai
+try:
+    import openai
+except ImportError:  # the local backend and the summaries work without the client; the endpoint backend says so
+    openai = None
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
@@ -729,4 +732,7 @@ async def run_workers(run: _Run) -> None:
 def regenerate_endpoints_sync(prompts: list[Prompt], endpoints: list[str], writer: ConversationWriter,
                               settings: EndpointSettings) -> RegenerateSummary:
     """`regenerate_endpoints` for callers without an event loop."""
+    if openai is None:
+        raise DraftsmithError("the endpoint backend needs the openai client", got="no Python package 'openai'",
+                              expected="openai >= 1.40 (a draftsmith dependency)", fix="pip install 'openai>=1.40'")
     return asyncio.run(regenerate_endpoints(prompts, endpoints, writer, settings))

@@ -136,6 +136,7 @@ def add_parser(sub) -> None:
                    help=f"local default {LocalSettings.top_p}; endpoint default: the server's own")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--device", default="cpu", help="local backend: cpu, cuda, cuda:1, or auto (cuda when available)")
     p.add_argument("--reasoning", choices=("keep", "drop"), default="keep",
                    help="keep reasoning traces (as reasoning_content) or drop them from the data")
     e = p.add_argument_group("endpoint backend (API key from $DRAFTSMITH_API_KEY or $OPENAI_API_KEY)")
@@ -168,7 +169,7 @@ def run_regenerate(args) -> int:
         if len(writer.done) >= len({p.id for p in prompts}) and all(p.id in writer.done for p in prompts):
             print(f"regenerate: all {len(prompts)} prompts already in {args.out}")
             return 0
-        model, tokenizer = load_target(resolve_target(args.target), dtype=args.dtype)
+        model, tokenizer = load_target(resolve_target(args.target), dtype=args.dtype, device=args.device)
         summary = regenerate_local(prompts, model, tokenizer, writer, settings, args.reasoning, args.target)
     rate = summary.output_tokens / max(summary.seconds, 1e-9)
     print(f"regenerate: {summary.done} answered, {summary.skipped} already done, "

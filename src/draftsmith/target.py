@@ -273,7 +273,7 @@ def read_config(model_dir: Path) -> dict[str, Any]:
 
 
 def load_target(model_dir: Path, dtype: str = "float32", device: str = "cpu"):
-    """Load a causal LM and its tokenizer from a local directory, frozen, in eval mode.
+    """Load a causal LM and its tokenizer from a local directory, frozen, in eval mode, on `device` (auto: cuda if any).
 
     Returns:
         (model, tokenizer) as transformers objects.
@@ -281,6 +281,8 @@ def load_target(model_dir: Path, dtype: str = "float32", device: str = "cpu"):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
     model.to(device).eval().requires_grad_(False)
