@@ -127,3 +127,26 @@ def test_online_training_sees_the_same_features_as_the_store(tiny_target, tmp_pa
     off, on = losses(tmp_path / "off"), losses(tmp_path / "on")
     assert on[1] == pytest.approx(off[1], rel=2e-2)
     assert (tmp_path / "on" / "drafter" / "model.safetensors").exists()
+
+
+def test_every_step_of_every_epoch_gets_its_micro_batches():
+    """Regression (H200 run, 2026-11-30): epoch 0 fixes the steps per epoch; a later epoch's shuffle packed
+    into fewer micro-batches, its last step got none and train_step crashed. Steps now wrap around."""
+    import random
+
+    from draftsmith.train import micro_batches, rank_micro_batches
+
+    random.seed(0)
+    lengths = [random.randint(20, 900) for _ in range(120)]
+    plans = [micro_batches(list(range(120)), lengths, 2048, seed=0, epoch=e) for e in range(4)]
+    assert min(len(p) for p in plans[1:]) < len(plans[0])  # the premise: a later epoch packs tighter
+    for world, accum in ((1, 1), (2, 1), (2, 3)):
+        steps_per_epoch = len(plans[0]) // (world * accum)
+        for plan in plans:
+            for offset in range(steps_per_epoch):
+                per_rank = [rank_micro_batches(plan, offset, world, accum, r) for r in range(world)]
+                assert all(len(m) == accum and all(m) for m in per_rank)
+            # within an epoch, no micro-batch repeats until the plan is used up
+            used = [tuple(mb) for o in range(steps_per_epoch) for r in range(world)
+                    for mb in rank_micro_batches(plan, o, world, accum, r)]
+            assert len(set(used)) == min(len(used), len(plan))

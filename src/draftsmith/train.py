@@ -150,6 +150,18 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def rank_micro_batches(plan: list[list[int]], offset: int, world: int, grad_accum: int, rank: int) -> list[list[int]]:
+    """Rank `rank`'s `grad_accum` micro-batches of the epoch's step `offset`.
+
+    The number of steps per epoch is fixed from epoch 0's plan, but another epoch's shuffle can pack into
+    fewer micro-batches; its last steps then wrap around to the epoch's start, so every step of every rank
+    gets exactly `grad_accum` micro-batches (an empty step would crash, and uneven ranks would hang DDP).
+    """
+    per_step = world * grad_accum
+    mine = [plan[(offset * per_step + j) % len(plan)] for j in range(per_step)]
+    return mine[rank * grad_accum: (rank + 1) * grad_accum]
+
+
 class Trainer:
     """Holds the run's state; `run()` is the loop."""
 
@@ -226,9 +238,7 @@ class Trainer:
         """This rank's micro-batches for global step `step` (a pure function of the step)."""
         epoch, offset = divmod(step, self.steps_per_epoch)
         plan = micro_batches(self.train_idx, self.data.lengths, self.cfg.batch_tokens, self.cfg.seed, epoch)
-        per_step = self.world * self.cfg.grad_accum
-        mine = plan[offset * per_step: (offset + 1) * per_step]
-        return mine[self.rank * self.cfg.grad_accum: (self.rank + 1) * self.cfg.grad_accum]
+        return rank_micro_batches(plan, offset, self.world, self.cfg.grad_accum, self.rank)
 
     def train_step(self) -> dict:
         from draftsmith.drafter import step_masks
