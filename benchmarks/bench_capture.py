@@ -2,7 +2,7 @@
 
 The plain forward is `model(input_ids)` of the causal LM (logits included), the same batches and
 padding; capture is draftsmith's `target_features` (aux states, final state, argmax of the logits) plus
-the bf16 copy and the shard write of `StoreWriter`. Warm-up batches excluded.
+the bf16 copy and the shard write of `StoreWriter`. Warm-up batch excluded; `--reps` alternating repetitions, medians reported.
 
 Run: .venv/bin/python benchmarks/bench_capture.py [--conversations FILE] [--limit 64]
 Writes benchmarks/results/capture_cpu.json.
@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -32,6 +34,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=64)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--batch-tokens", type=int, default=4096)
+    ap.add_argument("--reps", type=int, default=5, help="alternating plain / capture repetitions (median reported)")
     args = ap.parse_args()
     model_dir = resolve_target("smollm2")
     spec = describe_target(read_config(model_dir))
@@ -63,17 +66,19 @@ def main() -> None:
 
     with torch.inference_mode():  # warm-up on the first batch
         model(input_ids=batches[0][0], attention_mask=batches[0][1])
-    runs = []
-    for _ in range(2):
+    runs = []  # alternate the two so that drift in the machine's load hits both alike
+    for _ in range(args.reps):
         with tempfile.TemporaryDirectory() as d:
             runs.append((plain(), capture(Path(d) / "store")))
-    plain_s = min(r[0] for r in runs)
-    capture_s = min(r[1] for r in runs)
+    plain_s = statistics.median(r[0] for r in runs)
+    capture_s = statistics.median(r[1] for r in runs)
     h = spec.hidden_size
     result = {"command": " ".join(sys.argv), "date": datetime.date.today().isoformat(), "device": platform.processor() or "cpu",
               "threads": torch.get_num_threads(), "dtype": args.dtype, "tokens": tokens, "batches": len(batches) - 1,
               "plain_forward_tokens_per_s": tokens / plain_s, "capture_tokens_per_s": tokens / capture_s,
-              "ratio": plain_s / capture_s, "bytes_per_token_stored": bytes_per_token(h),
+              "ratio": plain_s / capture_s, "reps": args.reps,
+              "runs_s": [{"plain": round(a, 3), "capture": round(b, 3)} for a, b in runs],
+              "load_average_1m": os.getloadavg()[0], "bytes_per_token_stored": bytes_per_token(h),
               "bytes_per_token_usual_8xHx2": 8 * h * 2, "hidden_size": h}
     out = Path("benchmarks/results/capture_cpu.json")
     out.parent.mkdir(parents=True, exist_ok=True)
