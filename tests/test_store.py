@@ -134,3 +134,24 @@ def test_bad_inputs_exit_2_with_what_and_fix(tiny_target, tmp_path):
     assert r.returncode == 2 and "aux layer ids out of range" in r.stderr
     r = run_cli("capture", "--target", tmp_path / "nope", "--conversations", good, "--out", tmp_path / "s3")
     assert r.returncode == 2 and "unknown target" in r.stderr
+
+
+@pytest.mark.parametrize("aux_ids", [(2, 4, 5), (0, 1, 8), (7, 8, 3)])
+def test_target_features_are_the_boundary_hidden_states(tiny_target, aux_ids):
+    """Hooks on the aux layers return exactly HF's hidden_states[k], the edges included: k = 0 (the
+    embeddings) and k = N (after the final norm), in the order asked."""
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.capture import target_features
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 12))
+    att = torch.ones_like(ids)
+    with torch.no_grad():
+        out = model(ids, attention_mask=att, output_hidden_states=True)
+    hooks_before = [len(m._forward_hooks) for m in model.modules()]
+    f = target_features(model, ids, att, aux_ids)
+    assert torch.equal(f.aux, torch.cat([out.hidden_states[k] for k in aux_ids], -1))
+    assert torch.equal(f.last, out.hidden_states[-1])
+    assert torch.equal(f.target_argmax, out.logits.argmax(-1))
+    assert [len(m._forward_hooks) for m in model.modules()] == hooks_before  # ours are gone afterwards

@@ -56,10 +56,27 @@ def target_features(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
         input_ids, attention_mask: (B, T).
         aux_ids: boundary indices into HF `output_hidden_states`.
     """
-    out = model.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
-    hs = out.hidden_states  # N + 1 tensors (B, T, H); hs[-1] is after the final norm
-    aux = torch.cat([hs[i] for i in aux_ids], dim=-1)  # (B, T, 3H)
-    last = out.last_hidden_state
+    body = model.model
+    n_layers = len(body.layers)
+    got: dict[int, torch.Tensor] = {}
+
+    def keep(k: int):
+        def hook(module, args, output):
+            got[k] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    # Boundary index k is HF's hidden_states[k]: the embeddings for 0, the output of layer k-1 below N, and
+    # the final (post-norm) state for N. Hooks on just those modules instead of output_hidden_states=True,
+    # which records every layer (3 % of a SmolLM2 forward on CPU).
+    handles = [(body.embed_tokens if k == 0 else body.layers[k - 1]).register_forward_hook(keep(k))
+               for k in set(aux_ids) if k < n_layers]
+    try:
+        out = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    last = out.last_hidden_state  # (B, T, H), after the final norm
+    aux = torch.cat([got[k] if k < n_layers else last for k in aux_ids], dim=-1)  # (B, T, 3H)
     argmax = target_argmax(last, model.get_output_embeddings().weight)  # (B, T), the logits in row chunks
     return TargetFeatures(aux=aux, last=last, target_argmax=argmax)
 
