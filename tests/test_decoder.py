@@ -321,3 +321,13 @@ def test_engines_read_aux_ids_differently():
     assert engine_aux_ids(cfg, 32, "sglang") == (2, 16, 29)
     assert engine_aux_ids(cfg, 32, "trained") == (2, 16, 29)
     assert engine_aux_ids({}, 32, "vllm") == engine_aux_ids({}, 32, "sglang") == (2, 16, 29)
+
+
+def test_eval_summary_without_a_baseline_says_not_measured():
+    """--no-baseline: the markdown says n/a for base tokens/s and speed-up instead of printing nan."""
+    from draftsmith.eval import report_markdown, summarize
+
+    r = summarize(4, [2, 0, 1, 4], spec_tokens=11, spec_s=2.0, base_tokens=0, base_s=0.0, model_s=1.9, identical=None)
+    text = report_markdown([r], {"limit": 1})
+    assert "nan" not in text and "| n/a | n/a |" in text and "speed-up n/a" in text
+    assert "| 2.75 |" in text  # tau: (2 + 0 + 1 + 4) accepted + 4 bonus tokens over 4 steps

@@ -14,6 +14,7 @@ Run: draftsmith eval --drafter runs/demo/train/drafter --prompts eval --limit 20
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -173,10 +174,14 @@ def report_markdown(results: list[KResult], settings: dict) -> str:
     lines = ["# draftsmith eval", "",
              "| k (depth) | topk | draft tokens | tau | per-position acceptance | tok/s spec | tok/s base | speed-up | overhead |",
              "|---|---|---|---|---|---|---|---|---|"]
+    def measured(x: float, spec: str, unit: str = "") -> str:  # nan: no baseline was decoded (--no-baseline)
+        return "n/a" if math.isnan(x) else f"{x:{spec}}{unit}"
+
     for r in results:
         lines.append(f"| {r.k} | {r.topk} | {r.draft_tokens} | {r.tau:.2f} | {' '.join(f'{p:.2f}' for p in r.per_position)} | "
-                     f"{r.tokens_per_s_spec:.1f} | {r.tokens_per_s_base:.1f} | {r.speedup:.2f}x | {r.overhead_share:.1%} |")
-    lines += ["", f"Recommended k: **{best.k}** (tau {best.tau:.2f}, speed-up {best.speedup:.2f}x).", "",
+                     f"{r.tokens_per_s_spec:.1f} | {measured(r.tokens_per_s_base, '.1f')} | {measured(r.speedup, '.2f', 'x')} | "
+                     f"{r.overhead_share:.1%} |")
+    lines += ["", f"Recommended k: **{best.k}** (tau {best.tau:.2f}, speed-up {measured(best.speedup, '.2f', 'x')}).", "",
               "Settings: " + ", ".join(f"{k}={v}" for k, v in settings.items())]
     return "\n".join(lines) + "\n"
 
