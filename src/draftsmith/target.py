@@ -272,6 +272,15 @@ def read_config(model_dir: Path) -> dict[str, Any]:
     return json.loads((Path(model_dir) / "config.json").read_text())
 
 
+def pick_device(name: str):
+    """`auto` (cuda if available), cpu, cuda, cuda:1, ... -> torch.device."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
 def load_target(model_dir: Path, dtype: str = "float32", device: str = "cpu"):
     """Load a causal LM and its tokenizer from a local directory, frozen, in eval mode, on `device` (auto: cuda if any).
 
@@ -281,11 +290,9 @@ def load_target(model_dir: Path, dtype: str = "float32", device: str = "cpu"):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
-    model.to(device).eval().requires_grad_(False)
+    model.to(pick_device(device)).eval().requires_grad_(False)
     return model, tokenizer
 
 

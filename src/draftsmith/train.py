@@ -31,6 +31,7 @@ from draftsmith.checkpoint import load_drafter, save_drafter
 from draftsmith.drafter import TTT_STEP_LOSS_DECAY, TTT_STEPS, DrafterConfig, Eagle3Drafter, TTTOutput, simulated_acceptance
 from draftsmith.errors import DraftsmithError
 from draftsmith.features import Batch, FeatureSource, OnlineSource, StoreSource, feature_dtype
+from draftsmith.target import pick_device
 from draftsmith.vocab import build_draft_vocab, default_draft_vocab_size
 
 EVAL_SPLIT_SEED = 1234  # fixed: the held-back samples do not move when --seed changes
@@ -142,12 +143,6 @@ class EvalResult:
     tau: dict[int, float]
     """Simulated mean acceptance length (bonus token included) of a k-token greedy chain."""
     loss: float
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def rank_micro_batches(plan: list[list[int]], offset: int, world: int, grad_accum: int, rank: int) -> list[list[int]]:
