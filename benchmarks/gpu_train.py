@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from draftsmith.drafter import DrafterConfig, Eagle3Drafter, ttt_forward  # noqa: E402
+from draftsmith.drafter import DrafterConfig, Eagle3Drafter, compile_for_training, target_argmax, ttt_forward  # noqa: E402
 
 FLOP_PER_TOKEN = 17.8e9  # issue 12: 7 TTT steps fwd+bwd through the layer and draft head, plus the target head
 PEAK_BF16 = 989e12  # H100/H200 dense bf16 datasheet
@@ -57,7 +57,7 @@ def bench_train(seq: int, steps: int = 10, warmup: int = 3, ttt: int = 7, compil
     torch.manual_seed(0)
     drafter = Eagle3Drafter(llama8b_drafter()).to(dev)
     if compile_step:
-        drafter.step = torch.compile(drafter.step, dynamic=False)
+        compile_for_training(drafter)
     drafter.d2t.copy_(torch.arange(32000, device=dev) * 4 - torch.arange(32000, device=dev))
     drafter.t2d.zero_()
     drafter.t2d[torch.arange(32000, device=dev) * 4] = True
@@ -68,11 +68,14 @@ def bench_train(seq: int, steps: int = 10, warmup: int = 3, ttt: int = 7, compil
     last = torch.randn(1, seq, 4096, device=dev, dtype=torch.bfloat16)
     ids = torch.randint(0, 128256, (1, seq), device=dev)
     mask = torch.ones(1, seq, dtype=torch.long, device=dev)
+    # The store holds the target's full-vocabulary argmax (capture computes it once per token), as the
+    # trainer reads it; the step does not recompute it.
+    t_argmax = target_argmax(last, head)
     torch.cuda.reset_peak_memory_stats()
     times = []
     for i in range(warmup + steps):
         t0 = sync_time()
-        optimizer_step(drafter, opt, params, aux, ids, mask, last, head, ttt)
+        optimizer_step(drafter, opt, params, aux, ids, mask, last, head, ttt, t_argmax)
         t1 = sync_time()
         if i >= warmup:
             times.append(t1 - t0)
@@ -82,7 +85,7 @@ def bench_train(seq: int, steps: int = 10, warmup: int = 3, ttt: int = 7, compil
 
         with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                out = ttt_forward(drafter, aux, ids, mask, last, head, steps=ttt)
+                out = ttt_forward(drafter, aux, ids, mask, last, head, steps=ttt, t_argmax=t_argmax)
             out.loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -283,7 +286,7 @@ def main() -> None:
     ap.add_argument("--capture", action="store_true")
     ap.add_argument("--capture-moe", action="store_true", help="capture vs forward on a Qwen3-30B-A3B-shaped MoE")
     ap.add_argument("--online", action="store_true", help="online training: 8B-shaped target + drafter in one process")
-    ap.add_argument("--compile", action="store_true", help="torch.compile the drafter step")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the drafter step and loss pass")
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one step")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu_train.json"))
     ap.add_argument("--trainer", action="store_true",

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from draftsmith.drafter import (DrafterConfig, Eagle3Drafter, TTTOutput, simulated_acceptance, step_masks, ttt_attention,
-                                ttt_forward)
+from draftsmith.drafter import (DrafterConfig, Eagle3Drafter, TTTOutput, apply_rope, rope_cos_sin, simulated_acceptance,
+                                step_masks, ttt_attention, ttt_forward)
 from draftsmith.vocab import build_draft_vocab, default_draft_vocab_size
 
 
@@ -126,21 +126,120 @@ def test_draft_vocab_maps_are_the_engines_d2t_and_t2d():
     assert default_draft_vocab_size(49152) == 8192 and default_draft_vocab_size(128256) == 32000
 
 
-def test_soft_cross_entropy_matches_log_softmax_form_in_value_and_gradient():
-    from draftsmith.drafter import SoftCrossEntropy
+def naive_ttt_loss(drafter, aux, ids, mask, last, head, steps, decay=0.8):
+    """TTT written the plain way: per step, cat(embedding, hidden) through q/k/v, a dense masked attention
+    over the keys of all steps so far, the head's full logits and log_softmax against the target's softmax
+    over the draft vocabulary. Returns (loss, per-step argmax in target ids)."""
+    d, cfg = drafter, drafter.config
+    B, T = ids.shape
+    a = d.midlayer.self_attn
+    p = torch.softmax(last @ head[torch.arange(cfg.draft_vocab_size) + d.d2t].T, -1)  # (B, T, Vd)
+    in_vocab = d.t2d[(last @ head.T).argmax(-1)]
+    valid = step_masks(mask, steps)
+    h, keys, values, loss, tops = d.fc(aux), [], [], 0.0, []
+    for i in range(steps):
+        tok = torch.cat([ids[:, 1 + i:], torch.zeros(B, 1 + i, dtype=ids.dtype)], 1)
+        hn = d.midlayer.hidden_norm(h)
+        x = torch.cat([d.midlayer.input_layernorm(d.embed_tokens(tok)), hn], -1)
+        cos, sin = rope_cos_sin(torch.arange(T) + i, cfg.head_dim, cfg.rope_theta)
+        q = apply_rope(a.q_proj(x).view(B, T, a.nh, a.hd).transpose(1, 2), cos, sin)
+        keys.append(apply_rope(a.k_proj(x).view(B, T, a.nkv, a.hd).transpose(1, 2), cos, sin))
+        values.append(a.v_proj(x).view(B, T, a.nkv, a.hd).transpose(1, 2))
+        o = dense_reference(q, keys[0], values[0], keys[1:], values[1:])
+        h = d.midlayer.finish(a.o_proj(o.transpose(1, 2).reshape(B, T, -1)), hn if cfg.norm_before_residual else h)
+        logits = d.lm_head(d.norm(h))
+        n = T - 1 - i
+        ce = -(p[:, 1 + i:] * torch.log_softmax(logits[:, :n], -1)).sum(-1)
+        w = (valid[i, :, :n] & in_vocab[:, 1 + i:]).to(ce.dtype)
+        loss = loss + decay ** i * (ce * w).sum() / valid[i].sum().clamp(min=1)
+        tops.append(d.draft_to_target_ids(logits.argmax(-1)))
+    return loss, tops
+
+
+@pytest.mark.parametrize("norm_before_residual, head_rows", [(False, 16384), (True, 16384), (False, 30), (True, 60)])
+def test_ttt_forward_equals_the_naive_unroll_in_loss_argmax_and_every_gradient(norm_before_residual, head_rows,
+                                                                               monkeypatch):
+    """The training path's shortcuts (embedding half of q/k/v projected once and shifted, the diagonal
+    folded into one SDPA, the head + loss + argmax fused with gradients computed in the forward, in
+    groups of steps: all 4 at once, 1 or 2 per group here) must not change the math: float64, against
+    the plain unroll above."""
+    import draftsmith.drafter
+
+    monkeypatch.setattr(draftsmith.drafter, "HEAD_GEMM_ROWS", head_rows)
+    torch.manual_seed(0)
+    cfg = tiny_config(norm_before_residual=norm_before_residual)
+    drafter = Eagle3Drafter(cfg).double()
+    vocab = build_draft_vocab(torch.arange(96, 0, -1), 48)
+    drafter.d2t.copy_(vocab.d2t)
+    drafter.t2d.copy_(vocab.t2d)
+    for prm in drafter.parameters():  # norms away from 1 so that their gradients are not trivial
+        if prm.dim() == 1:
+            prm.data.uniform_(0.5, 1.5)
+    B, T, steps = 2, 13, 4
+    ids = torch.randint(0, 96, (B, T))
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[0, :5] = 0
+    aux, last = torch.randn(B, T, 120, dtype=torch.float64), torch.randn(B, T, 40, dtype=torch.float64)
+    head = torch.randn(96, 40, dtype=torch.float64)
+    out = ttt_forward(drafter, aux, ids, mask, last, head, steps=steps)
+    params = [q for q in drafter.parameters() if q.requires_grad]
+    ours = torch.autograd.grad(out.loss, params)
+    ref_loss, ref_tops = naive_ttt_loss(drafter, aux, ids, mask, last, head, steps)
+    ref = torch.autograd.grad(ref_loss, params)
+    assert out.loss.item() == pytest.approx(ref_loss.item(), rel=1e-10)
+    names = [n for n, q in drafter.named_parameters() if q.requires_grad]
+    for name, g, r in zip(names, ours, ref):
+        assert torch.allclose(g, r, rtol=1e-8, atol=1e-12), f"gradient of {name} differs: {(g - r).abs().max()}"
+    for i in range(steps):
+        expect = ref_tops[i] == torch.cat([(last @ head.T).argmax(-1)[:, 1 + i:], torch.zeros(B, 1 + i, dtype=torch.long)], 1)
+        assert torch.equal(out.correct[i], expect)
+
+
+def test_draft_head_loss_gradients_pass_gradcheck_and_skip_work_without_grad():
+    from draftsmith.drafter import DraftHeadLoss, soft_ce_rows
 
     torch.manual_seed(0)
-    z = torch.randn(2, 5, 11, dtype=torch.float64, requires_grad=True)
-    p = torch.softmax(torch.randn(2, 5, 11, dtype=torch.float64) * 3, -1)
-    p[0, 0] *= 0.5  # a row whose mass does not sum to 1 (the s factor matters)
-    w = torch.rand(2, 5, dtype=torch.float64)
-    ours = SoftCrossEntropy.apply(z, p)
-    ref = -(p * torch.log_softmax(z, -1)).sum(-1)
+    K, B, T, H, Vd = 3, 2, 5, 7, 11
+    x = torch.randn(K, B, T, H, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(Vd, H, dtype=torch.float64, requires_grad=True)
+    p = torch.softmax(torch.randn(B, T + K, Vd, dtype=torch.float64) * 3, -1)
+    p[0, 2] *= 0.5  # a row whose mass does not sum to 1 (the s factor matters)
+    w = torch.rand(K, B, T, dtype=torch.float64)
+    loss, ce, top = DraftHeadLoss.apply(x, weight, p, w, soft_ce_rows)
+    z = x @ weight.T  # (K, B, T, Vd)
+    p_steps = torch.stack([p[:, 1 + i:1 + i + T] for i in range(K)])  # step i reads rows 1+i..
+    ref_ce = -(p_steps * torch.log_softmax(z, -1)).sum(-1)
+    assert torch.allclose(ce, ref_ce, atol=1e-12) and torch.equal(top, z.argmax(-1))
+    assert torch.allclose(loss, (ref_ce * w).sum(), atol=1e-12)
+    assert torch.autograd.gradcheck(lambda a, b: DraftHeadLoss.apply(a, b, p, w, soft_ce_rows)[0], (x, weight))
+    calls = []
+
+    def counting_rows(z_, p_, w_):
+        calls.append(z_.shape)
+        return soft_ce_rows(z_, p_, w_)
+
+    with torch.no_grad():  # evaluation: no gradient GEMMs, nothing kept
+        loss_ng, _, _ = DraftHeadLoss.apply(x, weight, p, w, counting_rows)
+    assert calls == [(B, T, Vd)] * K and not loss_ng.requires_grad and loss_ng.item() == pytest.approx(loss.item())
+
+
+@pytest.mark.parametrize("steps", [1, 3, 6])
+def test_lse_merge_attention_matches_dense_mask_values_and_gradients(steps):
+    """ttt_attention_lse (what CUDA runs) with the plain causal+lse reference standing in for the flash
+    kernel: the merge algebra, in float64. The kernel's lse gradient is checked on the GPU
+    (tests/test_gpu.py)."""
+    from draftsmith.drafter import causal_attention_lse_reference, ttt_attention_lse
+
+    q, k0, v0, dk, dv = random_qkv(steps)
+    leaves = [q, k0, v0, *dk, *dv]
+    for t in leaves:
+        t.requires_grad_(True)
+    ours = ttt_attention_lse(q, k0, v0, dk, dv, causal=causal_attention_lse_reference)
+    ref = dense_reference(q, k0, v0, dk, dv)
     assert torch.allclose(ours, ref, atol=1e-12)
-    (g_ours,) = torch.autograd.grad((ours * w).sum(), z)
-    (g_ref,) = torch.autograd.grad((ref * w).sum(), z)
-    assert torch.allclose(g_ours, g_ref, atol=1e-12)
-    assert torch.autograd.gradcheck(lambda x: SoftCrossEntropy.apply(x, p), (z,))
+    up = torch.randn_like(ref)
+    for g, r in zip(torch.autograd.grad((ours * up).sum(), leaves), torch.autograd.grad((ref * up).sum(), leaves)):
+        assert torch.allclose(g, r, atol=1e-10)
 
 
 def test_ttt_output_is_a_pytree_so_fsdp2_can_hook_its_backward():

@@ -21,7 +21,10 @@ previous step's pre-norm output and the ground-truth token one further; queries 
 position t + i; keys of step 0 are causal over the sequence and keys of steps 1..i are visible only at
 the same index t (the diagonal). `ttt_attention` computes exactly that without a (T x T*K) score
 matrix: the diagonal keys are folded into one extra "summary" key, so a single causal SDPA call does
-the whole softmax (see its docstring).
+the whole softmax (see its docstring); on CUDA `ttt_attention_lse` computes the same by merging the
+causal part's log-sum-exp with the diagonal's, which keeps the flash kernel at the plain head dim.
+`ttt_forward` also projects the embedding half of q/k/v once per unroll, and `DraftHeadLoss` runs the
+head, the loss and the argmax of all steps without keeping any (T x Vd) logits.
 """
 
 from __future__ import annotations
@@ -100,7 +103,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x = x.float()
+        x = x.to(torch.promote_types(dtype, torch.float32))  # at least fp32 (float64 stays float64)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
@@ -183,6 +186,17 @@ class StepCache:
     values: list[torch.Tensor] = field(default_factory=list)
 
 
+def diagonal_scores(q: torch.Tensor, diag_k: list[torch.Tensor], diag_v: list[torch.Tensor],
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query's scores against its own index's keys of TTT steps 1..i, per KV group (K/V not repeated
+    per query head). Returns (d (B, nkv, g, T, i) in at least fp32, the stacked values (B, nkv, T, i, hd))."""
+    B, nh, T, hd = q.shape
+    dk = torch.stack(diag_k, dim=-2)  # (B, nkv, T, i, hd)
+    qg = q.view(B, dk.shape[1], nh // dk.shape[1], T, hd)
+    d = torch.einsum("bkgtd,bktjd->bkgtj", qg, dk).to(torch.promote_types(q.dtype, torch.float32)) * scale
+    return d, torch.stack(diag_v, dim=-2)
+
+
 def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag_k: list[torch.Tensor],
                   diag_v: list[torch.Tensor]) -> torch.Tensor:
     """Causal attention over step-0 keys plus, per position, that position's keys of later steps.
@@ -205,12 +219,8 @@ def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag_k: l
     scale = 1.0 / math.sqrt(hd)
     if not diag_k:
         return F.scaled_dot_product_attention(q, k0, v0, is_causal=True, scale=scale, enable_gqa=groups > 1)
-    # Diagonal scores per KV group, without repeating K/V per query head.
-    qg = q.view(B, nkv, groups, T, hd)
-    dk = torch.stack(diag_k, dim=-2)  # (B, nkv, T, i, hd)
-    dv = torch.stack(diag_v, dim=-2)  # (B, nkv, T, i, hd)
-    acc = torch.promote_types(q.dtype, torch.float32)  # softmax statistics in at least fp32
-    d = torch.einsum("bkgtd,bktjd->bkgtj", qg, dk).to(acc) * scale  # (B, nkv, g, T, i)
+    d, dv = diagonal_scores(q, diag_k, diag_v, scale)  # (B, nkv, g, T, i), (B, nkv, T, i, hd)
+    acc = d.dtype
     a = torch.logsumexp(d, dim=-1).reshape(B, nh, T)  # (B, nh, T)
     a_hi = a.to(q.dtype).to(acc)
     a_lo = a - a_hi
@@ -229,6 +239,92 @@ def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag_k: l
     return out[..., :hd] + share * diag
 
 
+class CausalAttentionLSE(torch.autograd.Function):
+    """Causal flash attention (CUDA, cuDNN or FlashAttention-2 kernels) returning its log-sum-exp too,
+    differentiable in both.
+
+    The kernels' backward forms dS = P (dP - D) with D_i = dO_i . O_i and has no input for a gradient g
+    of lse_i = logsumexp_j S_ij, which adds g_i P_ij to dS_ij. D_i only enters through O, so the backward
+    is handed O'_i = O_i - (g_i / |dO_i|^2) dO_i, for which dO_i . O'_i = D_i - g_i. In `ttt_attention_lse`
+    g_i = (1 - w_i)(O_i - Od_i) . dO_i, so the correction is at most (1 - w_i)|O_i - Od_i|: O' stays of
+    the size of the values and its bf16 rounding costs what O's own does.
+
+    Args: q (B, nh, T, hd), k, v (B, nh, T, hd) (K/V repeated to nh heads), scale, backend "cudnn" or "flash".
+    Returns: (out (B, nh, T, hd), lse (B, nh, T) fp32, natural log).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, backend="cudnn"):
+        if backend == "cudnn":
+            out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+                q, k, v, None, True, 0.0, True, False, scale=scale)
+        else:
+            out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+                q, k, v, 0.0, True, False, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, seed, offset)
+        ctx.cum, ctx.max_q, ctx.max_k, ctx.scale, ctx.backend = (cum_q, cum_k), max_q, max_k, scale, backend
+        B, nh, T, _ = q.shape
+        return out, lse.view(B, nh, T)
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        q, k, v, out, lse, seed, offset = ctx.saved_tensors
+        if d_lse is not None:
+            do = d_out.float()
+            norm = do.square().sum(-1, keepdim=True)
+            c = torch.where(norm > 0, d_lse.float()[..., None] / norm.clamp(min=1e-30), 0.0)
+            out = (out.float() - c * do).to(out.dtype)
+        cum_q, cum_k = ctx.cum
+        if ctx.backend == "cudnn":
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+                d_out.contiguous(), q, k, v, out, lse, seed, offset, None, cum_q, cum_k, ctx.max_q, ctx.max_k,
+                0.0, True, scale=ctx.scale)
+        else:
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                d_out.contiguous(), q, k, v, out, lse, cum_q, cum_k, ctx.max_q, ctx.max_k, 0.0, True, seed, offset,
+                scale=ctx.scale)
+        return dq, dk, dv, None, None
+
+
+def causal_attention_lse_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """`CausalAttentionLSE` the plain way (any device, autograd through everything): for tests and CPU."""
+    T = q.shape[2]
+    s = (q @ k.transpose(-1, -2)).to(torch.promote_types(q.dtype, torch.float32)) * scale
+    s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=q.device).tril(), -math.inf)
+    return (torch.softmax(s, -1).to(v.dtype) @ v), torch.logsumexp(s, -1)
+
+
+def ttt_attention_lse(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag_k: list[torch.Tensor],
+                      diag_v: list[torch.Tensor], causal=None) -> torch.Tensor:
+    """`ttt_attention` by merging log-sum-exps: the causal part at the plain head dim, the diagonal added after.
+
+    out = w o0 + (1 - w) od, with o0, lse0 the causal attention over step 0's keys, od the softmax-weighted
+    diagonal values, a = logsumexp of the diagonal scores, and w = exp(lse0 - logaddexp(lse0, a)). On CUDA
+    this keeps the flash kernel at head dim 128 (the summary key of `ttt_attention` makes it 136, which
+    ran 2x slower fwd + bwd on an H200: benchmarks/results/gpu_attention.json).
+
+    Args: as `ttt_attention`; causal: (q, k, v, scale) -> (out, lse) with k/v at nh heads; defaults to
+        `CausalAttentionLSE` on CUDA and the plain reference elsewhere.
+    Returns: (B, nh, T, hd).
+    """
+    if not diag_k:
+        return ttt_attention(q, k0, v0, diag_k, diag_v)  # step 0: plain causal attention
+    B, nh, T, hd = q.shape
+    groups = nh // k0.shape[1]
+    scale = 1.0 / math.sqrt(hd)
+    causal = causal or (CausalAttentionLSE.apply if q.is_cuda else causal_attention_lse_reference)
+    out0, lse0 = causal(q, k0.repeat_interleave(groups, 1), v0.repeat_interleave(groups, 1), scale)
+    d, dv = diagonal_scores(q, diag_k, diag_v, scale)  # (B, nkv, g, T, i), (B, nkv, T, i, hd)
+    acc = d.dtype
+    lse0 = lse0.reshape(B, nh, T).to(acc)
+    a = torch.logsumexp(d, dim=-1).reshape(B, nh, T)  # (B, nh, T)
+    m = torch.logaddexp(lse0, a)
+    w = torch.exp(lse0 - m)[..., None]  # (B, nh, T, 1): the causal keys' share
+    probs = torch.softmax(d, -1) * torch.exp(a - m).view(d.shape[:-1] + (1,))  # (B, nkv, g, T, i)
+    diag = torch.einsum("bkgtj,bktjd->bkgtd", probs.to(q.dtype), dv).reshape(B, nh, T, hd)
+    return (w * out0.to(acc) + diag.to(acc)).to(q.dtype)
+
+
 class Eagle3Drafter(nn.Module):
     """EAGLE-3 drafter. Buffers d2t (Vd,) int64 and t2d (V,) bool map draft ids to target ids."""
 
@@ -243,31 +339,46 @@ class Eagle3Drafter(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        self.soft_ce_rows = soft_ce_rows  # the loss's elementwise pass; `compile_for_training` swaps in a compiled copy
 
-    def step(self, token_ids: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, cache: StepCache,
-             first: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """One TTT step over the whole sequence.
+    def ttt_step(self, e_qkv: torch.Tensor, h: torch.Tensor, w_h: torch.Tensor, positions: torch.Tensor,
+                 cache: StepCache, first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """One TTT step over the whole sequence, up to the final norm (the head runs in `DraftHeadLoss`).
+
+        The q/k/v projection of x = cat(input_layernorm(e), hidden_norm(h)) is split by linearity into
+        the embedding half, e_qkv, which is the same at every step up to a shift of one token and is
+        projected once per unroll (`ttt_forward`), and the hidden half, projected here with w_h.
 
         Args:
-            token_ids: (B, T) tokens fed at this step; h: (B, T, H) hidden state fed at this step.
-            positions: (T,) RoPE positions of this step's queries and keys.
-            cache: keys/values of steps 0..i-1; `first` marks step 0 (whose keys become the causal keys).
+            e_qkv: (B, T, (nh + 2 nkv) hd) the embedding half of q/k/v for the tokens fed at this step;
+            h: (B, T, H) hidden state fed at this step; w_h: ((nh + 2 nkv) hd, H) the hidden half of the
+            q/k/v weights; positions: (T,) RoPE positions of this step's queries and keys; cache: keys and
+            values of steps 0..i-1; `first` marks step 0 (whose keys become the causal keys).
         Returns:
-            (logits (B, T, Vd), h_out (B, T, H) pre-norm, fed to the next step).
+            (norm(h_out) (B, T, H) in h's dtype, the head's input; h_out (B, T, H) pre-norm, fed to the next step).
         """
-        x, residual = self.midlayer.attention_input(self.embed_tokens(token_ids), h)  # (B, T, 2H), (B, T, H)
+        mid, attn_mod = self.midlayer, self.midlayer.self_attn
+        hn = mid.hidden_norm(h)
+        residual = hn if mid.norm_before_residual else h
+        qkv = e_qkv + F.linear(hn, w_h)  # (B, T, (nh + 2 nkv) hd)
+        B, T, _ = qkv.shape
+        nq, nk = attn_mod.nh * attn_mod.hd, attn_mod.nkv * attn_mod.hd
+        q = qkv[..., :nq].view(B, T, attn_mod.nh, attn_mod.hd).transpose(1, 2)
+        k = qkv[..., nq:nq + nk].view(B, T, attn_mod.nkv, attn_mod.hd).transpose(1, 2)
+        v = qkv[..., nq + nk:].view(B, T, attn_mod.nkv, attn_mod.hd).transpose(1, 2)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
-        q, k, v = self.midlayer.self_attn.project(x, cos.to(x.dtype), sin.to(x.dtype))
+        q, k = apply_rope(q, cos.to(q.dtype), sin.to(q.dtype)), apply_rope(k, cos.to(k.dtype), sin.to(k.dtype))
         if first:
             cache.keys, cache.values = [k], [v]
         else:
             cache.keys.append(k)
             cache.values.append(v)
-        attn = ttt_attention(q, cache.keys[0], cache.values[0], cache.keys[1:], cache.values[1:])  # (B, nh, T, hd)
-        B, _, T, _ = attn.shape
-        attn = self.midlayer.self_attn.o_proj(attn.transpose(1, 2).reshape(B, T, -1))  # (B, T, H)
-        h_out = self.midlayer.finish(attn, residual)
-        return self.lm_head(self.norm(h_out)), h_out
+        # The same math; each the faster where it runs (flash kernels take half precision only).
+        attention = ttt_attention_lse if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) else ttt_attention
+        attn = attention(q, cache.keys[0], cache.values[0], cache.keys[1:], cache.values[1:])  # (B, nh, T, hd)
+        attn = attn_mod.o_proj(attn.transpose(1, 2).reshape(B, T, -1))  # (B, T, H)
+        h_out = mid.finish(attn, residual)
+        return self.norm(h_out).to(h_out.dtype), h_out
 
     def forward(self, *args, **kwargs) -> TTTOutput:
         """The training forward: a TTT unroll (`ttt_forward`). DDP wraps this, so training calls the module."""
@@ -305,30 +416,85 @@ class TTTOutput:
         return (self.correct & self.valid).sum(dim=(1, 2))
 
 
-class SoftCrossEntropy(torch.autograd.Function):
-    """Per-row soft cross-entropy -sum_v p_v log softmax(z)_v = s * logsumexp(z) - sum_v p_v z_v, s = sum_v p_v.
+def soft_ce_rows(z: torch.Tensor, p: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Soft cross-entropy per row, its gradient and the row's argmax, from the logits in one read.
 
-    Fused by hand so that no fp32 log-probabilities of shape (B, T, Vd) are kept for the backward
-    (7 TTT steps x T x Vd x 4 bytes: 7.3 GB at T = 8192, Vd = 32k): the backward recomputes
-    softmax(z) from the saved logits and the row's logsumexp, and its gradient is (s softmax(z) - p) g.
+    ce = -sum_v p_v log softmax(z)_v = s lse(z) - sum_v p_v z_v with s = sum_v p_v (the target's mass inside
+    the draft vocabulary); d(sum_r w_r ce_r)/dz = w (s softmax(z) - p). Pure elementwise and row reductions:
+    under torch.compile (`compile_for_training`) it becomes a couple of kernels that read z and p once each.
 
-    Args: logits (..., Vd) any float dtype; p (..., Vd) fp32 target probabilities (not differentiated).
-    Returns: (...) fp32.
+    Args: z (..., Vd) logits; p (..., Vd) target probabilities; w (...) row weights.
+    Returns: (ce (...) fp32, grad (..., Vd) in z's dtype, argmax (...) int64).
+    """
+    zf = z.to(torch.promote_types(z.dtype, torch.float32))
+    top = zf.max(dim=-1)
+    e = torch.exp(zf - top.values[..., None])
+    sum_e = e.sum(-1)
+    s = p.sum(-1)
+    ce = s * (top.values + sum_e.log()) - (p * zf).sum(-1)
+    grad = (e * (s / sum_e)[..., None] - p) * w[..., None]
+    return ce, grad.to(z.dtype), top.indices
+
+
+HEAD_GEMM_ROWS = 16384
+"""`DraftHeadLoss` runs the gradient GEMMs of as many TTT steps together as fit this many rows (4 steps at
+T = 4096): large GEMMs, and a gradient buffer of at most rows x Vd (1 GB at Vd = 32k in bf16)."""
+
+
+class DraftHeadLoss(torch.autograd.Function):
+    """The draft head, its soft cross-entropy and its argmax for all K TTT steps in one function.
+
+    loss = sum_i sum_r w_ir ce_ir, logits z_i = x_i W^T. The (rows x Vd) logits live only inside the
+    forward, one step at a time: it computes the loss, the argmax and, while z_i is at hand, its gradient
+    g_i. The gradients of x and W are then GEMMs over groups of steps (`HEAD_GEMM_ROWS`; W's: G^T X
+    accumulated over the group's rows inside one GEMM, instead of one product per step summed in more
+    passes); nothing of size (rows x Vd) is kept for the backward, which only scales the two gradients
+    by the incoming one.
+
+    Args: x (K, B, T, H) the normed hidden state of every step, in the compute dtype; weight (Vd, H) the
+        head (any dtype; cast to x's); p (B, T+K, Vd) target probabilities, step i reading rows
+        [1+i, 1+i+T) (not differentiated); w (K, B, T) row weights (decay^i / denominator where
+        supervised, 0 elsewhere; not differentiated); rows: `soft_ce_rows` or a compiled copy of it.
+    Returns: (loss () fp32, ce (K, B, T) fp32 unweighted, argmax (K, B, T) int64); only loss is differentiable.
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        z = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        lse = torch.logsumexp(z, dim=-1)  # (...)
-        s = p.sum(-1)
-        ctx.save_for_backward(logits, p, lse, s)
-        return s * lse - (p * z).sum(-1)
+    def forward(ctx, x, weight, p, w, rows):
+        K, B, T, H = x.shape
+        W = weight.to(x.dtype)
+        Vd = W.shape[0]
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        gx = x.new_empty(K, B, T, H) if need_x else None
+        gw, acc = None, torch.promote_types(x.dtype, torch.float32)  # W's gradient summed in at least fp32
+        group = max(1, HEAD_GEMM_ROWS // (B * T))  # steps whose gradient GEMMs run as one
+        ce, top = [], []
+        for i0 in range(0, K, group):
+            n = min(group, K - i0)
+            G = x.new_empty(n, B, T, Vd) if need_x or need_w else None  # (n, B, T, Vd)
+            for j in range(n):
+                i = i0 + j
+                ce_i, g_i, top_i = rows(x[i] @ W.T, p[:, 1 + i:1 + i + T], w[i])  # (B, T), (B, T, Vd), (B, T)
+                if G is not None:
+                    G[j] = g_i
+                ce.append(ce_i)
+                top.append(top_i)
+            if need_x:
+                gx[i0:i0 + n] = G @ W  # (n, B, T, H)
+            if need_w:
+                part = (G.view(-1, Vd).T @ x[i0:i0 + n].reshape(-1, H)).to(acc)  # (Vd, H)
+                gw = part if gw is None else gw + part
+            del G
+        ce, top = torch.stack(ce), torch.stack(top)
+        ctx.save_for_backward(gx, gw)
+        ctx.weight_dtype = weight.dtype
+        ctx.mark_non_differentiable(ce, top)
+        return (ce * w).sum(), ce, top
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        logits, p, lse, s = ctx.saved_tensors
-        g = (torch.exp(logits.to(lse.dtype) - lse[..., None]) * s[..., None] - p) * grad[..., None]
-        return g.to(logits.dtype), None
+    def backward(ctx, grad, _ce, _top):
+        gx, gw = ctx.saved_tensors
+        return (gx * grad if gx is not None else None,
+                (gw * grad).to(ctx.weight_dtype) if gw is not None else None, None, None, None)
 
 
 # FSDP2 finds a forward's output tensors by pytree traversal and hooks its pre-backward work on them,
@@ -381,31 +547,51 @@ def ttt_forward(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tens
         distribution is the target's softmax at t+1+i restricted to the draft vocabulary.
     """
     valid = step_masks(loss_mask, steps)  # (K, B, T)
-    draft_ids = torch.arange(drafter.config.draft_vocab_size, device=aux.device) + drafter.d2t
+    cfg = drafter.config
+    B, T = input_ids.shape
+    H = cfg.hidden_size
+    draft_ids = torch.arange(cfg.draft_vocab_size, device=aux.device) + drafter.d2t
     with torch.no_grad():
-        z = last @ target_head[draft_ids].T.to(last.dtype)  # (B, T, Vd)
-        p_target = torch.softmax(z.float(), dim=-1)
+        # Rows T..T+K-1 are padding, so that step i reads rows [1+i, 1+i+T) as a view; their weight is 0.
+        z = F.pad(last, (0, 0, 0, steps)) @ target_head[draft_ids].T.to(last.dtype)  # (B, T+K, Vd)
+        p_target = torch.softmax(z.to(torch.promote_types(z.dtype, torch.float32)), dim=-1)
+        del z
         if t_argmax is None:
             t_argmax = target_argmax(last, target_head)  # (B, T)
-        in_vocab = drafter.t2d[t_argmax]  # (B, T): a drafter can only match tokens in its vocabulary
+        in_vocab = F.pad(drafter.t2d[t_argmax], (0, steps))  # (B, T+K): a drafter can only match tokens in its vocabulary
     if denominators is None:
         denominators = valid.sum(dim=(1, 2))
-    T = input_ids.shape[1]
+    scales = (torch.tensor([decay ** i for i in range(steps)], dtype=p_target.dtype, device=aux.device)
+              / denominators.clamp(min=1))  # (K,): step i's loss weight per supervised row
     positions = torch.arange(T, device=aux.device)
+    attn = drafter.midlayer.self_attn
+    w_qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])  # ((nh + 2 nkv) hd, 2H)
+    # The embedding half of q/k/v at step i is that of step 0 shifted by i tokens: projected once, over the
+    # tokens fed at any step (step i at index t is fed token t+1+i; zeros past the end, as shift_left pads).
+    ahead = torch.cat([input_ids[:, 1:], input_ids.new_zeros(B, steps)], dim=1)  # (B, T-1+K)
+    e_qkv = F.linear(drafter.midlayer.input_layernorm(drafter.embed_tokens(ahead)), w_qkv[:, :H])  # (B, T-1+K, .)
+    w_h = w_qkv[:, H:]
     h = drafter.fc(aux)  # (B, T, H)
     cache = StepCache()
-    loss = aux.new_zeros((), dtype=torch.float32)
-    loss_sums, corrects = [], []
+    xs = []
     for i in range(steps):
-        logits, h = drafter.step(shift_left(input_ids, 1 + i), h, positions + i, cache, first=i == 0)
-        n = T - 1 - i  # indices t whose target (the target's softmax at t+1+i) exists; views, no copies
-        ce = SoftCrossEntropy.apply(logits[:, :n], p_target[:, 1 + i:])  # (B, n)
-        weight = valid[i, :, :n] & in_vocab[:, 1 + i:]
-        step_sum = (ce * weight).sum()
-        loss = loss + (decay ** i) * step_sum / denominators[i].clamp(min=1)
-        loss_sums.append(step_sum.detach())
-        corrects.append(drafter.draft_to_target_ids(logits.argmax(-1)) == shift_left(t_argmax, 1 + i))
-    return TTTOutput(loss=loss, loss_sum=torch.stack(loss_sums), correct=torch.stack(corrects), valid=valid)
+        xn, h = drafter.ttt_step(e_qkv[:, i:i + T], h, w_h, positions + i, cache, first=i == 0)
+        xs.append(xn)
+    # Step i at index t predicts token t+2+i; its target is the target's softmax at t+1+i.
+    weight = valid & torch.stack([in_vocab[:, 1 + i:1 + i + T] for i in range(steps)])  # (K, B, T)
+    loss, ce, top = DraftHeadLoss.apply(torch.stack(xs), drafter.lm_head.weight, p_target,
+                                        weight * scales[:, None, None], drafter.soft_ce_rows)
+    t_next = torch.stack([shift_left(t_argmax, 1 + i) for i in range(steps)])  # (K, B, T)
+    return TTTOutput(loss=loss, loss_sum=(ce * weight).sum(dim=(1, 2)).detach(),
+                     correct=drafter.draft_to_target_ids(top) == t_next, valid=valid)
+
+
+def compile_for_training(drafter: Eagle3Drafter) -> None:
+    """torch.compile the two pieces of the TTT unroll that are elementwise-heavy: the step up to the final
+    norm, and the loss's pass over the logits (GPU runs, where it pays back the compile time; a new
+    sequence length recompiles once, then runs with dynamic shapes)."""
+    drafter.ttt_step = torch.compile(drafter.ttt_step)
+    drafter.soft_ce_rows = torch.compile(soft_ce_rows)
 
 
 def simulated_acceptance(correct: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[float, int]:

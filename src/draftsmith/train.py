@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 from draftsmith.capture import group_by_tokens
 from draftsmith.checkpoint import load_drafter, save_drafter
-from draftsmith.drafter import TTT_STEP_LOSS_DECAY, TTT_STEPS, DrafterConfig, Eagle3Drafter, TTTOutput, simulated_acceptance
+from draftsmith.drafter import (TTT_STEP_LOSS_DECAY, TTT_STEPS, DrafterConfig, Eagle3Drafter, TTTOutput, compile_for_training,
+                               simulated_acceptance)
 from draftsmith.errors import DraftsmithError
 from draftsmith.features import Batch, FeatureSource, OnlineSource, StoreSource, feature_dtype
 from draftsmith.target import pick_device
@@ -91,8 +92,9 @@ class TrainConfig:
     init_from: str | None = None
     """Start from an existing draftsmith drafter checkpoint (same target and vocabulary size)."""
     compile: bool = False
-    """torch.compile the drafter's TTT step (fuses its elementwise work; for GPU runs, where it pays back the
-    compile time; varying sequence lengths recompile once, then run with dynamic shapes)."""
+    """torch.compile the drafter's TTT step and the loss's pass over the logits (`compile_for_training`: fuses
+    their elementwise work; for GPU runs, where it pays back the compile time; varying sequence lengths
+    recompile once, then run with dynamic shapes)."""
     parallel: str = "ddp"
     """Under torchrun: ddp (each rank holds the whole drafter) or fsdp (FSDP2 `fully_shard`: weights,
     gradients and AdamW state sharded across ranks, for drafters whose training state does not fit one device)."""
@@ -181,7 +183,7 @@ class Trainer:
         # In the features' dtype (bf16 on GPU: ttt_forward computes in it anyway; half the memory of fp32).
         self.target_head = self.data.target_head().to(self.device, feature_dtype(self.device))
         if cfg.compile:
-            self.drafter.step = torch.compile(self.drafter.step)
+            compile_for_training(self.drafter)
         self.fsdp = self.world > 1 and cfg.parallel == "fsdp"
         self.model = self.drafter
         if self.fsdp:  # shards the drafter's parameters in place; the optimizer then holds only this rank's shard
