@@ -323,11 +323,19 @@ def test_engines_read_aux_ids_differently():
     assert engine_aux_ids({}, 32, "vllm") == engine_aux_ids({}, 32, "sglang") == (2, 16, 29)
 
 
-def test_eval_summary_without_a_baseline_says_not_measured():
-    """--no-baseline: the markdown says n/a for base tokens/s and speed-up instead of printing nan."""
-    from draftsmith.eval import report_markdown, summarize
+def test_eval_summary_without_a_baseline_says_not_measured(tmp_path):
+    """--no-baseline: the markdown says n/a, the JSON null (strict JSON, no NaN), the plots draw tau only."""
+    import json
+    from dataclasses import asdict
+
+    from draftsmith.eval import plot, recommend, report_markdown, summarize
 
     r = summarize(4, [2, 0, 1, 4], spec_tokens=11, spec_s=2.0, base_tokens=0, base_s=0.0, model_s=1.9, identical=None)
     text = report_markdown([r], {"limit": 1})
     assert "nan" not in text and "| n/a | n/a |" in text and "speed-up n/a" in text
     assert "| 2.75 |" in text  # tau: (2 + 0 + 1 + 4) accepted + 4 bonus tokens over 4 steps
+    doc = json.loads(json.dumps(asdict(r)), parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+    assert doc["speedup"] is None and doc["tokens_per_s_base"] is None
+    r2 = summarize(2, [2, 1], spec_tokens=5, spec_s=1.0, base_tokens=0, base_s=0.0, model_s=0.9, identical=None)
+    assert recommend([r, r2]) is r  # by tau without a speed-up
+    assert all(p.exists() for p in plot([r, r2], tmp_path))

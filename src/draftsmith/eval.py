@@ -14,7 +14,6 @@ Run: draftsmith eval --drafter runs/demo/train/drafter --prompts eval --limit 20
 from __future__ import annotations
 
 import json
-import math
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,8 +33,9 @@ class KResult:
     histogram: list[int]
     """histogram[a] = verification steps that accepted exactly a draft tokens (a = 0..k)."""
     tokens_per_s_spec: float
-    tokens_per_s_base: float
-    speedup: float
+    tokens_per_s_base: float | None
+    """None when no baseline was decoded (--no-baseline); so is speedup."""
+    speedup: float | None
     verify_steps: int
     generated_tokens: int
     overhead_share: float
@@ -56,9 +56,9 @@ def summarize(k: int, accepted: list[int], spec_tokens: int, spec_s: float, base
     hist = [sum(1 for a in accepted if a == i) for i in range(k + 1)]
     per_pos = [sum(1 for a in accepted if a > i) / max(steps, 1) for i in range(k)]
     tps_spec = spec_tokens / max(spec_s, 1e-9)
-    tps_base = base_tokens / max(base_s, 1e-9) if base_s else float("nan")
+    tps_base = base_tokens / max(base_s, 1e-9) if base_s else None
     return KResult(k=k, tau=(sum(accepted) / max(steps, 1)) + 1.0, per_position=per_pos, histogram=hist,
-                   tokens_per_s_spec=tps_spec, tokens_per_s_base=tps_base, speedup=tps_spec / tps_base if base_s else float("nan"),
+                   tokens_per_s_spec=tps_spec, tokens_per_s_base=tps_base, speedup=tps_spec / tps_base if tps_base else None,
                    verify_steps=steps, generated_tokens=spec_tokens, overhead_share=max(0.0, 1 - model_s / max(spec_s, 1e-9)),
                    identical_to_target=identical, topk=topk, draft_tokens=draft_tokens or k + 1, batch_size=batch_size)
 
@@ -164,7 +164,7 @@ def run_eval(target_name: str, drafter_dir: Path, prompts_source: str, ks: list[
 
 def recommend(results: list[KResult]) -> KResult:
     """The k with the best measured speed-up (best tau when no baseline was measured)."""
-    if all(r.speedup == r.speedup for r in results):  # no NaN
+    if all(r.speedup is not None for r in results):
         return max(results, key=lambda r: r.speedup)
     return max(results, key=lambda r: r.tau)
 
@@ -174,8 +174,8 @@ def report_markdown(results: list[KResult], settings: dict) -> str:
     lines = ["# draftsmith eval", "",
              "| k (depth) | topk | draft tokens | tau | per-position acceptance | tok/s spec | tok/s base | speed-up | overhead |",
              "|---|---|---|---|---|---|---|---|---|"]
-    def measured(x: float, spec: str, unit: str = "") -> str:  # nan: no baseline was decoded (--no-baseline)
-        return "n/a" if math.isnan(x) else f"{x:{spec}}{unit}"
+    def measured(x: float | None, spec: str, unit: str = "") -> str:  # None: no baseline was decoded (--no-baseline)
+        return "n/a" if x is None else f"{x:{spec}}{unit}"
 
     for r in results:
         lines.append(f"| {r.k} | {r.topk} | {r.draft_tokens} | {r.tau:.2f} | {' '.join(f'{p:.2f}' for p in r.per_position)} | "
@@ -203,7 +203,8 @@ def plot(results: list[KResult], out: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(5, 3.2))
     ks = [r.k for r in results]
     ax.plot(ks, [r.tau for r in results], "o-", label="tau")
-    ax.plot(ks, [r.speedup for r in results], "s-", label="speed-up")
+    if all(r.speedup is not None for r in results):
+        ax.plot(ks, [r.speedup for r in results], "s-", label="speed-up")
     ax.set(xlabel="k (draft tokens)", title="tau and speed-up against k")
     ax.legend()
     fig.tight_layout()

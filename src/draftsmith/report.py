@@ -177,7 +177,7 @@ def decide(doc: dict) -> dict:
 
         ok = (ev["speedup"] or 0) > SPEEDUP_FLOOR and ev["tau"] >= TAU_WIRING_FAULT \
             and ev["identical_to_target"] is not False
-        why = [f"reference decoder: tau {ev['tau']:.2f} at k={ev['k']}, speed-up {ev['speedup']:.2f}x"]
+        why = [f"reference decoder: tau {ev['tau']:.2f} at k={ev['k']}, speed-up {fmt(ev['speedup'])}x"]
         if ev["tau"] < TAU_WIRING_FAULT:
             why.append(f"tau below {TAU_WIRING_FAULT}: the target rejects almost every drafted token")
         if ev["identical_to_target"] is False:
@@ -221,7 +221,7 @@ def headline(doc: dict) -> str:
         parts.append(f"engine tau {p['engine_tau']:.2f}{ref} at k={p['k']}")
     elif doc.get("eval"):
         ev = doc["eval"]
-        parts.append(f"reference tau {ev['tau']:.2f} at k={ev['k']}, speed-up {ev['speedup']:.2f}x")
+        parts.append(f"reference tau {ev['tau']:.2f} at k={ev['k']}, speed-up {fmt(ev['speedup'])}x")
     return f"verdict: {v['decision'].upper()} ({v['source']})" + (": " + "; ".join(parts) if parts else "")
 
 
@@ -304,7 +304,7 @@ def draw_throughput(doc: dict, plt):
         base = [lv["baseline_output_tokens_per_s"] or 0 for lv in bench["levels"]]
         title = "vLLM output tokens/s"
     elif ev:
-        labels, spec, base = ["batch 1"], [ev["tokens_per_s_spec"]], [ev["tokens_per_s_base"]]
+        labels, spec, base = ["batch 1"], [ev["tokens_per_s_spec"]], [ev["tokens_per_s_base"] or 0]
         title = "reference decoder tokens/s"
     else:
         return None
@@ -383,7 +383,7 @@ def blocks(doc: dict, images: list[str]) -> list[tuple]:
                    fmt(lv["tpot_ms_p50"], ".1f"), lv["failed"]] for lv in b["levels"]])]
     elif ev:
         out += [("h2", "Throughput"), ("p", f"Reference decoder only (no engine run): {ev['tokens_per_s_spec']:.1f} "
-                 f"tok/s with the drafter, {ev['tokens_per_s_base']:.1f} without ({ev['speedup']:.2f}x).")]
+                 f"tok/s with the drafter, {fmt(ev['tokens_per_s_base'], '.1f')} without ({fmt(ev['speedup'])}x).")]
     out += [("img", n, "throughput") for n in images if n == PLOTS[2]]
     out += check_blocks(doc)
     sm = doc["summary"]
