@@ -136,10 +136,15 @@ class Attention(nn.Module):
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """q (B, nh, T, hd), k and v (B, nkv, T, hd), RoPE applied to q and k."""
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        return self.heads(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin)
+
+    def heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Projections (B, T, n hd) -> q (B, nh, T, hd), k and v (B, nkv, T, hd), RoPE applied to q and k."""
+        B, T, _ = q.shape
+        q = q.view(B, T, self.nh, self.hd).transpose(1, 2)
+        k = k.view(B, T, self.nkv, self.hd).transpose(1, 2)
+        v = v.view(B, T, self.nkv, self.hd).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
@@ -363,11 +368,8 @@ class Eagle3Drafter(nn.Module):
         qkv = e_qkv + F.linear(hn, w_h)  # (B, T, (nh + 2 nkv) hd)
         B, T, _ = qkv.shape
         nq, nk = attn_mod.nh * attn_mod.hd, attn_mod.nkv * attn_mod.hd
-        q = qkv[..., :nq].view(B, T, attn_mod.nh, attn_mod.hd).transpose(1, 2)
-        k = qkv[..., nq:nq + nk].view(B, T, attn_mod.nkv, attn_mod.hd).transpose(1, 2)
-        v = qkv[..., nq + nk:].view(B, T, attn_mod.nkv, attn_mod.hd).transpose(1, 2)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
-        q, k = apply_rope(q, cos.to(q.dtype), sin.to(q.dtype)), apply_rope(k, cos.to(k.dtype), sin.to(k.dtype))
+        q, k, v = attn_mod.heads(*qkv.split([nq, nk, nk], dim=-1), cos.to(qkv.dtype), sin.to(qkv.dtype))
         if first:
             cache.keys, cache.values = [k], [v]
         else:
