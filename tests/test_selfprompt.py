@@ -1,0 +1,81 @@
+"""Self-written prompts (Magpie): the user-turn prefix of any chat template, the filters, and the four waves."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import build_tokenizer
+from draftsmith.errors import DraftsmithError
+from draftsmith.selfprompt import (SelfPromptSettings, TurnFilter, end_of_turn_ids, is_repetitive,
+                                   user_turn_prefix)
+
+DEFAULT_SYSTEM = (
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def test_the_prefix_carries_the_templates_default_system_prompt_and_the_user_header():
+    tok = build_tokenizer(DEFAULT_SYSTEM)
+    prefix, suffix = user_turn_prefix(tok, [])
+    assert prefix == "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+    assert suffix.startswith("<|im_end|>")
+    assert end_of_turn_ids(tok, suffix) == [tok.convert_tokens_to_ids("<|im_end|>")]
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    follow, _ = user_turn_prefix(tok, history)
+    assert follow.endswith("<|im_start|>assistant\nhello<|im_end|>\n<|im_start|>user\n") and "hi" in follow
+
+
+def test_a_tokenizer_without_a_chat_template_gets_a_clear_error():
+    tok = build_tokenizer()
+    tok.chat_template = None
+    with pytest.raises(DraftsmithError, match="need a chat template"):
+        user_turn_prefix(tok, [])
+
+
+def test_each_filter_fires_and_is_counted():
+    flt = TurnFilter(SelfPromptSettings(), eval_texts=["Write a function that returns the sum of two integers a and b."])
+    assert flt.reason("  ", True) == "empty"
+    assert flt.reason("How do I bake sourdough bread at home with a starter?", False) == "cut_off"
+    assert flt.reason("buy now " * 20, True) == "repetitive"
+    assert flt.reason("Write a function that returns the sum of two integers a and b.", True) == "eval_overlap"
+    first = "Can you recommend a healthy and balanced meal plan for a toddler with allergies to dairy and eggs?"
+    assert flt.reason(first, True) is None
+    assert flt.reason(first.replace("Can you", "Could you"), True) == "near_duplicate"
+    assert flt.reason("I'm planning to launch a sustainable business in six months; can you help with ideas?", True) is None
+    c = flt.counts
+    assert (c.sampled, c.empty, c.cut_off, c.repetitive, c.eval_overlap, c.near_duplicate, c.kept) == (7, 1, 1, 1, 1, 1, 2)
+    assert not is_repetitive("one two three four five six seven eight nine ten eleven twelve thirteen")
+
+
+@pytest.mark.parametrize("decoder", ["rows", "generate"])
+def test_regenerate_self_writes_multi_turn_conversations_and_a_rerun_skips_them(tmp_path, decoder):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from conftest import build_tiny_target
+    from draftsmith.conversations import ConversationWriter
+    from draftsmith.regenerate import LocalSettings, regenerate_self
+
+    path = build_tiny_target(tmp_path / "t", layers=2, head_scale=3.0)  # flat logits: varied sampled turns
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    sp = SelfPromptSettings(count=24, max_turn_tokens=12, multi_turn=0.5, min_chars=2, seed=3)
+    ls = LocalSettings(max_new_tokens=10, batch_size=8, decoder=decoder, max_length=128)
+    out = tmp_path / "conv.jsonl"
+    with ConversationWriter(out) as w:
+        summary = regenerate_self(model, tok, w, sp, ls, eval_texts=[])
+    c = summary.first_turns
+    assert c.sampled == 24 and c.kept + c.empty + c.cut_off + c.repetitive + c.near_duplicate + c.eval_overlap == 24
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == summary.conversations == c.kept
+    roles = [[m["role"] for m in r["messages"]] for r in rows]
+    assert sum(r == ["user", "assistant", "user", "assistant"] for r in roles) == summary.multi_turn
+    assert all(r in (["user", "assistant"], ["user", "assistant", "user", "assistant"]) for r in roles)
+    with ConversationWriter(out) as w:
+        again = regenerate_self(model, tok, w, sp, ls, eval_texts=[])
+    assert again.conversations == 0 and len(out.read_text().splitlines()) == len(rows)
