@@ -104,7 +104,7 @@ def _p(name: str, kind: EventKind, phase: str | None, regex: str) -> Pattern:
 
 
 # The event table, in start-up order; the first match wins. Each entry cites where the string comes
-# from (engines.md §6); tests/test_logs.py holds a real line for every name.
+# from (engines.md §6); tests/test_diagnose.py holds a real line for every name.
 _TQDM = (r"(?P<pct>\d+)% ?(?:Completed \| |\|[^|]*\| )(?P<n>\d+)/(?P<total>\d+) "
          r"\[(?P<elapsed>[\d:]+)<(?P<remaining>[\d:?]+)")
 PATTERNS: tuple[Pattern, ...] = (

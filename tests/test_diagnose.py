@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from draftsmith.cli import main
-from draftsmith.logs import (
+from draftsmith.diagnose import (
     HINTS,
     PATTERN_NAMES,
     TracebackCollector,
