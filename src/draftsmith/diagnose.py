@@ -25,6 +25,7 @@ from typing import Literal
 from draftsmith.errors import DraftsmithError
 
 EventKind = Literal["phase", "progress", "notice", "fatal", "ready"]
+RootCauseKind = Literal["exception", "error_line", "hang", "stalled", "not_captured"]
 PHASES = ("config", "loading_weights", "loading_drafter", "warmup", "kv_cache", "graph_capture", "serving", "ready")
 CONTEXT_LINES = 6  # traceback lines kept before the root-cause exception
 MAX_DETAIL_LINES = 4  # indented lines kept after it
@@ -414,6 +415,7 @@ class RootCause:
     frame: Frame | None
     context: tuple[str, ...]
     detail: tuple[str, ...] = ()
+    kind: RootCauseKind = "exception"
 
 
 def hint_for(text: str) -> Hint | None:
@@ -466,7 +468,7 @@ def choose_root_cause(collector: TracebackCollector) -> RootCause | None:
         lineno, event = fatal[0]
         hint = hint_for(event.text)
         return RootCause(lineno, event.text, None, event.process, hint.fix if hint else None,
-                         hint.name if hint else None, None, ())
+                         hint.name if hint else None, None, (), kind="error_line")
     return None
 
 
