@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from draftsmith.cli import main
+from draftsmith.causes import HINTS, weight_shape_detail
 from draftsmith.diagnose import (
-    HINTS,
     PATTERN_NAMES,
     TracebackCollector,
     analyze,
@@ -17,7 +17,6 @@ from draftsmith.diagnose import (
     parse_line,
     read_log,
     split_line,
-    weight_shape_detail,
 )
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"
