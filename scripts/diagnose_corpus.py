@@ -41,13 +41,13 @@ def load_index() -> list[dict]:
 
 def judge(case: dict) -> dict:
     """One case's row: what diagnose said and whether it names the expected line and kind."""
-    rc = analyze(read_log(CORPUS / case["file"])).root_cause
-    exp = case["expected"]
-    got_kind = rc.kind if rc else None
+    diag = analyze(read_log(CORPUS / case["file"]))
+    rc, stall, exp = diag.root_cause, diag.stall, case["expected"]
+    got = (rc.line, rc.kind, rc.text) if rc else (stall.line, "stalled", stall.text) if stall else (None, None, None)
     return {"id": case["id"], "split": case["split"], "engine": case["engine"], "kind": case["kind"],
-            "expected_line": exp["line"], "got_line": rc.line if rc else None, "got_kind": got_kind,
-            "got_text": rc.text[:160] if rc else None, "hint": rc.hint_name if rc else None,
-            "right": bool(rc and rc.line == exp["line"] and got_kind == case["kind"])}
+            "expected_line": exp["line"], "got_line": got[0], "got_kind": got[1],
+            "got_text": got[2][:160] if got[2] else None, "hint": rc.hint_name if rc else None,
+            "right": (got[0], got[1]) == (exp["line"], case["kind"])}
 
 
 def tally(rows: list[dict], key: str) -> dict[str, str]:

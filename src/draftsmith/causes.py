@@ -60,6 +60,25 @@ HINTS: tuple[Hint, ...] = (
        "--max-num-seqs, free the GPU of other processes, or shard wider (tensor parallel)"),
     _h("port_in_use", r"Address already in use|Errno 98",
        "the port is taken: stop the other server (`ss -ltnp | grep :PORT`) or pass another --port"),
+    _h("cuda_fork", r"Cannot re-initialize CUDA in forked subprocess",
+       "CUDA was initialised in the parent before the workers were forked: start the engine with "
+       "VLLM_WORKER_MULTIPROC_METHOD=spawn, and do not touch CUDA before creating the engine in your own script"),
+    _h("device_side_assert", r"Assertion `index out of bounds|device-side assert triggered",
+       "a CUDA kernel indexed past a table. With a drafter this is usually a position past the drafter's "
+       "rope cache (its config.json max_position_embeddings is below the served context; vllm#48894) or a "
+       "token id past its vocabulary: set the drafter's max_position_embeddings >= --max-model-len (or "
+       "serve a shorter context) and check draft_vocab_size / d2t against the target; rerun with "
+       "CUDA_LAUNCH_BLOCKING=1 for the kernel's real call stack"),
+    _h("nccl_watchdog", r"Watchdog caught collective operation timeout",
+       "a collective on the NCCL process group did not finish within its timeout: one rank hung or died "
+       "first. Find the first error in the other ranks' output, rerun with NCCL_DEBUG=INFO, and bisect "
+       "the transport (NCCL_P2P_DISABLE=1, NCCL_IB_DISABLE=1); a longer timeout only hides a dead rank"),
+    _h("shm_broadcast_hang", r"No available (?:shared memory broadcast )?block found|shm_broadcast|"
+       r"RPC call to \w+ timed out",
+       "vLLM's engine waited on its workers' shared-memory queue and no worker answered: a worker is hung "
+       "or busy (compiling, quantizing, blocked in NCCL). A bigger /dev/shm does not help (vllm#25566). "
+       "Read the workers' own lines before the first warning; on a live server `py-spy dump --pid "
+       "WORKER_PID` shows where it waits; if a slow step is healthy, raise VLLM_RPC_TIMEOUT"),
     _h("nccl", r"NCCL|nccl",
        "NCCL failed between ranks: rerun with NCCL_DEBUG=INFO; check CUDA_VISIBLE_DEVICES, shared memory "
        "(docker --ipc=host or --shm-size), NCCL_SOCKET_IFNAME, or try NCCL_P2P_DISABLE=1"),
@@ -117,3 +136,21 @@ def weight_shape_detail(text: str) -> str | None:
     return (f"the tensor is the drafter's `fc` ({want_out} = hidden size): vLLM built fc.weight "
             f"[{want_out}, {want_in}] (3 aux layers x {want_out}), the checkpoint's fc.weight is "
             f"[{got_out}, {got_in}] ({layers})")
+
+
+# The start-up step a traceback's frames pass through, innermost first: what a cut traceback still tells.
+_STEPS: tuple[tuple[re.Pattern[str], str], ...] = tuple((re.compile(r), step) for r, step in (
+    (r"capture_model|_capture_cudagraphs|cuda_graph_runner|init_cuda_graphs", "CUDA graph capture"),
+    (r"_initialize_kv_caches|determine_num_available_blocks|profile_run|determine_available_memory|init_memory_pool",
+     "memory profiling and KV cache allocation"),
+    (r"ncclCommInitRank|PyNcclCommunicator|init_worker_distributed_environment|init_distributed_environment|"
+     r"initialize_model_parallel|init_process_group", "distributed (NCCL) initialisation"),
+    (r"eagle|EAGLE|draft|spec_decode|speculative", "the drafter (speculative decoding) set-up"),
+    (r"load_weights|load_model|get_model|model_loader", "model loading"),
+    (r"init_device|set_device", "device initialisation"),
+))
+
+
+def step_of(frames: str) -> str | None:
+    """The start-up step named by a traceback's frame lines, checked from the most specific step down."""
+    return next((step for regex, step in _STEPS if regex.search(frames)), None)
