@@ -10,6 +10,7 @@ import pytest
 from draftsmith.cli import main
 from draftsmith.causes import HINTS, weight_shape_detail
 from draftsmith.diagnose import (
+    analyze_file,
     iter_log,
     PATTERN_NAMES,
     TracebackCollector,
@@ -388,3 +389,21 @@ def test_streamed_read_keeps_the_split_semantics(tmp_path):
     log = tmp_path / "engine.log"
     log.write_bytes(b"a\r\nb\rc\n\xff\n")
     assert list(iter_log(log)) == (b"a\r\nb\rc\n\xff\n").decode("utf-8", errors="replace").split("\n")
+
+
+@pytest.mark.parametrize("log", LOGS + sorted(CORPUS.glob("*.log")), ids=lambda p: p.stem)
+def test_block_scan_of_a_file_equals_reading_every_line(log):
+    assert analyze_file(log) == analyze(iter_log(log))
+
+
+def test_block_scan_counts_skipped_lines_and_keeps_edge_lines(tmp_path, monkeypatch):
+    import draftsmith.diagnose as diagnose
+
+    monkeypatch.setattr(diagnose, "CHUNK_BYTES", 64)  # many blocks, lines cut across them
+    boring = "INFO 02-03 13:14:04 api.py:1] GET /health 200\n" * 7
+    crash = fixture_line("vllm_gh6732_nccl.log", "RuntimeError: NCCL error")
+    log = tmp_path / "engine.log"
+    log.write_text(f"{boring}{crash}\n{boring}\n")
+    diag = analyze_file(log)
+    assert diag == analyze(iter_log(log)) and diag.lines == 17  # as text.split("\n")
+    assert diag.root_cause.line == 8

