@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -392,8 +393,20 @@ def test_streamed_read_keeps_the_split_semantics(tmp_path):
 
 
 @pytest.mark.parametrize("log", LOGS + sorted(CORPUS.glob("*.log")), ids=lambda p: p.stem)
-def test_block_scan_of_a_file_equals_reading_every_line(log):
-    assert analyze_file(log) == analyze(iter_log(log))
+def test_screen_and_block_scan_change_no_answer(log, monkeypatch):
+    import draftsmith.diagnose as diagnose
+
+    screened, scanned = analyze(iter_log(log)), analyze_file(log)
+    monkeypatch.setattr(diagnose, "_SCREEN", re.compile(""))  # matches every line: nothing is skipped
+    assert screened == scanned == analyze(iter_log(log))
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLES))
+def test_screen_passes_every_pattern_sample(name):
+    import draftsmith.diagnose as diagnose
+
+    raw = SAMPLES[name]() if callable(SAMPLES[name]) else SAMPLES[name]
+    assert diagnose._SCREEN.search(raw), f"{name}: the screen would skip {raw!r}"
 
 
 def test_block_scan_counts_skipped_lines_and_keeps_edge_lines(tmp_path, monkeypatch):
