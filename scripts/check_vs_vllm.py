@@ -222,7 +222,7 @@ def start_vllm(target: Path, drafter: Path, spec: dict, log: Path, timeout_s: fl
     """
     from draftsmith.engine import VLLM_CPU_ENV, VllmServe, engine_python, free_port
     from draftsmith.launch import spawn, stop_tree, supervise
-    from draftsmith.logs import analyze, read_log
+    from draftsmith.diagnose import analyze, read_log
 
     port = free_port()
     serve = VllmServe(target=target, drafter=None, port=port,

@@ -8,7 +8,7 @@ whole combined stdout/stderr as `vllm_cpu_<name>.log`. One server runs at a time
     .venv/bin/python scripts/make_crash_logs.py bad_fc     # just one
 
 The expected root cause of each log lives beside it in `<log>.expected.json`; those are written by
-hand from reading the log, so after regenerating, re-check them (`pytest tests/test_logs.py` fails on
+hand from reading the log, so after regenerating, re-check them (`pytest tests/test_diagnose.py` fails on
 any drift).
 """
 

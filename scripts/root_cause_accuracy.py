@@ -2,7 +2,7 @@
 
 A fixture counts as right when the root cause's line, exception type, process and hint all equal its
 `.expected.json` sidecar and the text contains the expected fragment (the same bar as
-tests/test_logs.py::test_fixture_root_cause); a log expected to have no error must yield none.
+tests/test_diagnose.py::test_fixture_root_cause); a log expected to have no error must yield none.
 
     .venv/bin/python scripts/root_cause_accuracy.py
 
@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from draftsmith.logs import analyze, read_log
+from draftsmith.diagnose import analyze, read_log
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "logs"

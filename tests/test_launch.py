@@ -30,7 +30,7 @@ from draftsmith.launch import (
     supervise,
     url_from_command,
 )
-from draftsmith.logs import Event, TracebackCollector, analyze, read_log
+from draftsmith.diagnose import Event, TracebackCollector, analyze, read_log
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"
 REPO = Path(__file__).resolve().parents[1]

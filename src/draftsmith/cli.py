@@ -25,7 +25,7 @@ VERBS = {
     "eval": ("draftsmith.eval", "reference speculative decoding: acceptance and speed-up"),
     "check": ("draftsmith.check", "preflight: will this target + drafter start in this engine, and accept?"),
     "launch": ("draftsmith.launch", "start an engine, follow its load, name the root cause if it dies"),
-    "diagnose": ("draftsmith.logs", "name the root cause of a saved vLLM / SGLang log"),
+    "diagnose": ("draftsmith.diagnose", "name the root cause of a saved vLLM / SGLang log"),
     "bench": ("draftsmith.bench", "load an endpoint, read its spec-decode metrics, say go or no-go"),
     "run": ("draftsmith.run", "the whole pipeline in one run directory (default: the embedded SmolLM2 demo)"),
     "report": ("draftsmith.report", "re-render a run directory's one-page report (markdown, HTML, JSON)"),

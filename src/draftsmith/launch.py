@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Literal
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.logs import (
+from draftsmith.diagnose import (
     LoadStatus,
     RootCause,
     TracebackCollector,

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 from draftsmith.cli import main
-from draftsmith.logs import (
-    HINTS,
+from draftsmith.causes import HINTS, weight_shape_detail
+from draftsmith.diagnose import (
+    analyze_file,
+    iter_log,
     PATTERN_NAMES,
     TracebackCollector,
     analyze,
@@ -17,11 +20,12 @@ from draftsmith.logs import (
     parse_line,
     read_log,
     split_line,
-    weight_shape_detail,
 )
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"
 LOGS = sorted(FIXTURES.glob("*.log"))
+CORPUS = Path(__file__).parent / "fixtures" / "diagnose_corpus"
+DEV = {c["file"] for c in json.loads((CORPUS / "index.json").read_text())["cases"] if c["split"] == "dev"}
 
 
 def fixture_line(name: str, contains: str) -> str:
@@ -30,6 +34,12 @@ def fixture_line(name: str, contains: str) -> str:
         if contains in raw:
             return raw
     raise AssertionError(f"{name} has no line containing {contains!r}")
+
+
+def corpus_line(name: str, contains: str) -> str:
+    """A line of a development-half corpus log (held-back logs are never fixtures: README there)."""
+    assert name in DEV, f"{name} is not in the development half"
+    return next(raw for raw in read_log(CORPUS / name) if contains in raw)
 
 
 # One real line per pattern. Literal lines cite the issue they were posted in; lines from engines.md
@@ -89,6 +99,14 @@ SAMPLES = {
     "sglang_rank_dead": "[2025-09-13 09:09:20] Rank 0 scheduler is dead. Please check if there are relevant logs.",  # sglang 0.5.6 engine.py:918
     "vllm_signal_shutdown": lambda: fixture_line("vllm_cpu_ready.log", "trigger received signal=SIGTERM"),
     "startup_timeout": lambda: fixture_line("vllm_ascend_gh3800_timeout.log", "TimeoutError: Timed out"),
+    "pydantic_value_error": lambda: fixture_line("vllm_cpu_max_model_len.log", "Value error, User-specified"),
+    "vllm_worker_method_error": lambda: fixture_line("vllm_torch145170_fork.log", "Exception in worker"),
+    "cuda_device_assert": lambda: corpus_line("vllm_gh21986_eagle_rope_device_assert.log", "Assertion `index"),
+    "nccl_watchdog_timeout": lambda: corpus_line("vllm_gh2734_nccl_watchdog.log", "Watchdog caught"),
+    "vllm_shm_no_block": lambda: fixture_line("vllm_cpu_ready.log", "No available shared memory broadcast block"),
+    "vllm_worker_method_failed": lambda: fixture_line("vllm_gh14095_oom_workers.log", "processing method load_model."),
+    "vllm_engine_core_fatal": lambda: corpus_line("vllm_gh19668_fatal_cut.log", "EngineCore encountered a fatal"),
+    "vllm_serving_stats": lambda: corpus_line("vllm_gh2734_nccl_watchdog.log", "Avg prompt throughput"),
 }
 
 
@@ -122,6 +140,22 @@ def test_split_line_strips_ansi_and_prefix():
     line = split_line(raw)
     assert line.process == "Worker pid=6993" and line.level == "ERROR"
     assert line.text.startswith("AssertionError: Tried to load weights")
+
+
+def test_split_line_pasted_ray_colours_without_esc():
+    line = split_line(corpus_line("vllm_gh2734_nccl_watchdog.log", "Watchdog caught"))
+    assert line.process == "RayWorkerVllm pid=5085" and line.text.startswith("[E ProcessGroupNCCL.cpp:475]")
+
+
+def test_split_line_compose_torch_rank_and_container_prefixes():
+    compose = split_line(corpus_line("sglang_gh12076_compose_cancelled.log", "asyncio.exceptions.CancelledError"))
+    assert (compose.process, compose.text) == ("", "asyncio.exceptions.CancelledError")
+    rank = split_line(corpus_line("vllm_nccl_gh1686_rank_prefix_cut.log", "line 507"))
+    assert rank.process == "rank0" and rank.text.lstrip().startswith('File "')
+    iso = split_line("2026-02-06T19:39:12.818007300Z (Worker_TP1 pid=572) ERROR 02-06 11:39:12 "
+                     "[multiproc_executor.py:772] WorkerProc failed to start.")  # vllm#34016
+    assert (iso.process, iso.level, iso.text, iso.stamp) == ("Worker_TP1 pid=572", "ERROR",
+                                                             "WorkerProc failed to start.", "02-06 11:39:12")
 
 
 def test_split_line_caret_ansi_from_pasted_logs_keeps_indentation():
@@ -263,3 +297,126 @@ def test_weight_shape_detail_names_fc_only_when_the_shapes_say_so():
     assert weight_shape_detail("RuntimeError: CUDA out of memory") is None
     rc = analyze(read_log(FIXTURES / "vllm_cpu_bad_fc.log")).root_cause
     assert rc.hint.startswith("the tensor is the drafter's `fc`") and "re-export the drafter" in rc.hint
+
+
+def _diagnose_text(text: str):
+    return analyze(text.split("\n"))
+
+
+def test_error_line_printed_before_the_exception_is_the_cause():
+    assert_line = corpus_line("vllm_gh21986_eagle_rope_device_assert.log", "Assertion `index")
+    crash = fixture_line("vllm_gh6732_nccl.log", "RuntimeError: NCCL error")
+    rc = _diagnose_text(f"{assert_line}\n{crash}").root_cause
+    assert (rc.line, rc.kind, rc.hint_name) == (1, "error_line", "device_side_assert")
+    assert "max_position_embeddings" in rc.hint
+
+
+def test_pydantic_value_error_alone_is_the_root_cause():
+    rc = _diagnose_text(fixture_line("vllm_cpu_max_model_len.log", "Value error, User-specified")).root_cause
+    assert (rc.line, rc.kind, rc.exception_type, rc.hint_name) == (1, "error_line", None, "max_model_len")
+
+
+def test_hang_reports_last_progress_and_how_long_it_was_silent():
+    rc = analyze(read_log(CORPUS / "vllm_gh2734_nccl_watchdog.log")).root_cause
+    assert (rc.line, rc.kind, rc.hint_name) == (3, "hang", "nccl_watchdog")
+    assert rc.last_progress[0] == 2 and "Avg prompt throughput" in rc.last_progress[1]
+    assert rc.silence_s == 1800.3  # the watchdog's own 1800270 ms: the report line carries no stamp
+
+
+def test_hang_silence_from_the_log_stamps():
+    rc = analyze(read_log(CORPUS / "vllm_spark_docker_gh348_shm_hang.log")).root_cause
+    # five reports a minute apart (11:16:19 .. 11:20:19), the first after 60 s of waiting
+    assert (rc.line, rc.kind, rc.silence_s, rc.hint_name) == (1, "hang", 300.0, "shm_broadcast_hang")
+
+
+def test_bare_timeout_error_takes_its_hint_from_the_frames():
+    rc = analyze(read_log(CORPUS / "vllm_mooncake_gh1458_rpc_timeout.log")).root_cause
+    assert (rc.exception_type, rc.kind, rc.hint_name) == ("TimeoutError", "hang", "shm_broadcast_hang")
+
+
+def test_cut_traceback_is_not_captured_with_the_step_and_a_grep():
+    rc = analyze(read_log(CORPUS / "vllm_gh15469_capture_cut.log")).root_cause
+    assert (rc.line, rc.kind, rc.process) == (1, "not_captured", "VllmWorker rank=1 pid=12231")
+    assert rc.frame.func == "capture_model"  # innermost frame outside torch's wrappers
+    assert "root cause not captured in this log" in rc.hint and "during CUDA graph capture" in rc.hint
+    assert rc.grep == 'grep -nE "(Error|Exception)(: |$)" FULL.log | grep -F "VllmWorker rank=1 pid=12231"'
+
+
+def test_traceback_cut_without_any_death_report_names_its_last_frame():
+    rc = analyze(read_log(CORPUS / "vllm_gh14092_load_model_cut.log")).root_cause
+    assert (rc.line, rc.kind) == (7, "not_captured") and rc.text.startswith('File "') and "line 140" in rc.text
+
+
+def test_a_process_reporting_its_own_death_beats_a_report_of_a_child_dying():
+    sigquit = fixture_line("sglang_gh4289_nccl.log", "Received sigquit")
+    own = SAMPLES["sglang_scheduler_exception"]
+    rc = _diagnose_text(f"{sigquit}\n{own}").root_cause
+    assert (rc.line, rc.kind) == (2, "not_captured")
+
+
+def test_hang_report_followed_by_progress_is_a_slow_step_not_a_hang():
+    diag = analyze(read_log(FIXTURES / "vllm_cpu_ready.log"))
+    assert any(e.name == "vllm_shm_no_block" for e in map(parse_line, read_log(FIXTURES / "vllm_cpu_ready.log")) if e)
+    assert diag.root_cause is None and diag.stall is None and diag.phase == "serving"
+
+
+def test_log_that_stops_without_error_is_a_stall_not_a_root_cause():
+    diag = analyze(read_log(CORPUS / "vllm_gh17167_multinode_stall.log"))
+    assert diag.root_cause is None
+    assert (diag.stall.line, diag.stall.phase) == (13, "loading_weights")
+    assert "Loading weights took 36.24 seconds" in diag.stall.text
+    assert analyze(read_log(FIXTURES / "vllm_cpu_ready.log")).stall is None
+
+
+@pytest.mark.parametrize("make, what", [
+    (lambda p: p.write_bytes(b""), "log file is empty"),
+    (lambda p: p.write_bytes(b"\x1f\x8b\x08\x00" + bytes(range(256))), "log file is binary, not text"),
+    (lambda p: p.write_text("INFO ok\n"), "log file cannot be read"),
+    (lambda p: p.mkdir(), "log path is not a file"),
+])
+def test_bad_log_input_is_a_clear_error_with_exit_2(tmp_path, capsys, monkeypatch, make, what):
+    log = tmp_path / "engine.log"
+    make(log)
+    if what == "log file cannot be read":  # chmod 0 does not stop root, so refuse the open itself
+        def refuse(self, *args, **kwargs):
+            raise PermissionError(13, "Permission denied", str(self))
+        monkeypatch.setattr(Path, "open", refuse)
+    assert main(["diagnose", str(log)]) == 2
+    err = capsys.readouterr().err
+    assert what in err and "expected:" in err and "fix:" in err
+
+
+def test_streamed_read_keeps_the_split_semantics(tmp_path):
+    log = tmp_path / "engine.log"
+    log.write_bytes(b"a\r\nb\rc\n\xff\n")
+    assert list(iter_log(log)) == (b"a\r\nb\rc\n\xff\n").decode("utf-8", errors="replace").split("\n")
+
+
+@pytest.mark.parametrize("log", LOGS + sorted(CORPUS.glob("*.log")), ids=lambda p: p.stem)
+def test_screen_and_block_scan_change_no_answer(log, monkeypatch):
+    import draftsmith.diagnose as diagnose
+
+    screened, scanned = analyze(iter_log(log)), analyze_file(log)
+    monkeypatch.setattr(diagnose, "_SCREEN", re.compile(""))  # matches every line: nothing is skipped
+    assert screened == scanned == analyze(iter_log(log))
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLES))
+def test_screen_passes_every_pattern_sample(name):
+    import draftsmith.diagnose as diagnose
+
+    raw = SAMPLES[name]() if callable(SAMPLES[name]) else SAMPLES[name]
+    assert diagnose._SCREEN.search(raw), f"{name}: the screen would skip {raw!r}"
+
+
+def test_block_scan_counts_skipped_lines_and_keeps_edge_lines(tmp_path, monkeypatch):
+    import draftsmith.diagnose as diagnose
+
+    monkeypatch.setattr(diagnose, "CHUNK_BYTES", 64)  # many blocks, lines cut across them
+    boring = "INFO 02-03 13:14:04 api.py:1] GET /health 200\n" * 7
+    crash = fixture_line("vllm_gh6732_nccl.log", "RuntimeError: NCCL error")
+    log = tmp_path / "engine.log"
+    log.write_text(f"{boring}{crash}\n{boring}\n")
+    diag = analyze_file(log)
+    assert diag == analyze(iter_log(log)) and diag.lines == 17  # as text.split("\n")
+    assert diag.root_cause.line == 8

