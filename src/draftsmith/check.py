@@ -629,8 +629,11 @@ def run_checks(target: Path, drafter: Path, engine: str, version: str | None, sp
 
 
 def resolve_drafter(name: str) -> Path:
-    """A local drafter directory, or only the JSON files of a hub drafter (never its weights)."""
-    path = Path(name).expanduser()
+    """A local drafter directory, a shipped drafter's short name, or only the JSON files of a hub drafter (never its
+    weights)."""
+    from draftsmith.checkpoint import drafter_path
+
+    path = drafter_path(name)
     if path.is_dir():
         return path
     if name.count("/") == 1 and not name.startswith((".", "/")):

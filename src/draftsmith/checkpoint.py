@@ -149,3 +149,16 @@ def load_drafter(path: Path, embed_tokens: torch.Tensor | None = None) -> Eagle3
                               got=f"missing {missing[:5]}, unexpected {unexpected[:5]}",
                               expected="exactly the LlamaForCausalLMEagle3 keys", fix="re-export the drafter")
     return drafter
+
+
+EMBEDDED_DRAFTERS = Path(__file__).parent / "data" / "drafters"
+"""Drafters shipped with the package, one directory per short name (`smollm2`: the embedded target's)."""
+
+
+def drafter_path(name: str | Path) -> Path:
+    """A drafter directory, or the shipped drafter of that short name (`smollm2`); anything else unchanged."""
+    path = Path(name).expanduser()
+    if path.is_dir() or "/" in str(name):
+        return path
+    shipped = EMBEDDED_DRAFTERS / str(name)
+    return shipped if (shipped / "config.json").is_file() else path

@@ -225,7 +225,8 @@ def add_parser(sub) -> None:
                            "  draftsmith eval --drafter DIR --topk 4 --draft-tokens 8 --depth 5   # SGLang's default tree\n"
                            "  draftsmith eval --drafter DIR --k 3 --batch-size 4"))
     p.add_argument("--target", default="smollm2")
-    p.add_argument("--drafter", type=Path, required=True)
+    p.add_argument("--drafter", required=True,
+                   help="drafter directory, or a shipped drafter's short name (smollm2: the embedded target's)")
     p.add_argument("--prompts", default="eval", help="eval | humaneval | train | JSONL (prompt/messages/turns)")
     p.add_argument("--limit", type=int, default=20)
     p.add_argument("--k", default=None, help="draft length (tree depth), or a comma list to sweep (1,2,3,4)")
@@ -262,6 +263,9 @@ def run_eval_cli(args) -> int:
         ks = [args.draft_tokens - 1]  # deep enough for any path the node budget allows
     if args.batch_size < 1:
         raise DraftsmithError("bad --batch-size", got=str(args.batch_size), expected=">= 1", fix="--batch-size 4")
+    from draftsmith.checkpoint import drafter_path
+
+    args.drafter = drafter_path(args.drafter)
     results = run_eval(args.target, args.drafter, args.prompts, ks, args.limit, args.temperature, args.max_new_tokens,
                        args.engine, args.dtype, not args.no_baseline, args.seed, batch_size=args.batch_size,
                        topk=args.topk, draft_tokens=args.draft_tokens)

