@@ -26,7 +26,16 @@ from packaging.version import InvalidVersion, Version
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.safetensors_header import ModelTensors, read_model_tensors
-from draftsmith.target import MLA_MODEL_TYPES, default_aux_ids, describe_target, resolve_target
+from draftsmith.conventions import (
+    MLA_DRAFTER_ARCHITECTURES,
+    MLA_MODEL_TYPES,
+    aux_ids_for_format,
+    default_aux_ids,
+    engine_reads,
+    find_aux_ids,
+    infer_boundary,
+)
+from draftsmith.target import describe_target, resolve_target
 
 Severity = Literal["error", "warning", "ok"]
 ENGINES = ("vllm", "sglang", "llamacpp")
@@ -209,12 +218,7 @@ def describe_drafter(config: dict[str, Any]) -> DrafterSpec:
     is_spec = "speculators_config" in config or "speculators_model_type" in config
     layer = (config.get("transformer_layer_config") or {}) if is_spec else config
     eagle = config.get("eagle_config") if isinstance(config.get("eagle_config"), dict) else {}
-    if config.get("eagle_aux_hidden_state_layer_ids"):
-        aux, where = config["eagle_aux_hidden_state_layer_ids"], "top-level"
-    elif eagle.get("eagle_aux_hidden_state_layer_ids"):
-        aux, where = eagle["eagle_aux_hidden_state_layer_ids"], "eagle_config"
-    else:
-        aux, where = None, None
+    aux, where = find_aux_ids(config)
     proposals = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
     archs = tuple(config.get("architectures") or ())
     return DrafterSpec(
@@ -227,12 +231,12 @@ def describe_drafter(config: dict[str, Any]) -> DrafterSpec:
         draft_vocab_size=config.get("draft_vocab_size"),
         max_position_embeddings=layer.get("max_position_embeddings"),
         dtype=layer.get("torch_dtype") or layer.get("dtype") or config.get("torch_dtype") or config.get("dtype"),
-        aux_ids=tuple(int(i) for i in aux) if aux else None,
+        aux_ids=tuple(aux) if aux else None,
         aux_location=where,
         norm_flags={k: bool(config[k]) for k in NORM_FLAGS if config.get(k) is not None}
         | {k: bool(eagle[k]) for k in NORM_FLAGS if eagle.get(k) is not None and config.get(k) is None},
         speculative_tokens=config.get("n_predict") or proposals[0].get("speculative_tokens"),
-        is_mla=any(a.startswith("Eagle3Deepseek") for a in archs) or layer.get("kv_lora_rank") is not None,
+        is_mla=any(a in MLA_DRAFTER_ARCHITECTURES for a in archs) or layer.get("kv_lora_rank") is not None,
         draftsmith=config.get("draftsmith") if isinstance(config.get("draftsmith"), dict) else {},
     )
 
@@ -423,31 +427,29 @@ def drafter_facts(path: Path, hidden: int, vocab: int) -> dict[str, Any]:
     }
 
 
-def aux_facts(f: dict[str, Any], engine: str) -> dict[str, Any]:
-    """What the drafter was trained on, what the engine will capture, as boundary indices (DESIGN.md)."""
-    n, ids, default = f["target_num_layers"], f["drafter_aux_ids"], f["default_aux"]
+def aux_facts(f: dict[str, Any], engine: str, version: str, drafter_config: dict[str, Any]) -> dict[str, Any]:
+    """What the drafter was trained on, what the engine will capture, as boundary indices (`conventions`)."""
+    n, ids = f["target_num_layers"], f["drafter_aux_ids"]
     recorded = f["draftsmith"].get("aux_layer_ids_boundary")
+    inferred = infer_boundary(ids, n) if ids and f["drafter_format"] != "speculators" else None
     if recorded:
         trained, basis = list(recorded), "draftsmith"
-    elif ids is None:
-        trained, basis = None, "unknown"
-    elif f["drafter_format"] == "speculators":
+    elif ids and f["drafter_format"] == "speculators":
         trained, basis = list(ids), "speculators"
-    elif ids == default:
-        trained, basis = list(ids), "inferred"
-    elif ids == [1, n // 2 - 1, n - 4]:  # SpecForge / ModelOpt default written as layer outputs (training.md §3)
-        trained, basis = [i + 1 for i in ids], "inferred"
+    elif inferred:
+        trained, basis = list(inferred), "inferred"
     else:
         trained, basis = None, "unknown"
-    # vLLM reads explicit ids as boundary indices; SGLang adds 1 (engines.md §3.2). Defaults agree.
-    reads = (list(ids) if engine == "vllm" else [i + 1 for i in ids]) if ids else default
     if engine == "llamacpp":  # what its GGUF holds or its converter will write (llamacpp.llamacpp_facts)
         reads = f["llamacpp_aux_reads"]
+    else:
+        reads = list(engine_reads(drafter_config, n, engine, version))
     return {
         "aux_trained": trained, "aux_basis": basis, "aux_engine_reads": reads,
         "aux_mismatch": None if trained is None else reads != trained,
         "aux_out_of_range": any(not 0 <= i <= n for i in reads),
-        "aux_sglang_ids_if_boundary": [i - 1 for i in trained] if trained else None,
+        "aux_sglang_ids_if_boundary": aux_ids_for_format(trained, "sglang") if trained and min(trained) >= 1
+        else None,
     }
 
 
@@ -518,7 +520,7 @@ def gather_facts(target: Path, drafter: Path, engine: str, version: str, book: R
 
         f |= llamacpp_facts(drafter, f["target_num_layers"])
     f |= spec_facts(engine, spec, args, f)
-    f |= aux_facts(f, engine)
+    f |= aux_facts(f, engine, version, read_dir_config(drafter))
     f |= norm_facts(f, engine, book, version)
     f["dtype_mismatch"] = (f["drafter_dtype"] or f["drafter_header_dtype"]) is not None and _dtype_name(
         f["drafter_dtype"] or f["drafter_header_dtype"]) != _dtype_name(f["serve_dtype"])
