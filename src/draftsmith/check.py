@@ -17,7 +17,7 @@ import shlex
 import string
 import subprocess
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -70,31 +70,6 @@ class Finding:
     request) or `accept` (it comes up and accepts little); see KINDS."""
 
 
-@dataclass(frozen=True)
-class Rule:
-    id: str
-    versions: SpecifierSet
-    severity: Severity
-    kind: str
-    when: list
-    message: str
-    fix: str
-    source: str
-    why: str = ""
-    engine_text: str | None = None
-    ok: str | None = None
-    """Message when the rule applies and its condition does not hold (shown as an `ok` row)."""
-
-
-@dataclass
-class RuleBook:
-    engine: str
-    default_version: str
-    rules: list[Rule]
-    tables: dict[str, Any] = field(default_factory=dict)
-    """Version tables the facts are computed from (targets with EAGLE-3 support, probes, ...)."""
-
-
 # ---------------------------------------------------------------- rules as data
 
 Op = Literal["eq", "ne", "in", "not_in", "lt", "gt", "contains_any", "contains_none", "is_true", "is_false",
@@ -136,7 +111,7 @@ AnyOf.model_rebuild()
 AllOf.model_rebuild()
 
 
-class RuleSpec(BaseModel):
+class Rule(BaseModel):
     """One entry of `rules/<engine>.yaml` (the header comment of each file explains the fields)."""
 
     model_config = _STRICT
@@ -150,7 +125,14 @@ class RuleSpec(BaseModel):
     source: str
     why: str = ""
     engine_text: str | None = None
+    """What the engine prints when this bites; null for silent failures."""
     ok: str | None = None
+    """Message when the rule applies and its condition does not hold (shown as an `ok` row)."""
+
+    @field_validator("message", "fix", "source", "why")
+    @classmethod
+    def _strip(cls, v: str) -> str:
+        return v.strip()
 
     @field_validator("versions")
     @classmethod
@@ -159,28 +141,27 @@ class RuleSpec(BaseModel):
         return v
 
 
-class RuleFile(BaseModel):
+class RuleBook(BaseModel):
+    """One `rules/<engine>.yaml`: the rules and the version tables the facts are computed from."""
+
     model_config = _STRICT
+    engine: str
     default_version: str
-    rules: list[RuleSpec]
+    rules: list[Rule]
     tables: dict[str, Any] = {}
+    """Version tables the facts are computed from (targets with EAGLE-3 support, probes, ...)."""
 
 
 def load_rules(engine: str) -> RuleBook:
-    """Parse `rules/<engine>.yaml` and validate it against `RuleFile`; every problem is reported at once."""
+    """Parse `rules/<engine>.yaml` and validate it against `RuleBook`; every problem is reported at once."""
     path = RULES_DIR / f"{engine}.yaml"
     try:
-        doc = RuleFile.model_validate(yaml.safe_load(path.read_text()))
+        return RuleBook.model_validate({**(yaml.safe_load(path.read_text()) or {}), "engine": engine})
     except ValidationError as exc:
         problems = "; ".join(f"{_where(err['loc'])}: {err['msg']}" for err in exc.errors())
         raise DraftsmithError(f"{path.name} does not match the rule schema", got=problems,
-                              expected="rules as documented at the top of the file (check.RuleSpec)",
+                              expected="rules as documented at the top of the file (check.Rule)",
                               fix=f"correct {path}") from exc
-    rules = [Rule(id=r.id, versions=SpecifierSet(r.versions), severity=r.severity, kind=r.kind,
-                  when=[c.model_dump(exclude_unset=True) for c in r.when], message=r.message.strip(),
-                  fix=r.fix.strip(), source=r.source.strip(), why=r.why.strip(), engine_text=r.engine_text,
-                  ok=r.ok) for r in doc.rules]
-    return RuleBook(engine=engine, default_version=doc.default_version, rules=rules, tables=doc.tables)
 
 
 def _where(loc: tuple) -> str:
@@ -193,15 +174,15 @@ def version_in(spec: str | SpecifierSet, version: str) -> bool:
     return SpecifierSet(str(spec)).contains(Version(version), prereleases=True)
 
 
-def holds(clause: dict, facts: dict[str, Any]) -> bool:
+def holds(clause: Condition, facts: dict[str, Any]) -> bool:
     """Evaluate one condition clause: {fact, op, value | other} or {any: [...]} or {all: [...]}."""
-    if "any" in clause:
-        return any(holds(c, facts) for c in clause["any"])
-    if "all" in clause:
-        return all(holds(c, facts) for c in clause["all"])
-    got = facts.get(clause["fact"])
-    want = facts.get(clause["other"]) if "other" in clause else clause.get("value")
-    op = clause["op"]
+    if isinstance(clause, AnyOf):
+        return any(holds(c, facts) for c in clause.any)
+    if isinstance(clause, AllOf):
+        return all(holds(c, facts) for c in clause.all)
+    got = facts.get(clause.fact)
+    want = facts.get(clause.other) if clause.other is not None else clause.value
+    op = clause.op
     if op in ("present", "absent"):
         return (got is not None and got != []) == (op == "present")
     if got is None:  # comparisons with an unknown fact never fire
@@ -235,10 +216,13 @@ def evaluate(book: RuleBook, facts: dict[str, Any], version: str) -> list[Findin
     return out
 
 
-def _fact_names(clauses: list) -> list[str]:
-    names = []
+def _fact_names(clauses: list[Condition]) -> list[str]:
+    names: list[str] = []
     for c in clauses:
-        names += _fact_names(c.get("any") or c.get("all") or []) + [c[k] for k in ("fact", "other") if k in c]
+        if isinstance(c, (AnyOf, AllOf)):
+            names += _fact_names(c.any if isinstance(c, AnyOf) else c.all)
+        else:
+            names += [c.fact] + ([c.other] if c.other is not None else [])
     return names
 
 
