@@ -38,7 +38,7 @@ from draftsmith.endpoints import (
     regenerate_endpoints_sync,
     walk_turns,
 )
-from draftsmith.engine import VLLM_CPU_ENV, VllmServe, engine_python, free_port, stop_group, wait_ready
+from draftsmith.engine import VLLM_CPU_ENV, VllmServe, engine_python, free_port, stop_tree, wait_ready
 from draftsmith.errors import DraftsmithError
 from draftsmith.prompts import Prompt
 
@@ -216,7 +216,7 @@ class ManagedServer:
 
     def stop(self) -> None:
         if self.proc:
-            stop_group(self.proc)
+            stop_tree(self.proc)
 
 
 @pytest.fixture(scope="module")
