@@ -295,6 +295,18 @@ def test_speculators_drafter_on_sglang_loses_its_layer(tmp_path):
     assert "vllm.drafter-layer-keys" not in errors(vllm_findings)
 
 
+def test_sglang_ignores_top_level_ids_and_captures_its_default(tmp_path, smol_target):
+    """SGLang reads only eagle_config's ids (model_runner.py); top-level ids leave it at [2, n//2, n-3]."""
+    config = builder.drafter_config(eagle_config={"use_aux_hidden_state": True},
+                                    eagle_aux_hidden_state_layer_ids=[3, 10, 20],
+                                    draftsmith={"aux_layer_ids_boundary": [3, 10, 20], "aux_id_convention": "vllm"})
+    drafter = smol_drafter(tmp_path, config=config)
+    _, sglang = run(smol_target, drafter, engine="sglang", version="0.5.23")
+    assert sglang["aux_engine_reads"] == [2, 15, 27] and sglang["aux_mismatch"] is True
+    _, vllm = run(smol_target, drafter)
+    assert vllm["aux_engine_reads"] == [3, 10, 20] and vllm["aux_mismatch"] is False
+
+
 def test_speculators_drafter_without_norm_flag_gets_vllms_true_default(tmp_path):
     drafter = fixture_drafter(tmp_path, "llama3.1-8b-speculators-eagle3")
     config = json.loads((drafter / "config.json").read_text())
