@@ -220,9 +220,9 @@ def start_vllm(target: Path, drafter: Path, spec: dict, log: Path, timeout_s: fl
     takes, taken here so the wait for it is not counted as start-up time (the script does this; a caller
     already under that lock, such as an engine-tier test run with `flock`, must not, or it waits on itself).
     """
-    from draftsmith.engine import VLLM_CPU_ENV, VllmServe, engine_python, free_port
-    from draftsmith.launch import spawn, stop_tree, supervise
     from draftsmith.diagnose import analyze, read_log
+    from draftsmith.engine import VLLM_CPU_ENV, VllmServe, engine_python, free_port, spawn, stop_tree
+    from draftsmith.launch import supervise
 
     port = free_port()
     serve = VllmServe(target=target, drafter=None, port=port,

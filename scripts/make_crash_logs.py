@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from draftsmith.engine import VLLM_CPU_ENV, VllmServe, engine_python, free_port, stop_group
+from draftsmith.engine import VLLM_CPU_ENV, VllmServe, engine_python, free_port, stop_tree
 from draftsmith.target import resolve_target
 
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "logs"
@@ -201,7 +201,7 @@ def run_scenario(scenario: Scenario, python: Path, target: Path) -> str:
                 outcome = "ready"
                 break
             time.sleep(0.5)
-        stop_group(proc)
+        stop_tree(proc)
         if holder:
             holder.close()
         return outcome

@@ -103,8 +103,51 @@ def test_a_malformed_rule_is_rejected_at_load(monkeypatch, tmp_path):
         "default_version: '0.33.0'\nrules:\n- {id: x, severity: error, when: [{fact: a, op: true}], "
         "message: m, fix: f, source: s}\n")
     monkeypatch.setattr(check, "RULES_DIR", tmp_path)
-    with pytest.raises(AssertionError, match="bad clause"):
+    with pytest.raises(DraftsmithError, match="rule schema") as err:
         check.load_rules("vllm")
+    assert "rules[0].when[0]" in err.value.got and "op" in err.value.got
+
+
+@pytest.mark.parametrize("bad,where", [
+    ("{id: x, severity: error, when: [], message: m, fix: f, source: s, sevrity: error}", "sevrity"),  # typo'd key
+    ("{id: x, severity: fatal, when: [], message: m, fix: f, source: s}", "severity"),
+    ("{id: x, severity: error, kind: later, when: [], message: m, fix: f, source: s}", "kind"),
+    ("{id: x, versions: '>=banana', severity: error, when: [], message: m, fix: f, source: s}", "versions"),
+    ("{id: x, severity: error, when: [{fact: a, op: eq}], message: m, fix: f, source: s}", "when[0]"),
+    ("{id: x, severity: error, when: [{fact: a, op: is_true, value: 1}], message: m, fix: f, source: s}", "when[0]"),
+    ("{id: x, severity: error, when: [], message: m, source: s}", "fix"),
+])
+def test_the_rule_schema_names_each_problem(monkeypatch, tmp_path, bad, where):
+    """The schema holds under `python -O` too (no assert), and the error points at the field."""
+    (tmp_path / "vllm.yaml").write_text(f"default_version: '0.33.0'\nrules:\n- {bad}\n")
+    monkeypatch.setattr(check, "RULES_DIR", tmp_path)
+    with pytest.raises(DraftsmithError, match="rule schema") as err:
+        check.load_rules("vllm")
+    assert f"rules[0].{where}" in err.value.got
+
+
+def gathered_facts(engine: str, tmp_path: Path, smol_target: Path) -> set[str]:
+    """The names check's fact gatherer produces for one engine (a plain EAGLE-3 drafter)."""
+    _, facts = run(smol_target, smol_drafter(tmp_path), engine=engine,
+                   version=check.load_rules(engine).default_version)
+    return set(facts)
+
+
+@pytest.mark.parametrize("engine", check.ENGINES)
+def test_every_fact_a_rule_names_is_gathered(engine, tmp_path, smol_target):
+    produced = gathered_facts(engine, tmp_path, smol_target)
+    missing = {rule.id: sorted(check.referenced_facts(rule) - produced) for rule in check.load_rules(engine).rules}
+    assert not {k: v for k, v in missing.items() if v}, "rules name facts check.gather_facts never produces"
+
+
+def test_a_misspelled_fact_is_caught(monkeypatch, tmp_path, smol_target):
+    (tmp_path / "rules").mkdir()
+    (tmp_path / "rules" / "vllm.yaml").write_text(
+        "default_version: '0.33.0'\nrules:\n- {id: x, severity: error, when: [{fact: target_num_layer, op: gt, "
+        "value: 4}], message: '{target_num_layers} layers', fix: f, source: s}\n")
+    monkeypatch.setattr(check, "RULES_DIR", tmp_path / "rules")
+    rule = check.load_rules("vllm").rules[0]
+    assert check.referenced_facts(rule) - gathered_facts("vllm", tmp_path, smol_target) == {"target_num_layer"}
 
 
 # ---------------------------------------------------------------- real public configs, per version
@@ -250,6 +293,18 @@ def test_speculators_drafter_on_sglang_loses_its_layer(tmp_path):
     assert facts["drafter_format"] == "speculators" and "sglang.layers0-keys" in errors(findings)
     vllm_findings, _ = run(TARGETS / "llama-3.1-8b", drafter)
     assert "vllm.drafter-layer-keys" not in errors(vllm_findings)
+
+
+def test_sglang_ignores_top_level_ids_and_captures_its_default(tmp_path, smol_target):
+    """SGLang reads only eagle_config's ids (model_runner.py); top-level ids leave it at [2, n//2, n-3]."""
+    config = builder.drafter_config(eagle_config={"use_aux_hidden_state": True},
+                                    eagle_aux_hidden_state_layer_ids=[3, 10, 20],
+                                    draftsmith={"aux_layer_ids_boundary": [3, 10, 20], "aux_id_convention": "vllm"})
+    drafter = smol_drafter(tmp_path, config=config)
+    _, sglang = run(smol_target, drafter, engine="sglang", version="0.5.23")
+    assert sglang["aux_engine_reads"] == [2, 15, 27] and sglang["aux_mismatch"] is True
+    _, vllm = run(smol_target, drafter)
+    assert vllm["aux_engine_reads"] == [3, 10, 20] and vllm["aux_mismatch"] is False
 
 
 def test_speculators_drafter_without_norm_flag_gets_vllms_true_default(tmp_path):

@@ -11,7 +11,7 @@ import torch
 import draftsmith.decoder as decoder
 from conftest import CORPUS
 from draftsmith.chat import prompt_ids
-from draftsmith.decoder import (DecodeSettings, choose, decode_batch, engine_aux_ids, speculative_decode,
+from draftsmith.decoder import (DecodeSettings, choose, decode_batch, speculative_decode,
                                 target_decode)
 from draftsmith.drafter import DrafterConfig, Eagle3Drafter
 from draftsmith.target import load_target
@@ -312,15 +312,6 @@ def test_settings_follow_sglang_tree_rules():
         DecodeSettings(k=4, topk=1, draft_tokens=8)
     with pytest.raises(Exception, match="tree can hold"):
         DecodeSettings(k=2, topk=2, draft_tokens=8)  # at most 1 + 2 + 4 = 7 candidates
-
-
-def test_engines_read_aux_ids_differently():
-    cfg = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 15, 28]},
-           "draftsmith": {"aux_layer_ids_boundary": [2, 16, 29]}}
-    assert engine_aux_ids(cfg, 32, "vllm") == (1, 15, 28)
-    assert engine_aux_ids(cfg, 32, "sglang") == (2, 16, 29)
-    assert engine_aux_ids(cfg, 32, "trained") == (2, 16, 29)
-    assert engine_aux_ids({}, 32, "vllm") == engine_aux_ids({}, 32, "sglang") == (2, 16, 29)
 
 
 def test_eval_summary_without_a_baseline_says_not_measured(tmp_path):

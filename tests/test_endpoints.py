@@ -30,15 +30,17 @@ from draftsmith.endpoints import (
     _Endpoint,
     _Item,
     _Run,
+    api_key_from_env,
     backoff_delay,
     classify,
+    normalize_base,
     parse_endpoint,
     parse_reply,
     parse_retry_after,
     regenerate_endpoints_sync,
     walk_turns,
 )
-from draftsmith.engine import VLLM_CPU_ENV, VllmServe, engine_python, free_port, stop_group, wait_ready
+from draftsmith.engine import VLLM_CPU_ENV, VllmServe, engine_python, free_port, stop_tree, wait_ready
 from draftsmith.errors import DraftsmithError
 from draftsmith.prompts import Prompt
 
@@ -177,6 +179,23 @@ def test_endpoint_specs_and_settings():
         EndpointSettings(error_budget=2)
 
 
+def test_bench_base_urls_drop_a_trailing_v1():
+    assert normalize_base("http://h:8000/v1/") == normalize_base("http://h:8000") == "http://h:8000"
+    assert normalize_base("https://api.example.com/openai/v1") == "https://api.example.com/openai"
+    with pytest.raises(DraftsmithError, match="not an http"):
+        normalize_base("h:8000")
+
+
+def test_the_api_key_comes_from_the_environment_in_order(monkeypatch):
+    monkeypatch.delenv("DRAFTSMITH_API_KEY", raising=False)
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    assert api_key_from_env() == "EMPTY"  # vLLM / SGLang without --api-key accept any key
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-openai")
+    assert api_key_from_env() == "sk-openai"
+    monkeypatch.setenv("DRAFTSMITH_API_KEY", "sk-draftsmith")
+    assert api_key_from_env() == "sk-draftsmith"
+
+
 def test_no_endpoint_answering_is_bad_usage(tmp_path):
     """A port where nothing listens: refused at the start, so the run stops before any work."""
     prompts = [Prompt("p0", [{"role": "user", "content": "hi"}])]
@@ -216,7 +235,7 @@ class ManagedServer:
 
     def stop(self) -> None:
         if self.proc:
-            stop_group(self.proc)
+            stop_tree(self.proc)
 
 
 @pytest.fixture(scope="module")

@@ -18,15 +18,12 @@ from pathlib import Path
 import pytest
 
 from draftsmith.cli import main
+from draftsmith.engine import alive, descendants, spawn, stop_tree
 from draftsmith.launch import (
     EXIT_CODES,
     LoadStatus,
     advance,
-    alive,
-    descendants,
-    spawn,
     status_line,
-    stop_tree,
     supervise,
     url_from_command,
 )

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import os
 import random
 import sys
 import time
@@ -33,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from draftsmith.endpoints import api_key_from_env, normalize_base
 from draftsmith.errors import DraftsmithError
 from draftsmith.metrics import (
     Acceptance,
@@ -51,7 +51,6 @@ TAU_WIRING_FAULT = 1.2
 SPEEDUP_FLOOR = 1.0  # below this, speculation costs more than it saves
 PERCENTILES = (50, 90, 99)
 LATENCIES = ("ttft", "itl", "tpot", "e2e")
-API_KEY_ENV = ("DRAFTSMITH_API_KEY", "OPENAI_API_KEY")
 SETTLE_POLL_S = 0.25  # engines publish counters just after the last chunk; re-scrape until still
 SETTLE_MAX_S = 3.0
 
@@ -328,22 +327,6 @@ def summarize_level(kind: str, value: float, results: list[RequestResult], durat
 # One endpoint
 
 
-def normalize_base(url: str) -> str:
-    """`http://host:port` from a URL that may end in `/` or `/v1`."""
-    base = url.rstrip("/")
-    if base.endswith("/v1"):
-        base = base[: -len("/v1")]
-    if not base.startswith(("http://", "https://")):
-        raise DraftsmithError("endpoint is not an http(s) URL", got=repr(url),
-                              expected="for example http://127.0.0.1:8000", fix="pass the server's base URL")
-    return base
-
-
-def api_key() -> str:
-    """The API key from the environment (never a flag); servers without auth accept any value."""
-    return next((os.environ[v] for v in API_KEY_ENV if os.environ.get(v)), "EMPTY")
-
-
 async def served_model(client, base: str) -> str:
     try:
         models = await client.models.list()
@@ -363,7 +346,7 @@ async def bench_endpoint(url: str, s: BenchSettings, warm, per_level, say=print)
     import openai
 
     base = normalize_base(url)
-    key = api_key()
+    key = api_key_from_env()
     headers = {"Authorization": f"Bearer {key}"}
     async with openai.AsyncOpenAI(base_url=base + "/v1", api_key=key, max_retries=0) as client, \
             httpx.AsyncClient(timeout=30, headers=headers) as http:

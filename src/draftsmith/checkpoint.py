@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from draftsmith.conventions import aux_ids_for_format
 from draftsmith.drafter import DrafterConfig, Eagle3Drafter
 from draftsmith.errors import DraftsmithError
 
@@ -28,27 +29,12 @@ WEIGHTS = "model.safetensors"
 NOT_EXPORTED = ("embed_tokens.weight",)
 
 
-def aux_ids_for_engine(boundary_ids: tuple[int, ...], engine: str) -> list[int]:
-    """Explicit aux ids in an engine's convention (DESIGN.md, "Conventions").
-
-    vLLM and llama.cpp read id k as the input of layer k (= boundary index k); SGLang adds 1 to
-    explicit ids (it captures the output of layer k), so it must be given boundary - 1.
-    """
-    if engine in ("vllm", "llamacpp", "speculators", "boundary"):
-        return list(boundary_ids)
-    if engine == "sglang":
-        if min(boundary_ids) < 1:
-            raise DraftsmithError("aux id 0 (the embeddings) cannot be expressed for SGLang",
-                                  got=f"boundary ids {list(boundary_ids)}", expected="ids >= 1",
-                                  fix="train with aux ids >= 1 for SGLang deployments")
-        return [b - 1 for b in boundary_ids]
-    raise DraftsmithError("unknown engine convention", got=engine, expected="vllm | sglang | llamacpp",
-                          fix="pick one of those")
-
-
 def hf_config(cfg: DrafterConfig, engine: str = "vllm", dtype: str = "float32",
               extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """config.json for the LlamaForCausalLMEagle3 layout, every flag explicit so no engine default applies."""
+    """config.json for the LlamaForCausalLMEagle3 layout, every flag explicit so no engine default applies.
+
+    The aux ids go in `eagle_config` (the place vLLM and SGLang both read) in `engine`'s convention.
+    """
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
@@ -75,7 +61,7 @@ def hf_config(cfg: DrafterConfig, engine: str = "vllm", dtype: str = "float32",
         "fc_norm": False,
         "norm_output": False,
         "eagle_config": {
-            "eagle_aux_hidden_state_layer_ids": aux_ids_for_engine(cfg.aux_layer_ids, engine),
+            "eagle_aux_hidden_state_layer_ids": aux_ids_for_format(cfg.aux_layer_ids, engine),
             "use_aux_hidden_state": True,
             "norm_before_fc": False,
         },

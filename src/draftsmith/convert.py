@@ -39,16 +39,20 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftsmith.checkpoint import NOT_EXPORTED, WEIGHTS, hf_config
+from draftsmith.conventions import (
+    AUX_CONVENTIONS,
+    MLA_DRAFTER_ARCHITECTURES,
+    MLA_MODEL_TYPES,
+    TRAINER_CONVENTIONS,
+    default_aux_ids,
+    find_aux_ids,
+    to_boundary,
+    validate_aux_ids,
+)
 from draftsmith.drafter import DrafterConfig, Eagle3Drafter
 from draftsmith.errors import DraftsmithError
 
 LAYOUTS = ("draftsmith", "eagle", "specforge", "modelopt", "speculators")
-AUX_CONVENTIONS = ("boundary", "layer-output")
-# How each public layout writes explicit aux ids (see the module table).
-LAYOUT_AUX_CONVENTION = {"eagle": "boundary", "specforge": "layer-output", "modelopt": "layer-output",
-                         "speculators": "boundary"}
-MLA_ARCHITECTURES = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM")
-MLA_MODEL_TYPES = ("kimi_k2", "deepseek_v2", "deepseek_v3")
 MLA_KEY_PARTS = ("q_a_proj", "kv_a_proj_with_mqa", "kv_b_proj", "q_b_proj")
 # Tensors of the drafter module that a public file may carry under these names.
 PLAIN_KEYS = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")
@@ -103,7 +107,7 @@ def detect_layout(config: dict, keys: set[str]) -> str:
     if "draftsmith" in config:
         return "draftsmith"
     mla_keys = sorted(k for k in keys if any(p in k for p in MLA_KEY_PARTS))
-    if arch in MLA_ARCHITECTURES or config.get("model_type") in MLA_MODEL_TYPES or "kv_lora_rank" in config or mla_keys:
+    if arch in MLA_DRAFTER_ARCHITECTURES or config.get("model_type") in MLA_MODEL_TYPES or "kv_lora_rank" in config or mla_keys:
         raise DraftsmithError(
             "an MLA drafter cannot be converted to a Llama layout faithfully",
             got=f"architectures {config.get('architectures')}, model_type {config.get('model_type')!r}, "
@@ -190,20 +194,11 @@ def unfaithful_fields(cfg: dict, layout: str) -> list[str]:
     return [msg for bad, msg in checks if bad]
 
 
-def aux_ids_in(config: dict) -> list[int] | None:
-    """Explicit ids, top level first, then eagle_config (vLLM's reading order, reference/engines.md §3.1)."""
-    return config.get("eagle_aux_hidden_state_layer_ids") or (config.get("eagle_config") or {}).get(
-        "eagle_aux_hidden_state_layer_ids")
-
-
 def boundary_ids(ids: list[int] | None, convention: str, target_layers: int) -> tuple[int, int, int]:
-    """The ids as boundary indices (DESIGN.md "Conventions"); no ids -> EAGLE-3's default."""
-    from draftsmith.target import default_aux_ids, validate_aux_ids
-
+    """The ids as boundary indices (`draftsmith.conventions`); no ids -> EAGLE-3's default."""
     if not ids:
         return default_aux_ids(target_layers)
-    shift = 1 if convention == "layer-output" else 0
-    return tuple(validate_aux_ids(tuple(i + shift for i in ids), target_layers))
+    return tuple(validate_aux_ids(to_boundary(ids, convention), target_layers))
 
 
 def vocab_maps(tensors: dict[str, torch.Tensor], vocab: int, draft_vocab: int, notes: list[str]) -> None:
@@ -250,7 +245,7 @@ def read_drafter(src: Path, target_layers: int | None = None, aux_convention: st
         cfg = DrafterConfig.from_dict(block["drafter"])
         meta = {k: v for k, v in block.items() if k not in ("drafter", "aux_layer_ids_boundary", "aux_id_convention")}
         vocab_maps(tensors, cfg.vocab_size, cfg.draft_vocab_size, notes)
-        return SourceDrafter(layout, cfg, check_shapes(cfg, tensors), aux_ids_in(config),
+        return SourceDrafter(layout, cfg, check_shapes(cfg, tensors), find_aux_ids(config)[0],
                              block.get("aux_id_convention", "vllm"), notes, meta)
     flat = layer_fields(config, layout)
     problems = unfaithful_fields(flat, layout)
@@ -260,11 +255,11 @@ def read_drafter(src: Path, target_layers: int | None = None, aux_convention: st
                               fix="serve it in its own layout; draftsmith's drafter has no such variant")
     if target_layers is None:
         raise DraftsmithError("the target's layer count is needed to place the aux hidden states",
-                              got=f"a {layout} drafter (ids {aux_ids_in(config)})",
+                              got=f"a {layout} drafter (ids {find_aux_ids(config)[0]})",
                               expected="--target TARGET or --target-layers N",
                               fix="add --target with the model this drafter was trained for")
-    convention = aux_convention or LAYOUT_AUX_CONVENTION[layout]
-    ids = boundary_ids(aux_ids_in(config), convention, target_layers)
+    convention = aux_convention or TRAINER_CONVENTIONS[layout]
+    ids = boundary_ids(find_aux_ids(config)[0], convention, target_layers)
     fc = tensors.get("fc.weight")
     if fc is None or fc.shape[1] % 3:
         raise DraftsmithError("fc.weight missing or not 3 x target hidden wide", got=str(None if fc is None else
@@ -289,7 +284,7 @@ def read_drafter(src: Path, target_layers: int | None = None, aux_convention: st
     vocab_maps(tensors, vocab, draft_vocab, notes)
     verifier = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
     meta = {"target": verifier} if verifier else {}
-    return SourceDrafter(layout, cfg, check_shapes(cfg, tensors), aux_ids_in(config), convention, notes, meta)
+    return SourceDrafter(layout, cfg, check_shapes(cfg, tensors), find_aux_ids(config)[0], convention, notes, meta)
 
 
 def check_shapes(cfg: DrafterConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -28,8 +28,9 @@ rejection sampling with q = onehot(draft), the rule of vLLM v1's rejection sampl
 and SGLang's `tree_speculative_sampling_target_only`; the emitted tokens follow the target's
 distribution exactly (`tree.accept_path`).
 
-Aux ids are read the way a chosen engine reads them (`engine_aux_ids`), so a drafter whose ids the
-engine misreads shows the collapsed acceptance it will have in production.
+The caller picks the aux ids (`draftsmith eval` reads them the way a chosen engine does, through
+`conventions.engine_aux_ids`), so a drafter whose ids the engine misreads shows the collapsed acceptance
+it will have in production.
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ import torch.nn.functional as F
 
 from draftsmith.drafter import Eagle3Drafter, rope_cos_sin
 from draftsmith.errors import DraftsmithError
-from draftsmith.target import default_aux_ids
 from draftsmith.tree import AcceptedPath, Candidates, DraftTree, accept_path, chain_tree, select_tree
 
 
@@ -75,27 +75,6 @@ class DecodeSettings:
     @property
     def nodes(self) -> int:
         return self.draft_tokens or self.k + 1
-
-
-def engine_aux_ids(drafter_config: dict, target_layers: int, engine: str) -> tuple[int, ...]:
-    """The boundary indices an engine captures for a drafter config.json (DESIGN.md, "Conventions").
-
-    vLLM reads explicit ids as boundary indices; SGLang adds 1; both fall back to (2, N//2, N-3) when
-    the drafter names none. `engine="trained"` returns the ids the drafter was trained with.
-    """
-    ids = config_aux_ids(drafter_config)
-    if engine == "trained":
-        block = drafter_config.get("draftsmith", {})
-        return tuple(block.get("aux_layer_ids_boundary") or ids or default_aux_ids(target_layers))
-    if not ids:
-        return default_aux_ids(target_layers)
-    return tuple(i + 1 for i in ids) if engine == "sglang" else tuple(ids)
-
-
-def config_aux_ids(config: dict) -> list[int] | None:
-    """Explicit aux ids in a drafter config: top level first, then eagle_config (vLLM's order)."""
-    return config.get("eagle_aux_hidden_state_layer_ids") or (config.get("eagle_config") or {}).get(
-        "eagle_aux_hidden_state_layer_ids")
 
 
 # --- state ----------------------------------------------------------------------------------------------

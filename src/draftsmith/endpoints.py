@@ -209,7 +209,19 @@ def display_url(url: str) -> str:
     return urlunsplit((parts.scheme, parts.hostname + (f":{parts.port}" if parts.port else ""), parts.path, "", ""))
 
 
+def normalize_base(url: str) -> str:
+    """`http://host:port` (and any path before `/v1`) from a URL that may end in `/` or `/v1` (bench)."""
+    base = url.rstrip("/")
+    if base.endswith("/v1"):
+        base = base[: -len("/v1")]
+    if not base.startswith(("http://", "https://")):
+        raise DraftsmithError("endpoint is not an http(s) URL", got=repr(url),
+                              expected="for example http://127.0.0.1:8000", fix="pass the server's base URL")
+    return base
+
+
 def api_key_from_env() -> str:
+    """The API key from the environment (never a flag); servers without auth accept any value."""
     return next((os.environ[v] for v in API_KEY_ENV_VARS if os.environ.get(v)), NO_API_KEY)
 
 

@@ -4,8 +4,11 @@ vLLM and SGLang pin their own torch, so draftsmith never imports them: each live
 virtualenv (by default `<cache>/venvs/<engine>`, made by `make engine-venv`), and draftsmith runs its
 Python as a subprocess and talks to it over HTTP on 127.0.0.1.
 
-`serve(...)` is a context manager that starts `vllm`'s OpenAI server, waits for `/health`, yields the
-base URL and stops the whole process group on exit.
+The one home of engine processes, used by `launch`, `run`, `llamacpp.serve` and the tests: `spawn`
+(own session, unbuffered output to a log), `probe_ready` (`/health` and `/v1/models` both answer 200),
+`wait_ready` and `stop_tree` (SIGTERM then SIGKILL to the process group and to every descendant PID).
+`serve(...)` is a context manager that starts `vllm`'s OpenAI server, waits until it is ready, yields
+the base URL and stops the whole process tree on exit.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -80,38 +84,114 @@ class VllmServe:
         return cmd + list(self.extra_args)
 
 
+def probe_ready(base_url: str, timeout_s: float = 0.5) -> bool:
+    """True when both /health and /v1/models answer 200 (a log line is never trusted for readiness:
+    vLLM never prints `Uvicorn running on`, reference/engines.md §6.2; /health can answer before the
+    OpenAI routes serve)."""
+    for path in ("/health", "/v1/models"):
+        try:
+            with urllib.request.urlopen(base_url + path, timeout=timeout_s) as r:
+                if r.status != 200:
+                    return False
+        except OSError:
+            return False
+    return True
+
+
 def wait_ready(base_url: str, proc: subprocess.Popen, timeout_s: float, log: Path) -> None:
-    """Poll `/health` until it answers 200; fail fast when the process dies."""
+    """Poll `probe_ready` until the server is ready; fail fast when the process dies."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
             raise DraftsmithError("engine exited during start-up", got=f"exit code {proc.returncode}",
-                                  expected="a server answering /health", fix=f"read {log}; `draftsmith diagnose {log}`"
-                                  + ("\n" + tail if tail else ""))
-        try:
-            with urllib.request.urlopen(base_url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
+                                  expected="a server answering /health and /v1/models",
+                                  fix=f"read {log}; `draftsmith diagnose {log}`" + ("\n" + tail if tail else ""))
+        if probe_ready(base_url, timeout_s=2):
+            return
         time.sleep(0.5)
-    raise DraftsmithError("engine did not become ready in time", got=f"no /health after {timeout_s:.0f} s",
-                          expected="a ready server", fix=f"read {log}")
+    raise DraftsmithError("engine did not become ready in time",
+                          got=f"no /health and /v1/models after {timeout_s:.0f} s", expected="a ready server",
+                          fix=f"read {log}")
 
 
-def stop_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """SIGTERM the process group, then SIGKILL what is left after `grace_s`."""
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
+# Engines are Python programs writing to a file, where Python block-buffers stdout: print()ed lines
+# reach the log only 8 KiB at a time, and whatever is still buffered when a process hangs or is
+# SIGKILLed never arrives, so a supervisor would see silence (a false stall) or an empty log.
+UNBUFFERED_ENV = {"PYTHONUNBUFFERED": "1"}
+
+
+def spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start `cmd` (an argument list, no shell) in a new session, stdout and stderr into `log`.
+
+    The child's Python output is unbuffered (UNBUFFERED_ENV) unless `env` says otherwise.
+    """
+    log.parent.mkdir(parents=True, exist_ok=True)
+    env = {**UNBUFFERED_ENV, **(os.environ if env is None else env)}
     try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        with open(log, "wb") as out:
+            return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=env, start_new_session=True)
+    except OSError as err:
+        raise DraftsmithError("could not start the engine command", got=f"{shlex.join(cmd)}: {err}",
+                              expected="an executable argument list after `--`",
+                              fix="check the program name and PATH, e.g. `-- python -m vllm.entrypoints...`") from err
+
+
+def descendants(pid: int) -> list[int]:
+    """PIDs of every live process below `pid` (children, grandchildren, ...), read from /proc."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if fields[0] != "Z":
+                parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        kids = parents.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie (an exited child nobody has reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _signal_tree(group: int, pids: list[int], sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(group, sig)
+    for pid in pids:  # members that left the group (setsid) are still ours by parentage
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def stop_tree(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """Stop the engine and every process below it: SIGTERM, then SIGKILL after `grace_s`.
+
+    Signals go to the engine's process group (its PGID is its PID: `spawn` starts a new session) and,
+    by PID, to every descendant found in /proc before and during the wait, so a worker that moved to
+    its own session is stopped too.
+    """
+    tree = set(descendants(proc.pid))
+    _signal_tree(proc.pid, sorted(tree), signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if proc.poll() is None:
+            tree |= set(descendants(proc.pid))
+        if proc.poll() is not None and not any(alive(pid) for pid in tree):
+            return
+        time.sleep(0.05)
+    _signal_tree(proc.pid, sorted(pid for pid in tree if alive(pid)), signal.SIGKILL)
+    proc.wait()
+    for _ in range(100):  # SIGKILL is asynchronous: wait (up to 5 s) until the tree is gone
+        if not any(alive(pid) for pid in tree):
+            return
+        time.sleep(0.05)
 
 
 @contextlib.contextmanager
@@ -126,14 +206,13 @@ def serve(spec: VllmServe, log: Path, timeout_s: float = 300.0, python: Path | N
 
 @contextlib.contextmanager
 def serve_process(cmd: list[str], port: int, log: Path, timeout_s: float, env: dict | None = None) -> Iterator[str]:
-    """Run a server command in its own process group (output to `log`), yield its base URL once `/health`
-    answers, stop the group on exit. Shared by vLLM (`serve`) and llama.cpp (`llamacpp.serve`)."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    """Run a server command in its own session (output to `log`), yield its base URL once ready
+    (`probe_ready`), stop it and every process below it on exit. Shared by vLLM (`serve`) and
+    llama.cpp (`llamacpp.serve`)."""
+    proc = spawn(cmd, log, env)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_ready(base, proc, timeout_s, log)
         yield base
     finally:
-        stop_group(proc)
+        stop_tree(proc)

@@ -109,7 +109,8 @@ def run_eval(target_name: str, drafter_dir: Path, prompts_source: str, ks: list[
     """
     from draftsmith.chat import prompt_ids
     from draftsmith.checkpoint import load_drafter
-    from draftsmith.decoder import DecodeSettings, decode_batch, engine_aux_ids, target_decode
+    from draftsmith.conventions import engine_aux_ids
+    from draftsmith.decoder import DecodeSettings, decode_batch, target_decode
     from draftsmith.progress import progress_bar
     from draftsmith.prompts import load_prompts
     from draftsmith.target import describe_target, load_target, read_config, resolve_target

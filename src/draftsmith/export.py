@@ -11,7 +11,8 @@ Formats and their key maps (each checked against the consumer's loader source, s
   `layers.0.*` (vllm/transformers_utils/configs/speculators/algos.py `update_eagle3`, which defaults
   `norm_before_residual` to True when absent, so it is always written).
 - `llamacpp`: a GGUF written by llama.cpp's own converter from the `vllm` layout, for
-  `llama-server --spec-type draft-eagle3` (src/draftsmith/llamacpp.py).
+  `llama-server --spec-type draft-eagle3` (`export_llamacpp`; the converter and GGUF reader live in
+  src/draftsmith/llamacpp.py).
 
 Every export writes every norm flag explicitly and a model card (README.md) with the serve commands.
 """
@@ -25,9 +26,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftsmith.checkpoint import WEIGHTS, aux_ids_for_engine, hf_config
+from draftsmith import llamacpp
+from draftsmith.checkpoint import WEIGHTS, hf_config
+from draftsmith.conventions import aux_ids_for_format
 from draftsmith.drafter import DrafterConfig
 from draftsmith.errors import DraftsmithError
+from draftsmith.target import resolve_target
 
 FORMATS = ("vllm", "sglang", "speculators")
 GGUF_FORMATS = ("llamacpp",)  # written by the engine's own converter from the `vllm` layout (not a key map)
@@ -48,7 +52,7 @@ def speculators_config(cfg: DrafterConfig, dtype: str, target: str, k: int, extr
         "speculators_version": SPECULATORS_VERSION,
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
-        "eagle_aux_hidden_state_layer_ids": aux_ids_for_engine(cfg.aux_layer_ids, "speculators"),
+        "eagle_aux_hidden_state_layer_ids": aux_ids_for_format(cfg.aux_layer_ids, "speculators"),
         "norm_before_residual": cfg.norm_before_residual,
         "norm_before_fc": False,
         "fc_norm": False,
@@ -79,7 +83,7 @@ def model_card(fmt: str, out: Path, cfg: DrafterConfig, meta: dict, k: int) -> s
     tau = meta.get("eval", {}).get("tau", {})
     tau_line = ", ".join(f"k={kk}: {v:.2f}" for kk, v in tau.items()) if tau else "not measured"
     spec = json.dumps({"method": "eagle3", "model": str(out), "num_speculative_tokens": k})
-    sgl_ids = aux_ids_for_engine(cfg.aux_layer_ids, "sglang") if min(cfg.aux_layer_ids) >= 1 else None
+    sgl_ids = aux_ids_for_format(cfg.aux_layer_ids, "sglang") if min(cfg.aux_layer_ids) >= 1 else None
     return f"""---
 library_name: draftsmith
 tags: [eagle3, speculative-decoding, draft-model]
@@ -91,7 +95,7 @@ base_model: {meta.get('target', 'unknown')}
 - Target: `{meta.get('target', 'unknown')}` ({cfg.target_num_layers} layers, hidden {cfg.target_hidden_size}, vocab {cfg.vocab_size})
 - Draft vocabulary: {cfg.draft_vocab_size} tokens; one decoder layer, hidden {cfg.hidden_size}
 - Aux hidden states: boundary indices {list(cfg.aux_layer_ids)} (written here as
-  `{aux_ids_for_engine(cfg.aux_layer_ids, 'sglang' if fmt == 'sglang' else 'vllm')}` in {fmt}'s convention)
+  `{aux_ids_for_format(cfg.aux_layer_ids, 'sglang' if fmt == 'sglang' else 'vllm')}` in {fmt}'s convention)
 - Training data: {meta.get('store') or 'see training config'}; trained steps: {meta.get('trained_steps', 'unknown')}
 - Measured tau (teacher-forced simulation on held-back samples): {tau_line}
 
@@ -122,8 +126,6 @@ def export(src: Path, out: Path, fmt: str, dtype: str = "bfloat16", k: int = 3, 
         raise DraftsmithError("unknown export format", got=fmt, expected=" | ".join(FORMATS + GGUF_FORMATS),
                               fix="pick one")
     if fmt == "llamacpp":
-        from draftsmith.llamacpp import export_llamacpp
-
         return export_llamacpp(src, out, dtype, k, target_path, target_gguf)
     config = json.loads((Path(src) / "config.json").read_text())
     if "draftsmith" not in config:
@@ -148,6 +150,49 @@ def export(src: Path, out: Path, fmt: str, dtype: str = "bfloat16", k: int = 3, 
         new_config = hf_config(cfg, fmt, dtype, meta)
     (tmp / "config.json").write_text(json.dumps(new_config, indent=2) + "\n")
     (tmp / "README.md").write_text(model_card(fmt, Path(out), cfg, meta, k))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.replace(out)
+    return Path(out)
+
+
+def export_llamacpp(src: Path, out: Path, dtype: str, k: int, target_path: str | None,
+                    target_gguf_path: str | None = None) -> Path:
+    """Write `out/`: the vLLM-layout files, `drafter-<type>.gguf`, `llamacpp.json` and a model card.
+
+    Args:
+        src: a draftsmith checkpoint directory.
+        target_path: the target (directory, `.gguf`, hub id or `smollm2`); default: the one recorded
+            in the checkpoint. The converter takes its tokenizer and layer count from it.
+        target_gguf_path: the user's own GGUF of the target; without it the target is converted (cached).
+    Raises:
+        DraftsmithError: not three aux ids, a converter failure, or a GGUF whose target layers differ
+            from the trained ones.
+    """
+    if target_gguf_path and not Path(target_gguf_path).is_file():
+        raise DraftsmithError("--target-gguf is not a file", got=str(target_gguf_path), expected="a .gguf of the target",
+                              fix="pass the GGUF you serve, or leave the flag out to convert the target")
+    config = json.loads((Path(src) / "config.json").read_text())
+    target_dir = resolve_target(target_path or (config.get("draftsmith") or {}).get("target") or "smollm2")
+    outtype = llamacpp.OUTTYPES[dtype]
+    tmp = Path(str(out) + ".llamacpp-tmp")
+    export(src, tmp, "vllm", dtype, k, str(target_dir))
+    hf = llamacpp.llamacpp_config(json.loads((tmp / "config.json").read_text()))
+    (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    name = f"drafter-{outtype}.gguf"
+    meta = llamacpp.read_gguf(llamacpp.convert(tmp, tmp / name, outtype, target_dir))
+    want = tuple(hf["eagle_aux_hidden_state_layer_ids"])
+    if meta.arch != llamacpp.EAGLE3_ARCH or meta.target_layers != want:
+        raise DraftsmithError("the converted GGUF does not read the layers the drafter was trained on",
+                              got=f"arch {meta.arch}, target_layers {meta.target_layers}",
+                              expected=f"arch {llamacpp.EAGLE3_ARCH}, target_layers {want}",
+                              fix="report this with the converter version; llama.cpp changed how it reads aux ids")
+    converted = target_gguf_path is None
+    tgt = str(Path(target_gguf_path).resolve()) if target_gguf_path else str(llamacpp.target_gguf(target_dir))
+    manifest = {"drafter_gguf": name, "target_gguf": tgt, "target_gguf_converted": converted,
+                "target_dir": str(target_dir), "target_layers": list(want), "k": k, "outtype": outtype,
+                "converter": llamacpp.LLAMACPP_SPEC, "serve": llamacpp.serve_command(tgt, Path(out).resolve() / name, k)}
+    (tmp / llamacpp.MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    (tmp / "README.md").write_text(llamacpp.model_card(Path(out).resolve(), name, tgt, list(want), k, converted))
     shutil.rmtree(out, ignore_errors=True)
     tmp.replace(out)
     return Path(out)

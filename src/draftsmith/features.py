@@ -14,7 +14,8 @@ import torch
 from draftsmith.capture import pad_batch, target_features, target_identity, tokenized_conversations
 from draftsmith.chat import TokenizedSample
 from draftsmith.store import FeatureStore
-from draftsmith.target import TargetSpec, describe_target, load_target, read_config, resolve_target, validate_aux_ids
+from draftsmith.conventions import validate_aux_ids
+from draftsmith.target import TargetSpec, describe_target, load_target, read_config, resolve_target
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """`draftsmith launch`: start a serving engine, follow its load, and name the root cause the moment it dies.
 
 The engine runs in its own process group and writes its combined stdout/stderr to a log file; the
-supervisor tails that file through the pure parser in `draftsmith.logs`, shows a live status line
+supervisor tails that file through the pure parser in `draftsmith.diagnose`, shows a live status line
 (phase, shard percent, ETA, elapsed), and decides one of four outcomes:
 
 - ready: `/health` and `/v1/models` both answer 200 (a log line is never trusted for readiness:
@@ -11,7 +11,8 @@ supervisor tails that file through the pure parser in `draftsmith.logs`, shows a
 - stalled: no new output for `--stall-timeout` seconds before ready;
 - timed out: not ready after `--timeout` seconds.
 
-On anything but ready (and on Ctrl-C) the whole process group is stopped by PID.
+On anything but ready (and on Ctrl-C) the whole process tree is stopped (`engine.stop_tree`: the
+process group and every descendant PID). Start, readiness and stop live in `draftsmith.engine`.
 
     draftsmith launch -- python -m vllm.entrypoints.openai.api_server --model ./target --port 8000
     draftsmith launch --then "python bench.py" -- vllm serve ./target --speculative-config '{...}'
@@ -28,11 +29,11 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
+from draftsmith.engine import probe_ready, spawn, stop_tree
 from draftsmith.errors import DraftsmithError
 from draftsmith.diagnose import (
     LoadStatus,
@@ -102,18 +103,6 @@ class LogTail:
         return lines
 
 
-def probe_ready(base_url: str, timeout_s: float = 0.5) -> bool:
-    """True when both /health and /v1/models answer 200."""
-    for path in ("/health", "/v1/models"):
-        try:
-            with urllib.request.urlopen(base_url + path, timeout=timeout_s) as r:
-                if r.status != 200:
-                    return False
-        except OSError:
-            return False
-    return True
-
-
 def url_from_command(cmd: list[str]) -> str:
     """The local base URL the command will serve on, from its --host/--port (engine defaults otherwise)."""
 
@@ -128,85 +117,6 @@ def url_from_command(cmd: list[str]) -> str:
     port = flag("--port") or ("30000" if any("sglang" in a for a in cmd) else "8000")
     host = flag("--host") or "127.0.0.1"
     return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{port}"
-
-
-def descendants(pid: int) -> list[int]:
-    """PIDs of every live process below `pid` (children, grandchildren, ...), read from /proc."""
-    parents: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if fields[0] != "Z":
-                parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        kids = parents.get(todo.pop(), [])
-        out += kids
-        todo += kids
-    return out
-
-
-def alive(pid: int) -> bool:
-    """True while `pid` exists and is not a zombie (an exited child nobody has reaped yet)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
-def _signal_tree(group: int, pids: list[int], sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(group, sig)
-    for pid in pids:  # members that left the group (setsid) are still ours by parentage
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, sig)
-
-
-def stop_tree(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """Stop the engine and every process below it: SIGTERM, then SIGKILL after `grace_s`.
-
-    Signals go to the engine's process group (its PGID is its PID: `spawn` starts a new session) and,
-    by PID, to every descendant found in /proc before and during the wait, so a worker that moved to
-    its own session is stopped too.
-    """
-    tree = set(descendants(proc.pid))
-    _signal_tree(proc.pid, sorted(tree), signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        if proc.poll() is None:
-            tree |= set(descendants(proc.pid))
-        if proc.poll() is not None and not any(alive(pid) for pid in tree):
-            return
-        time.sleep(0.05)
-    _signal_tree(proc.pid, sorted(pid for pid in tree if alive(pid)), signal.SIGKILL)
-    proc.wait()
-    for _ in range(100):  # SIGKILL is asynchronous: wait (up to 5 s) until the tree is gone
-        if not any(alive(pid) for pid in tree):
-            return
-        time.sleep(0.05)
-
-
-# Engines are Python programs writing to a file, where Python block-buffers stdout: print()ed lines
-# reach the log only 8 KiB at a time, and whatever is still buffered when a process hangs or is
-# SIGKILLed never arrives, so the supervisor would see silence (a false stall) or an empty log.
-UNBUFFERED_ENV = {"PYTHONUNBUFFERED": "1"}
-
-
-def spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start `cmd` (an argument list, no shell) in a new session, stdout and stderr into `log`.
-
-    The child's Python output is unbuffered (UNBUFFERED_ENV) unless `env` says otherwise.
-    """
-    log.parent.mkdir(parents=True, exist_ok=True)
-    env = {**UNBUFFERED_ENV, **(os.environ if env is None else env)}
-    try:
-        with open(log, "wb") as out:
-            return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=env, start_new_session=True)
-    except OSError as err:
-        raise DraftsmithError("could not start the engine command", got=f"{shlex.join(cmd)}: {err}",
-                              expected="an executable argument list after `--`",
-                              fix="check the program name and PATH, e.g. `-- python -m vllm.entrypoints...`") from err
 
 
 def supervise(log: Path, url: str | None, proc: subprocess.Popen | None, timeout_s: float, stall_s: float,

@@ -17,6 +17,8 @@ llama-cpp-python 0.3.36 (vendor/llama.cpp):
   `llamacpp:spec_decode_num_{drafts,draft_tokens,accepted_tokens}_total` and
   `..._num_accepted_tokens_per_pos_total{position}` (tools/server/server-task.cpp:1553-1614).
 
+The export itself (`--format llamacpp`) is `export.export_llamacpp`, which calls the pieces here.
+
 Run: `draftsmith export runs/demo/train/drafter out-llamacpp --format llamacpp --dtype float32`, then the
 `llama-server` command printed in `out-llamacpp/README.md`.
 """
@@ -28,7 +30,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import urllib.request
@@ -38,7 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.target import cache_dir, default_aux_ids
+from draftsmith.conventions import aux_ids_for_format, engine_reads, find_aux_ids
+from draftsmith.target import cache_dir
 
 LLAMACPP_SPEC = "llama-cpp-python==0.3.36"  # the sdist `make llama-server` builds (Makefile LLAMACPP_SPEC)
 DIR_ENV = "DRAFTSMITH_LLAMACPP_DIR"
@@ -144,14 +146,12 @@ def target_gguf(target_dir: Path, outtype: str = "f32") -> Path:
 
 def llamacpp_config(config: dict[str, Any]) -> dict[str, Any]:
     """The vLLM-layout config with the aux ids where llama.cpp's converter reads them (top level)."""
-    from draftsmith.checkpoint import aux_ids_for_engine
-
     boundary = tuple(config["draftsmith"]["aux_layer_ids_boundary"])
     if len(boundary) != NUM_AUX:
         raise DraftsmithError("llama.cpp runs EAGLE-3 drafters on exactly three target layers",
                               got=f"aux ids {list(boundary)}", expected=f"{NUM_AUX} ids",
                               fix="train the drafter on three aux layers")
-    ids = aux_ids_for_engine(boundary, "llamacpp")
+    ids = aux_ids_for_format(boundary, "llamacpp")
     return {**config, "eagle_aux_hidden_state_layer_ids": ids,
             "eagle_config": {**config["eagle_config"], "eagle_aux_hidden_state_layer_ids": ids},
             "draftsmith": {**config["draftsmith"], "aux_id_convention": "llamacpp"}}
@@ -190,52 +190,6 @@ Check first: `draftsmith check --target TARGET_DIR --drafter {out} --engine llam
 """
 
 
-def export_llamacpp(src: Path, out: Path, dtype: str, k: int, target_path: str | None,
-                    target_gguf_path: str | None = None) -> Path:
-    """Write `out/`: the vLLM-layout files, `drafter-<type>.gguf`, `llamacpp.json` and a model card.
-
-    Args:
-        src: a draftsmith checkpoint directory.
-        target_path: the target (directory, `.gguf`, hub id or `smollm2`); default: the one recorded
-            in the checkpoint. The converter takes its tokenizer and layer count from it.
-        target_gguf_path: the user's own GGUF of the target; without it the target is converted (cached).
-    Raises:
-        DraftsmithError: not three aux ids, a converter failure, or a GGUF whose target layers differ
-            from the trained ones.
-    """
-    from draftsmith.export import export
-    from draftsmith.target import resolve_target
-
-    if target_gguf_path and not Path(target_gguf_path).is_file():
-        raise DraftsmithError("--target-gguf is not a file", got=str(target_gguf_path), expected="a .gguf of the target",
-                              fix="pass the GGUF you serve, or leave the flag out to convert the target")
-    config = json.loads((Path(src) / "config.json").read_text())
-    target_dir = resolve_target(target_path or (config.get("draftsmith") or {}).get("target") or "smollm2")
-    outtype = OUTTYPES[dtype]
-    tmp = Path(str(out) + ".llamacpp-tmp")
-    export(src, tmp, "vllm", dtype, k, str(target_dir))
-    hf = llamacpp_config(json.loads((tmp / "config.json").read_text()))
-    (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-    name = f"drafter-{outtype}.gguf"
-    meta = read_gguf(convert(tmp, tmp / name, outtype, target_dir))
-    want = tuple(hf["eagle_aux_hidden_state_layer_ids"])
-    if meta.arch != EAGLE3_ARCH or meta.target_layers != want:
-        raise DraftsmithError("the converted GGUF does not read the layers the drafter was trained on",
-                              got=f"arch {meta.arch}, target_layers {meta.target_layers}",
-                              expected=f"arch {EAGLE3_ARCH}, target_layers {want}",
-                              fix="report this with the converter version; llama.cpp changed how it reads aux ids")
-    converted = target_gguf_path is None
-    tgt = str(Path(target_gguf_path).resolve()) if target_gguf_path else str(target_gguf(target_dir))
-    manifest = {"drafter_gguf": name, "target_gguf": tgt, "target_gguf_converted": converted,
-                "target_dir": str(target_dir), "target_layers": list(want), "k": k, "outtype": outtype,
-                "converter": LLAMACPP_SPEC, "serve": serve_command(tgt, Path(out).resolve() / name, k)}
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    (tmp / "README.md").write_text(model_card(Path(out).resolve(), name, tgt, list(want), k, converted))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.replace(out)
-    return Path(out)
-
-
 # ---------------------------------------------------------------- check facts
 
 def llamacpp_facts(drafter_dir: Path, target_num_layers: int) -> dict[str, Any]:
@@ -244,14 +198,14 @@ def llamacpp_facts(drafter_dir: Path, target_num_layers: int) -> dict[str, Any]:
     config = json.loads((Path(drafter_dir) / "config.json").read_text())
     ggufs = sorted(Path(drafter_dir).glob("*.gguf"))
     meta = read_gguf(ggufs[0]) if ggufs else None
-    top = config.get("eagle_aux_hidden_state_layer_ids")
-    nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    top, _ = find_aux_ids(config, ("top-level",))
+    nested, _ = find_aux_ids(config, ("eagle_config",))
     if meta is not None and meta.target_layers is not None:
-        reads, source = list(meta.target_layers), f"GGUF {ggufs[0].name}"
-    elif top:
-        reads, source = list(top), "config.json top-level ids (the converter writes them)"
+        reads, source = list(meta.target_layers), f"GGUF {ggufs[0].name}"  # boundary indices, as written
     else:
-        reads, source = list(default_aux_ids(target_num_layers)), "the converter's default [2, L//2, L-3]"
+        reads = list(engine_reads(config, target_num_layers, "llamacpp"))
+        source = ("config.json top-level ids (the converter writes them)" if top
+                  else "the converter's default [2, L//2, L-3]")
     return {"llamacpp_aux_reads": reads, "llamacpp_aux_source": source, "llamacpp_aux_count": len(reads),
             "llamacpp_gguf": str(ggufs[0]) if ggufs else None, "llamacpp_gguf_arch": meta.arch if meta else None,
             "llamacpp_nested_ids_ignored": bool(nested) and not top and meta is None and list(nested) != reads,

@@ -525,8 +525,8 @@ def engine_lock() -> Iterator[None]:
 def engine_server(ctx: RunContext, log: Path, speculative: bool) -> Iterator[tuple[str, Any]]:
     """vLLM serving the target (with the vLLM export as drafter when `speculative`), supervised by
     draftsmith.launch: yields (base URL, LaunchResult) once ready; raises with the root cause if it dies."""
-    from draftsmith.engine import VLLM_CPU_ENV, VllmServe, free_port
-    from draftsmith.launch import report, spawn, stop_tree, supervise
+    from draftsmith.engine import VLLM_CPU_ENV, VllmServe, free_port, spawn, stop_tree
+    from draftsmith.launch import report, supervise
     from draftsmith.target import resolve_target
 
     la = ctx.cfg.launch

