@@ -228,7 +228,7 @@ def add_parser(sub) -> None:
     p.add_argument("--target", default="smollm2")
     p.add_argument("--drafter", required=True,
                    help="drafter directory, or a shipped drafter's short name (smollm2: the embedded target's)")
-    p.add_argument("--prompts", default="eval", help="eval | humaneval | train | JSONL (prompt/messages/turns)")
+    p.add_argument("--prompts", default="eval", help="eval (HumanEval) | chat-eval | humaneval | train | JSONL (prompt/messages/turns)")
     p.add_argument("--limit", type=int, default=20)
     p.add_argument("--k", default=None, help="draft length (tree depth), or a comma list to sweep (1,2,3,4)")
     p.add_argument("--topk", type=int, default=1,

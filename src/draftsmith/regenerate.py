@@ -12,7 +12,6 @@ same command skips finished ids.
 from __future__ import annotations
 
 import json
-import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,15 +19,12 @@ from pathlib import Path
 import torch
 
 from draftsmith.conversations import Conversation, ConversationWriter
-from draftsmith.endpoints import EndpointSettings, RegenerateSummary, regenerate_endpoints_sync
+from draftsmith.endpoints import EndpointSettings, RegenerateSummary, parse_reply, regenerate_endpoints_sync
 from draftsmith.errors import DraftsmithError
 from draftsmith.progress import progress_bar
 from draftsmith.prompts import SELF, Prompt, load_prompts, stable_id
 from draftsmith.selfprompt import (FilterCounts, SelfPromptSettings, TurnFilter, end_of_turn_ids, eval_prompt_texts,
                                    user_turn_prefix)
-
-INLINE_THINK = re.compile(r"^\s*<think>(.*?)</think>\s*", re.DOTALL)
-
 
 @dataclass(frozen=True)
 class LocalSettings:
@@ -47,14 +43,6 @@ class LocalSettings:
     (transformers' generate on left-padded batches), or auto: rows on CUDA, generate on CPU."""
     max_length: int = 2048
     """rows decoder: prompt + answer tokens per row."""
-
-
-def split_reasoning(text: str, mode: str) -> tuple[str, str | None]:
-    """Split an inline `<think>` block off an answer; `mode` keep|drop decides whether it is returned."""
-    match = INLINE_THINK.match(text)
-    if not match:
-        return text, None
-    return text[match.end():], (match.group(1).strip() if mode == "keep" else None)
 
 
 def use_rows(model, settings: LocalSettings) -> bool:
@@ -160,10 +148,11 @@ CHUNK_TURNS = 8192  # turns answered per call of the local backend
 
 
 def assistant_message(text: str, reasoning: str) -> dict:
-    content, thought = split_reasoning(text, reasoning)
-    msg = {"role": "assistant", "content": content}
-    if thought:
-        msg["reasoning_content"] = thought
+    """The answer as a message; an inline `<think>` block becomes `reasoning_content` (keep) or is dropped."""
+    reply = parse_reply({"content": text})
+    msg = {"role": "assistant", "content": reply.content}
+    if reply.reasoning and reasoning == "keep":
+        msg["reasoning_content"] = reply.reasoning
     return msg
 
 

@@ -68,8 +68,24 @@ def data_summary(run: Path, target: str | None) -> dict | None:
         out["store"] = {k: manifest.get(k) for k in ("num_samples", "num_tokens", "num_supervised_tokens")}
     regen = read_json(run / "regenerate.json")
     if regen:
-        out["regenerate"] = {k: regen.get(k) for k in ("done", "skipped", "output_tokens", "seconds")}
+        out["regenerate"] = {k: regen.get(k) for k in ("done", "skipped", "output_tokens", "seconds", "conversations",
+                                                      "multi_turn", "first_turns", "follow_ups") if k in regen}
     return out
+
+
+def starting_drafter(cfg: dict) -> str:
+    """Where training started: from scratch, or the drafter named by train.init_from (and where that came from)."""
+    name = (cfg.get("train") or {}).get("init_from")
+    if not name:
+        return "trained from scratch (train.init_from: null)"
+    from draftsmith.checkpoint import drafter_path
+
+    card = drafter_path(name) / "build.json"
+    origin = ""
+    if card.is_file():
+        build = json.loads(card.read_text())
+        origin = f": {build.get('summary', '')}"
+    return f"fine-tuned from `{name}` ({drafter_path(name)}){origin}"
 
 
 def local_tokenizer(target: str | None):
@@ -200,7 +216,7 @@ def collect(run: Path) -> dict:
     bench = bench_summary(read_json(run / "bench" / "bench.json"))
     doc = {"run": str(run), "target": cfg["target"], "config": cfg,
            "summary": {k: summary.get(k) for k in ("stages", "skipped", "stage_seconds", "failed")},
-           "data": data_summary(run, cfg["target"]), "training": training_summary(run / "train" / "metrics.jsonl"),
+           "data": data_summary(run, cfg["target"]), "starting_drafter": starting_drafter(cfg), "training": training_summary(run / "train" / "metrics.jsonl"),
            "simulated_tau": (drafter or {}).get("draftsmith", {}).get("eval", {}).get("tau"),
            "eval": ev, "check": read_json(run / "check.json"), "launch": read_json(run / "launch.json"),
            "bench": bench, "parity": parity(ev, bench)}
@@ -341,13 +357,20 @@ def blocks(doc: dict, images: list[str]) -> list[tuple]:
         rows = [["conversations", d["conversations"]], ["assistant turns", d["assistant_turns"]],
                 [f"assistant {unit}", d["assistant_" + unit]], [f"reasoning {unit}", d["reasoning_" + unit]],
                 ["reasoning share", f"{d['reasoning_share']:.1%}"]]
+        regen = d.get("regenerate") or {}
+        if regen.get("first_turns"):
+            ft = regen["first_turns"]
+            rows += [["self-written first turns (sampled -> kept)", f"{ft['sampled']} -> {ft['kept']} (empty {ft['empty']}, "
+                      f"cut off {ft['cut_off']}, repetitive {ft['repetitive']}, near-duplicate {ft['near_duplicate']}, "
+                      f"eval overlap {ft['eval_overlap']})"], ["multi-turn conversations", regen.get("multi_turn")]]
         if d.get("store"):
             rows += [["captured tokens (store)", d["store"]["num_tokens"]],
                      ["supervised tokens (store)", d["store"]["num_supervised_tokens"]]]
         out += [("h2", "Data"), ("table", ["", "value"], rows)]
     tr = doc.get("training")
     if tr:
-        out += [("h2", "Training"), ("p", f"{tr['steps']} optimizer steps, loss {tr['first_loss']:.3f} -> "
+        out += [("h2", "Training"), ("p", f"Drafter {starting_drafter(doc['config'])}."),
+                ("p", f"{tr['steps']} optimizer steps, loss {tr['first_loss']:.3f} -> "
                  f"{tr['final_loss']:.3f}, per-step accuracy {fmt(tr['first_acc'])} -> {fmt(tr['final_acc'])}, "
                  f"{tr['tokens_per_s']:,.0f} tokens/s on average.")]
         if tr["evals"]:

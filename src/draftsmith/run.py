@@ -44,8 +44,19 @@ EXAMPLE_VALUES = {"int": "4", "float": "3e-4", "str": "text", "bool": "true"}  #
 
 @dataclass(frozen=True)
 class RegenerateStage:
-    prompts: str = "train"
-    """train | eval | humaneval | a JSONL of {"prompt"} / {"messages"} records."""
+    prompts: str = "self"
+    """train | eval | humaneval | chat-eval | self (the target writes its own user turns) | a JSONL of
+    {"prompt"} / {"messages"} records."""
+    self_count: int = 200
+    """prompts: self: user turns to sample before filtering (the demo's size; thousands for a real drafter)."""
+    self_seed: int = 0
+    """prompts: self: seed of user-turn sampling (another seed: another prompt set)."""
+    self_temperature: float = 1.0
+    """prompts: self: sampling temperature of user turns."""
+    self_top_p: float = 0.95
+    """prompts: self: nucleus of user-turn sampling."""
+    multi_turn: float = 0.25
+    """prompts: self: share of conversations that get a sampled follow-up turn and its answer."""
     limit: int | None = 256
     """Use only the first N prompts (null: all)."""
     max_new_tokens: int = 128
@@ -83,10 +94,11 @@ class CaptureStage:
 class TrainStage:
     mode: str = "offline"
     """offline: from the feature store; online: the target runs in the training process (no capture)."""
-    epochs: float = 4.0
+    epochs: float = 2.0
     max_steps: int | None = None
     """Stop after this many optimizer steps (overrides epochs)."""
-    lr: float = 1e-3
+    lr: float = 2e-4
+    """Peak learning rate (a fine-tuning rate: raise it, e.g. 1e-3, to train a small drafter from scratch)."""
     batch_tokens: int = 4096
     ttt_steps: int = 4
     draft_vocab_size: int | None = 4096
@@ -95,8 +107,9 @@ class TrainStage:
     """Checkpoint every N steps: a killed run resumes from the last one."""
     seed: int = 0
     device: str = "auto"
-    init_from: str | None = None
-    """Start from an existing draftsmith drafter checkpoint."""
+    init_from: str | None = "auto"
+    """Start from a drafter: auto (the drafter shipped for this target, when there is one: `smollm2`), a
+    drafter directory or shipped short name, or null (train from scratch)."""
 
 
 @dataclass(frozen=True)
@@ -109,9 +122,10 @@ class ExportStage:
 
 @dataclass(frozen=True)
 class EvalStage:
-    prompts: str = "eval"
+    prompts: str = "chat-eval"
+    """chat-eval (general chat questions the embedded target wrote), eval (HumanEval), or a JSONL file."""
     limit: int = 6
-    k: tuple[int, ...] = (4,)
+    k: tuple[int, ...] = (2, 3, 4)
     """Draft lengths to sweep; the best one is what launch serves unless launch names its own."""
     max_new_tokens: int = 64
 
@@ -142,7 +156,7 @@ class LaunchStage:
 
 @dataclass(frozen=True)
 class BenchStage:
-    prompts: str = "eval"
+    prompts: str = "chat-eval"
     num_prompts: int = 4
     """Requests per load level."""
     concurrency: tuple[int, ...] = (1, 4)
@@ -422,6 +436,8 @@ def do_regenerate(ctx: RunContext) -> None:
     from draftsmith.target import load_target, resolve_target
 
     r = ctx.cfg.regenerate
+    if r.prompts == "self":
+        return regenerate_self_stage(ctx)
     prompts = load_prompts(r.prompts, r.limit)
     with ConversationWriter(ctx.out / "conversations.jsonl") as writer:
         if r.endpoints:
@@ -436,6 +452,30 @@ def do_regenerate(ctx: RunContext) -> None:
             summary = regenerate_local(prompts, model, tokenizer, writer, LocalSettings(
                 r.max_new_tokens, r.batch_size, r.temperature or 0.0), r.reasoning, target_name=ctx.cfg.target)
     (ctx.out / "regenerate.json").write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
+
+
+def regenerate_self_stage(ctx: RunContext) -> None:
+    """prompts: self: the local target writes and answers its own prompts (regenerate.regenerate_self)."""
+    from dataclasses import asdict
+
+    from draftsmith.conversations import ConversationWriter
+    from draftsmith.regenerate import LocalSettings, regenerate_self
+    from draftsmith.selfprompt import SelfPromptSettings
+    from draftsmith.target import load_target, resolve_target
+
+    r = ctx.cfg.regenerate
+    if r.endpoints:
+        raise DraftsmithError("regenerate.prompts: self runs on the local target", got=f"endpoints {list(r.endpoints)}",
+                              expected="regenerate.endpoints: []", fix="drop the endpoints or use a prompt file")
+    model, tokenizer = load_target(resolve_target(ctx.cfg.target), dtype=r.dtype, device=r.device)
+    sp = SelfPromptSettings(count=r.self_count, temperature=r.self_temperature, top_p=r.self_top_p, seed=r.self_seed,
+                            multi_turn=r.multi_turn)
+    with ConversationWriter(ctx.out / "conversations.jsonl") as writer:
+        summary = regenerate_self(model, tokenizer, writer, sp, LocalSettings(r.max_new_tokens, r.batch_size,
+                                                                              r.temperature or 0.0),
+                                  r.reasoning, target_name=ctx.cfg.target)
+    print(summary.render())
+    (ctx.out / "regenerate.json").write_text(json.dumps(asdict(summary), indent=2) + "\n")
 
 
 def do_capture(ctx: RunContext) -> None:
@@ -455,8 +495,17 @@ def do_train(ctx: RunContext) -> None:
         conversations=str(ctx.out / "conversations.jsonl") if online else None, target=ctx.cfg.target,
         epochs=t.epochs, max_steps=t.max_steps, lr=t.lr, batch_tokens=t.batch_tokens, ttt_steps=t.ttt_steps,
         draft_vocab_size=t.draft_vocab_size, eval_fraction=t.eval_fraction, seed=t.seed, device=t.device,
-        max_length=ctx.cfg.capture.max_length, init_from=t.init_from, log_every=10, eval_every=10**9,
+        max_length=ctx.cfg.capture.max_length, init_from=starting_drafter(t.init_from, ctx.cfg.target), log_every=10, eval_every=10**9,
         save_every=t.save_every)).run()
+
+
+def starting_drafter(init_from: str | None, target: str) -> str | None:
+    """train.init_from resolved: `auto` is the drafter shipped for the target when there is one, else none."""
+    from draftsmith.checkpoint import EMBEDDED_DRAFTERS
+
+    if init_from != "auto":
+        return init_from
+    return target if (EMBEDDED_DRAFTERS / target / "config.json").is_file() else None
 
 
 def do_export(ctx: RunContext) -> None:

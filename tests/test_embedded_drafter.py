@@ -1,0 +1,36 @@
+"""The drafter shipped for the embedded target: found by its short name, loadable, and what `run` starts from."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from draftsmith.checkpoint import EMBEDDED_DRAFTERS, drafter_path, load_drafter
+from draftsmith.run import starting_drafter
+
+
+def test_the_short_name_resolves_to_the_shipped_drafter_and_other_names_are_unchanged(tmp_path):
+    assert drafter_path("smollm2") == EMBEDDED_DRAFTERS / "smollm2"
+    assert drafter_path(tmp_path) == tmp_path
+    assert str(drafter_path("no-such-drafter")) == "no-such-drafter"  # callers report it as a missing directory
+
+
+def test_the_shipped_drafter_loads_in_bf16_with_the_embedded_targets_shapes_and_ids():
+    path = drafter_path("smollm2")
+    config = json.loads((path / "config.json").read_text())
+    assert config["torch_dtype"] == "bfloat16" and config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    drafter = load_drafter(path, torch.zeros(49152, 576))
+    assert drafter.config.target_hidden_size == 576 and drafter.config.vocab_size == 49152
+    assert drafter.fc.weight.abs().sum() > 0, "the shipped weights were not read"
+    assert (path / "model.safetensors").stat().st_size <= 25 * 2**20
+    build = json.loads((path / "build.json").read_text())
+    assert build["command"].startswith("GGUF=") and build["data"]["conversations"] > 30000
+
+
+def test_run_starts_from_the_shipped_drafter_only_for_its_own_target():
+    assert starting_drafter("auto", "smollm2") == "smollm2"
+    assert starting_drafter("auto", "/models/Llama-3.1-8B-Instruct") is None
+    assert starting_drafter(None, "smollm2") is None
+    assert starting_drafter("/my/drafter", "smollm2") == "/my/drafter"
