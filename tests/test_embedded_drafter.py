@@ -32,5 +32,6 @@ def test_the_shipped_drafter_loads_in_bf16_with_the_embedded_targets_shapes_and_
 def test_run_starts_from_the_shipped_drafter_only_for_its_own_target():
     assert starting_drafter("auto", "smollm2") == "smollm2"
     assert starting_drafter("auto", "/models/Llama-3.1-8B-Instruct") is None
+    assert starting_drafter("auto", str(EMBEDDED_DRAFTERS / "smollm2")) is None  # a path is not a short name
     assert starting_drafter(None, "smollm2") is None
     assert starting_drafter("/my/drafter", "smollm2") == "/my/drafter"

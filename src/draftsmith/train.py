@@ -179,6 +179,10 @@ class Trainer:
                                             OnlineSource(Path(cfg.conversations), cfg.target, cfg.aux_ids, cfg.max_length,
                                                          self.device))
         self.train_idx, self.eval_idx = split_indices(len(self.data), cfg.eval_fraction)
+        if not self.train_idx:
+            raise DraftsmithError("nothing to train on", got=f"{len(self.data)} samples with supervised tokens",
+                                  expected="at least 2 (one is held back for evaluation)",
+                                  fix="regenerate more conversations (or check that they have assistant turns)")
         self.drafter = self.build_drafter().to(self.device)
         # In the features' dtype (bf16 on GPU: ttt_forward computes in it anyway; half the memory of fp32).
         self.target_head = self.data.target_head().to(self.device, feature_dtype(self.device))
