@@ -248,7 +248,7 @@ def bench_trainer(args) -> None:
                       draft_vocab_size=llama8b_drafter().draft_vocab_size, lr=1e-4, warmup_ratio=0.0, clip=args.clip, batch_tokens=args.seq,
                       grad_accum=args.grad_accum, max_steps=args.steps, eval_fraction=0.0, eval_every=10**9,
                       save_every=10**9, log_every=10**9, parallel=args.parallel, device=str(device),
-                      compile=args.compile)
+                      compile=args.compile, pack=False)  # fixed-length samples: the unpacked (cuDNN) path
     import shutil
 
     shutil.rmtree(cfg.out, ignore_errors=True)

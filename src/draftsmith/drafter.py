@@ -29,6 +29,7 @@ head, the loss and the argmax of all steps without keeping any (T x Vd) logits.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -346,20 +347,23 @@ def document_block_mask(documents: torch.Tensor):
     return create_block_mask(same_document_causal, B, None, T, T, device=documents.device)
 
 
-_compiled_flex = None
+@functools.cache
+def compiled_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)
 
 
 def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask, scale: float, lse: bool):
     """FlexAttention under a block mask: out (B, nh, T, hd), and with lse=True also lse (B, nh, T) fp32 natural
-    log, differentiable (its backward takes the lse gradient). Compiled on CUDA (eager flex materialises the
-    scores; it serves the CPU tests, forward only)."""
-    global _compiled_flex
+    log, differentiable (its backward takes the lse gradient). Compiled on CUDA, unless already inside a
+    compiled region (`compile_for_training`), which compiles it itself; eager flex materialises the scores and
+    serves the CPU tests, forward only."""
     from torch.nn.attention.flex_attention import flex_attention
 
     fn = flex_attention
-    if q.is_cuda:
-        _compiled_flex = _compiled_flex or torch.compile(flex_attention)
-        fn = _compiled_flex
+    if q.is_cuda and not torch.compiler.is_compiling():
+        fn = compiled_flex_attention()
     kwargs = dict(block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     if not lse:
         return fn(q, k, v, **kwargs)
