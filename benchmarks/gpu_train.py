@@ -274,10 +274,7 @@ def bench_trainer(args) -> None:
                           "peak_gb_rank0": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
                           "losses": [round(r["loss"], 6) for r in records],
                           "grad_norms": [round(r["grad_norm"], 6) for r in records]}), flush=True)
-    if world > 1:
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
+    trainer.close()
 
 
 def main() -> None:

@@ -24,7 +24,9 @@ matrix: the diagonal keys are folded into one extra "summary" key, so a single c
 the whole softmax (see its docstring); on CUDA `ttt_attention_lse` computes the same by merging the
 causal part's log-sum-exp with the diagonal's, which keeps the flash kernel at the plain head dim.
 `ttt_forward` also projects the embedding half of q/k/v once per unroll, and `DraftHeadLoss` runs the
-head, the loss and the argmax of all steps without keeping any (T x Vd) logits.
+head, the loss and the argmax of all steps without keeping any (T x Vd) logits. Packed rows (several
+documents per row, `documents`) restart positions per document and keep step-0 attention inside it:
+a dense mask for SDPA on CPU, a FlexAttention block mask on CUDA (see "Packed rows" below).
 """
 
 from __future__ import annotations

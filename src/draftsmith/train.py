@@ -6,6 +6,9 @@
 One explicit loop: periodic eval / checkpoint -> micro-batch forward / backward -> clip -> step -> log.
 The learning rate is a pure function of the step (`lr_at`), the data order a pure function of
 (seed, epoch), so a checkpoint needs only the weights, the optimizer and the step to resume exactly.
+Micro-batches are packed by default (`pack_plan`): rows of a fixed length holding whole conversations
+with document masks, so every step has the same tensor shape (a compiled step never recompiles) and
+little padding; `--no-pack` pads one conversation per row instead.
 Runs unchanged under `torchrun --nproc-per-node N` (DDP; gloo on CPU, NCCL on GPU): the loss is
 normalised by the supervised-token count of the whole global batch, so N processes with the same global
 batch compute the same update as one process with gradient accumulation.
@@ -558,15 +561,15 @@ class Trainer:
     def close(self) -> None:
         """End a multi-process run in an order that cannot abort the process at exit.
 
-        gloo runs collectives on C++ worker threads; the last reference to a finished work, and to the tensors it
-        holds, can drop on such a thread, which then takes the GIL to free their Python objects. FSDP2's hooks
-        and DTensors form reference cycles with the modules, so without this the process group, its works and
-        those tensors were freed by whichever garbage collection came next, possibly during interpreter
-        finalization, where taking the GIL ends the thread and the C++ runtime aborts: rank 0 SIGABRT,
-        "terminate called without an active exception" (issue 21; pytorch/pytorch#190489 for the same message
-        from a missing destroy_process_group). So, on every rank: a barrier, after which no rank has a
-        collective in flight and rank 0 has written its last file; then the model, its FSDP2 / DDP state and
-        the optimizer are dropped and collected while the interpreter is whole; then the process group goes.
+        The abort seen once under FSDP2 (issue 21: rank 0 SIGABRT, "terminate called without an active
+        exception") is what a C++ thread gets when it needs the GIL during interpreter finalization: gloo runs
+        collectives on worker threads, and the last reference to a finished work and its tensors can drop there
+        (pytorch/pytorch#179291 describes this path; #190489 the same message without destroy_process_group).
+        Before, rank 1 tore down while rank 0 still wrote the drafter, and FSDP2's hooks and DTensors, in
+        reference cycles with the modules, kept the process group and its works alive until some later garbage
+        collection, possibly the one during finalization. Now, on every rank: a barrier (no collective in flight
+        anywhere, rank 0's last file written), then the model, its FSDP2 / DDP state and the optimizer dropped
+        and collected while the interpreter is whole, then the process group destroyed.
         """
         if not dist.is_initialized():
             return
