@@ -248,7 +248,7 @@ def bench_trainer(args) -> None:
                       draft_vocab_size=llama8b_drafter().draft_vocab_size, lr=1e-4, warmup_ratio=0.0, clip=args.clip, batch_tokens=args.seq,
                       grad_accum=args.grad_accum, max_steps=args.steps, eval_fraction=0.0, eval_every=10**9,
                       save_every=10**9, log_every=10**9, parallel=args.parallel, device=str(device),
-                      compile=args.compile)
+                      compile=args.compile, pack=False)  # fixed-length samples: the unpacked (cuDNN) path
     import shutil
 
     shutil.rmtree(cfg.out, ignore_errors=True)
@@ -274,10 +274,7 @@ def bench_trainer(args) -> None:
                           "peak_gb_rank0": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
                           "losses": [round(r["loss"], 6) for r in records],
                           "grad_norms": [round(r["grad_norm"], 6) for r in records]}), flush=True)
-    if world > 1:
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
+    trainer.close()
 
 
 def main() -> None:

@@ -277,3 +277,116 @@ def test_compiled_training_step_equals_eager():
     assert torch.equal(outs[1].correct, outs[0].correct)
     for a, b in zip(*grads):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def packed_and_unpacked(docs, rows, row_tokens):
+    """The same documents as one padded sample per row and packed (`pack_rows`) into `rows` of segments."""
+    from draftsmith.features import pack_rows
+    from draftsmith.store import Sample
+
+    samples = [Sample(*d) for d in docs]
+    T = max(len(s.input_ids) for s in samples)
+    pad = lambda x: torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, T - len(x)))  # noqa: E731
+    unpacked = [torch.stack([pad(getattr(s, f)) for s in samples])
+                for f in ("input_ids", "loss_mask", "aux", "last", "target_argmax")]
+    packed = pack_rows(rows, row_tokens, lambda k: samples[k], torch.device("cpu"), torch.float64)
+    return unpacked, packed
+
+
+def random_documents(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    docs = []
+    for n in lengths:
+        mask = torch.ones(n, dtype=torch.long)
+        mask[:2] = 0  # a prompt
+        docs.append((torch.randint(0, 96, (n,), generator=g), mask, torch.randn(n, 120, generator=g, dtype=torch.float64),
+                     torch.randn(n, 40, generator=g, dtype=torch.float64), torch.zeros(n, dtype=torch.long)))
+    return docs
+
+
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_packed_rows_give_the_loss_and_every_gradient_of_the_unpacked_batch(norm_before_residual):
+    """Packing (documents back to back, positions restarting, step-0 attention inside each document, predictions
+    of the next document unsupervised) changes the layout, not the math: float64, the same documents padded one
+    per row vs packed three-and-one into two rows, same loss, per-step sums, accuracy counts and gradients."""
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(tiny_config(norm_before_residual=norm_before_residual)).double()
+    vocab = build_draft_vocab(torch.arange(96, 0, -1), 48)
+    drafter.d2t.copy_(vocab.d2t)
+    drafter.t2d.copy_(vocab.t2d)
+    for prm in drafter.parameters():
+        if prm.dim() == 1:
+            prm.data.uniform_(0.5, 1.5)
+    head = torch.randn(96, 40, dtype=torch.float64)
+    docs = random_documents([6, 9, 4, 12])
+    for d in docs:
+        d[4].copy_((d[3] @ head.T).argmax(-1))  # the target argmax the store keeps
+    (ids, mask, aux, last, argmax), packed = packed_and_unpacked(docs, [[(1, 0, 9), (0, 0, 6), (2, 0, 4)],
+                                                                       [(3, 0, 12)]], row_tokens=20)
+    assert packed.documents[0].tolist() == [0] * 9 + [1] * 6 + [2] * 4 + [3]
+    params = [q for q in drafter.parameters() if q.requires_grad]
+    outs, grads = [], []
+    for args, documents in (((aux, ids, mask, last), None),
+                            ((packed.aux, packed.input_ids, packed.loss_mask, packed.last), packed.documents)):
+        out = ttt_forward(drafter, args[0], args[1], args[2], args[3], head, steps=4, t_argmax=argmax if documents is None
+                          else packed.target_argmax, documents=documents)
+        outs.append(out)
+        grads.append(torch.autograd.grad(out.loss, params))
+    (a, b), (ga, gb) = outs, grads
+    assert b.loss.item() == pytest.approx(a.loss.item(), rel=1e-12)
+    assert torch.allclose(b.loss_sum, a.loss_sum, rtol=1e-12) and torch.equal(b.count, a.count)
+    assert torch.equal(b.correct_count, a.correct_count)
+    assert a.count.sum() > 0 and a.loss.item() > 0
+    names = [n for n, q in drafter.named_parameters() if q.requires_grad]
+    for name, x, y in zip(names, ga, gb):
+        assert x.abs().max() > 0, f"gradient of {name} is zero; the comparison proves nothing"
+        assert torch.allclose(y, x, rtol=1e-9, atol=1e-13), f"gradient of {name} differs: {(x - y).abs().max()}"
+
+
+def test_document_positions_restart_and_the_mask_stays_inside_each_document():
+    from draftsmith.drafter import document_mask, document_positions
+
+    documents = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [0, 0, 0, 0, 0, 1, 1, 1]])
+    assert document_positions(documents).tolist() == [[0, 1, 2, 0, 1, 0, 1, 2], [0, 1, 2, 3, 4, 0, 1, 2]]
+    m = document_mask(documents)[0, 0]
+    assert m[4].tolist() == [0, 0, 0, 1, 1, 0, 0, 0] and m[2].tolist() == [1, 1, 1, 0, 0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("steps", [0, 1, 4])
+def test_ttt_attention_under_a_document_mask_equals_each_document_alone(steps):
+    """Both attention forms (summary key, lse merge) over a packed row equal the dense reference run on each
+    document separately, values and gradients (float64); FlexAttention's block-mask form (the CUDA path) is
+    checked here forward only (flex has no CPU backward; tests/test_gpu.py checks it on CUDA)."""
+    from draftsmith.drafter import (causal_attention_lse_reference, document_block_mask, document_mask, flex,
+                                    ttt_attention_lse)
+
+    q, k0, v0, dk, dv = random_qkv(steps, T=13)
+    documents = torch.tensor([[0] * 5 + [1] * 6 + [2] * 2, [0] * 13])
+    cuts = [[(0, 5), (5, 11), (11, 13)], [(0, 13)]]
+    leaves = [q, k0, v0, *dk, *dv]
+    for t in leaves:
+        t.requires_grad_(True)
+    up = torch.randn_like(q)
+    ref = torch.zeros_like(q)
+    for b, row in enumerate(cuts):
+        for a, e in row:
+            sl = lambda x: x[b:b + 1, :, a:e]  # noqa: E731
+            ref[b:b + 1, :, a:e] = dense_reference(sl(q), sl(k0), sl(v0), [sl(x) for x in dk], [sl(x) for x in dv])
+    g_ref = torch.autograd.grad((ref * up).sum(), leaves)
+    mask = document_mask(documents)
+    forms = {"summary key": ttt_attention(q, k0, v0, dk, dv, mask=mask),
+             "lse merge": ttt_attention_lse(q, k0, v0, dk, dv, mask=mask)}
+    for name, out in forms.items():
+        assert torch.allclose(out, ref, atol=1e-12), name
+        for g, r in zip(torch.autograd.grad((out * up).sum(), leaves), g_ref):
+            assert torch.allclose(g, r, atol=1e-10), name
+    q, k0, v0, ref = (x.detach() for x in (q, k0, v0, ref))
+    dk, dv = [x.detach() for x in dk], [x.detach() for x in dv]
+    with torch.no_grad():
+        block = document_block_mask(documents)
+        out = ttt_attention_lse(q, k0, v0, dk, dv, mask=block)
+        assert torch.allclose(out, ref, atol=1e-12)
+        o, lse = flex(q, k0.repeat_interleave(2, 1), v0.repeat_interleave(2, 1), block, 0.25, lse=True)
+        o_ref, lse_ref = causal_attention_lse_reference(q, k0.repeat_interleave(2, 1), v0.repeat_interleave(2, 1), 0.25,
+                                                        mask)
+        assert torch.allclose(o, o_ref, atol=1e-12) and torch.allclose(lse, lse_ref, atol=1e-12)

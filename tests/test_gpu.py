@@ -56,3 +56,77 @@ def test_lse_merge_on_cuda_is_as_accurate_as_the_summary_key(steps):
         results[name] = (rel(out, ref), max(rel(a, b) for a, b in zip(grads, g_ref)))
     (lse_out, lse_grad), (sum_out, sum_grad) = results["lse"], results["summary"]
     assert lse_out < 2 * sum_out + 1e-3 and lse_grad < 2 * sum_grad + 1e-3, results
+
+
+def packed_documents(T=1024):
+    documents = torch.zeros(1, T, dtype=torch.long, device="cuda")
+    documents[:, 300:800], documents[:, 800:] = 1, 2
+    return documents
+
+
+@pytest.mark.parametrize("steps", [0, 1, 6])
+def test_packed_rows_through_flex_block_mask_are_as_accurate_as_the_masked_summary_key(steps):
+    """Packed rows on CUDA: FlexAttention under the document block mask (+ the lse merge for steps > 0) against
+    the fp32 dense document-masked reference, values and gradients (including through flex's lse), no worse
+    than the summary key under SDPA with the dense mask in bf16."""
+    from functools import partial
+
+    from draftsmith.drafter import document_block_mask, document_mask
+
+    q, k0, v0, dk, dv = qkv(T=1024, steps=steps)
+    documents = packed_documents()
+    dense, block = document_mask(documents), document_block_mask(documents)
+    leaves = [q, k0, v0, *dk, *dv]
+    f32 = [t.detach().float().requires_grad_() for t in leaves]
+    if steps:
+        ref = ttt_attention_lse(f32[0], f32[1], f32[2], f32[3:3 + steps], f32[3 + steps:],
+                                causal=partial(causal_attention_lse_reference, mask=dense))
+    else:
+        ref = ttt_attention(f32[0], f32[1], f32[2], [], [], mask=dense)
+    up = torch.randn_like(ref)
+    g_ref = torch.autograd.grad((ref * up).sum(), f32)
+    results = {}
+    for name, fn in (("flex", partial(ttt_attention_lse, mask=block)), ("summary", partial(ttt_attention, mask=dense))):
+        out = fn(q, k0, v0, dk, dv)
+        grads = torch.autograd.grad((out.float() * up).sum(), leaves)
+        results[name] = (rel(out, ref), max(rel(a, b) for a, b in zip(grads, g_ref)))
+    (flex_out, flex_grad), (sum_out, sum_grad) = results["flex"], results["summary"]
+    assert flex_out < 2 * sum_out + 1e-3 and flex_grad < 2 * sum_grad + 1e-3, results
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_packed_ttt_forward_on_cuda_equals_the_unpacked_batch(compiled):
+    """The whole packed CUDA path (per-row positions, flex block mask + lse merge, compiled or not) gives the
+    unpacked batch's loss and gradients, fp32 (no autocast) so that only kernel rounding differs."""
+    from test_drafter import packed_and_unpacked, random_documents, tiny_config
+
+    from draftsmith.drafter import Eagle3Drafter, compile_for_training, ttt_forward
+    from draftsmith.vocab import build_draft_vocab
+
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(tiny_config(hidden_size=64, head_dim=16))
+    vocab = build_draft_vocab(torch.arange(96, 0, -1), 48)
+    drafter.d2t.copy_(vocab.d2t)
+    drafter.t2d.copy_(vocab.t2d)
+    drafter = drafter.cuda()
+    if compiled:
+        compile_for_training(drafter)
+    head = torch.randn(96, 40, dtype=torch.float64)
+    docs = random_documents([60, 90, 40, 120])
+    for d in docs:
+        d[4].copy_((d[3] @ head.T).argmax(-1))
+    (ids, mask, aux, last, argmax), packed = packed_and_unpacked(docs, [[(1, 0, 90), (0, 0, 60), (2, 0, 40)],
+                                                                       [(3, 0, 120)]], row_tokens=192)
+    f = lambda x: x.cuda().float() if x.is_floating_point() else x.cuda()  # noqa: E731
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    outs, grads = [], []
+    for a, i, m, lst, t, documents in ((aux, ids, mask, last, argmax, None),
+                                       (packed.aux, packed.input_ids, packed.loss_mask, packed.last,
+                                        packed.target_argmax, packed.documents)):
+        out = ttt_forward(drafter, f(a), f(i), f(m), f(lst), f(head), steps=4, t_argmax=f(t),
+                          documents=None if documents is None else f(documents))
+        outs.append(out.loss.item())
+        grads.append(torch.autograd.grad(out.loss, params))
+    assert outs[1] == pytest.approx(outs[0], rel=1e-4)
+    for a, b in zip(*grads):
+        assert rel(b, a) < 1e-3

@@ -59,11 +59,14 @@ def test_tiny_drafter_overfits_step0_accuracy_to_one(tiny_target, tmp_path):
 
 
 def test_killed_run_resumes_on_the_same_loss_curve(store, tmp_path):
+    """kill -9 after the step-4 checkpoint, rerun: the same 12 losses. Packed (the default) into two rows of 128
+    tokens per micro-batch, several conversations per row: the packing plan is a pure function of (seed, epoch)."""
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    r = subprocess.run([*CLI, "train", *train_args(store, straight, **{"max-steps": "12", "save-every": "4"})],
-                       capture_output=True, text=True)
+    settings = {"max-steps": "12", "save-every": "4", "pack": None, "row-tokens": "128"}
+    r = subprocess.run([*CLI, "train", *train_args(store, straight, **settings)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    proc = subprocess.Popen([*CLI, "train", *train_args(store, killed, **{"max-steps": "12", "save-every": "4"})],
+    assert "packed rows of 128 tokens" in r.stdout
+    proc = subprocess.Popen([*CLI, "train", *train_args(store, killed, **settings)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     latest = killed / "checkpoints" / "latest"
     deadline = time.time() + 300
@@ -72,32 +75,35 @@ def test_killed_run_resumes_on_the_same_loss_curve(store, tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not (killed / "drafter").exists(), "the run finished before the kill; the test proves nothing"
-    r = subprocess.run([*CLI, "train", *train_args(store, killed, **{"max-steps": "12", "save-every": "4"})],
-                       capture_output=True, text=True)
+    r = subprocess.run([*CLI, "train", *train_args(store, killed, **settings)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "resumed at step" in r.stdout
     a, b = losses(straight), losses(killed)
     assert sorted(a) == sorted(b) == list(range(1, 13))
     for step in range(1, 13):
         assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), step
+    # Exact: the same process settings recompute the same plan, the same packed rows and the same floats.
+    assert b == a, {s: (a[s], b[s]) for s in a if a[s] != b[s]}
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_two_processes_match_one_process_with_the_same_global_batch(store, tmp_path, parallel):
-    """gloo DDP(2) / FSDP2(2) with grad_accum 1 vs 1 process with grad_accum 2: the same micro-batches per step.
+@pytest.mark.parametrize("parallel, pack", [("ddp", "pack"), ("fsdp", "pack"), ("ddp", "no-pack")])
+def test_two_processes_match_one_process_with_the_same_global_batch(store, tmp_path, parallel, pack):
+    """gloo DDP(2) / FSDP2(2) with grad_accum 1 vs 1 process with grad_accum 2: the same micro-batches per step,
+    packed (two rows of 128 tokens, several conversations each) or one conversation per row.
 
     Tolerance: fp32 gradients summed in a different order (all-reduce or reduce-scatter vs accumulation)
     differ by ~1e-7 relative per step; over 6 AdamW steps the losses agree to ~1e-5, far below the change
     one step makes. The exported drafters (gathered from the shards under FSDP) agree to the same order.
     """
     one, two = tmp_path / "one", tmp_path / "two"
-    r = subprocess.run([*CLI, "train", *train_args(store, one, **{"max-steps": "6", "grad-accum": "2"})],
+    packing = {pack: None, "row-tokens": "128"}
+    r = subprocess.run([*CLI, "train", *train_args(store, one, **{"max-steps": "6", "grad-accum": "2", **packing})],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                         str(29500 + os.getpid() % 1000), "-m", "draftsmith.cli", "train",
-                        *train_args(store, two, **{"max-steps": "6", "grad-accum": "1", "parallel": parallel})],
+                        *train_args(store, two, **{"max-steps": "6", "grad-accum": "1", "parallel": parallel, **packing})],
                        capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "world 2" in r.stdout
@@ -150,3 +156,46 @@ def test_every_step_of_every_epoch_gets_its_micro_batches():
             used = [tuple(mb) for o in range(steps_per_epoch) for r in range(world)
                     for mb in rank_micro_batches(plan, o, world, accum, r)]
             assert len(set(used)) == min(len(used), len(plan))
+
+
+def test_turn_pieces_end_at_assistant_turn_ends_and_fit_the_row():
+    from draftsmith.train import turn_pieces
+
+    mask = torch.tensor([0, 0, 1, 1, 0, 0, 1, 1, 1, 0, 0, 0])
+    assert turn_pieces(mask, 6) == [(0, 4), (4, 9)]  # the tail (9, 12) has no supervised token: dropped
+    assert turn_pieces(mask, 3) == [(0, 3), (3, 4), (4, 7), (7, 9)]  # no turn end fits: cut at the row length
+    assert turn_pieces(mask, 12) == [(0, 12)]
+
+
+def test_pack_plan_places_every_piece_once_in_full_rows_of_one_shape():
+    import random
+
+    from draftsmith.train import pack_plan
+
+    random.seed(0)
+    pieces = [(k, 0, random.randint(20, 1000)) for k in range(300)]
+    plans = [pack_plan(pieces, 1024, 3, seed=0, epoch=e) for e in range(2)]
+    for plan in plans:
+        assert all(len(mb) == 3 for mb in plan)
+        rows = [row for mb in plan for row in mb]
+        assert all(sum(e - s for _, s, e in row) <= 1024 for row in rows)
+        assert sorted(seg for row in rows for seg in row) == sorted(pieces)
+        fill = sum(e - s for _, s, e in pieces) / (1024 * sum(1 for row in rows if row))
+        assert fill > 0.95, f"rows only {fill:.0%} full"
+    assert plans[0] == pack_plan(pieces, 1024, 3, seed=0, epoch=0) and plans[0] != plans[1]
+
+
+def test_packed_micro_batches_keep_one_shape_and_every_supervised_token(store, tmp_path):
+    """Static shapes: every micro-batch of every epoch, train and eval, is (batch_tokens // row_tokens, row_tokens),
+    and packing (long samples split at turn ends) loses no supervised token."""
+    trainer = Trainer(TrainConfig(out=str(tmp_path / "run"), store=str(store), batch_tokens=128, row_tokens=64,
+                                  draft_vocab_size=128, eval_fraction=0.2))
+    assert max(trainer.data.lengths) > 64, "no sample needs splitting; the test proves less than it says"
+    supervised = 0
+    for train, epoch in ((True, 0), (True, 1), (False, 0)):
+        for mb in trainer.plan(train, epoch):
+            batch = trainer.load(mb)
+            assert batch.input_ids.shape == (2, 64) and batch.documents.shape == (2, 64)
+            supervised += int(batch.loss_mask.sum()) if epoch == 0 else 0
+    expected = sum(int(trainer.data.loss_mask(k).sum()) for k in range(len(trainer.data)))
+    assert supervised == expected

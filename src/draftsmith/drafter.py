@@ -24,11 +24,14 @@ matrix: the diagonal keys are folded into one extra "summary" key, so a single c
 the whole softmax (see its docstring); on CUDA `ttt_attention_lse` computes the same by merging the
 causal part's log-sum-exp with the diagonal's, which keeps the flash kernel at the plain head dim.
 `ttt_forward` also projects the embedding half of q/k/v once per unroll, and `DraftHeadLoss` runs the
-head, the loss and the argmax of all steps without keeping any (T x Vd) logits.
+head, the loss and the argmax of all steps without keeping any (T x Vd) logits. Packed rows (several
+documents per row, `documents`) restart positions per document and keep step-0 attention inside it:
+a dense mask for SDPA on CPU, a FlexAttention block mask on CUDA (see "Packed rows" below).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -109,10 +112,10 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (T, hd) for integer positions (T,), Llama's half-rotation layout."""
+    """cos, sin of shape (..., hd) for integer positions (...,) ((T,) or (B, T)), Llama's half-rotation layout."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, hd/2)
-    emb = torch.cat([freqs, freqs], dim=-1)  # (T, hd)
+    freqs = positions.float()[..., None] * inv_freq  # (..., hd/2)
+    emb = torch.cat([freqs, freqs], dim=-1)  # (..., hd)
     return emb.cos(), emb.sin()
 
 
@@ -203,7 +206,7 @@ def diagonal_scores(q: torch.Tensor, diag_k: list[torch.Tensor], diag_v: list[to
 
 
 def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag_k: list[torch.Tensor],
-                  diag_v: list[torch.Tensor]) -> torch.Tensor:
+                  diag_v: list[torch.Tensor], mask: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention over step-0 keys plus, per position, that position's keys of later steps.
 
     Without a (T x T*K) matrix: for query t the diagonal keys contribute mass sum_j exp(d_tj) and value
@@ -214,7 +217,8 @@ def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag_k: l
     p_t * softmax_j(d_tj) v_jt. a_t is split into a high and a low part so bf16 inputs keep it exact.
 
     Args:
-        q: (B, nh, T, hd); k0, v0: (B, nkv, T, hd); diag_k, diag_v: lists of (B, nkv, T, hd).
+        q: (B, nh, T, hd); k0, v0: (B, nkv, T, hd); diag_k, diag_v: lists of (B, nkv, T, hd);
+        mask: packed rows' step-0 mask (B, 1, T, T) bool (`document_mask`); None: plain causal.
     Returns:
         (B, nh, T, hd).
     """
@@ -223,7 +227,8 @@ def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag_k: l
     groups = nh // nkv
     scale = 1.0 / math.sqrt(hd)
     if not diag_k:
-        return F.scaled_dot_product_attention(q, k0, v0, is_causal=True, scale=scale, enable_gqa=groups > 1)
+        return F.scaled_dot_product_attention(q, k0, v0, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                              enable_gqa=groups > 1)
     d, dv = diagonal_scores(q, diag_k, diag_v, scale)  # (B, nkv, g, T, i), (B, nkv, T, i, hd)
     acc = d.dtype
     a = torch.logsumexp(d, dim=-1).reshape(B, nh, T)  # (B, nh, T)
@@ -237,7 +242,9 @@ def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag_k: l
     k_ext[:, :, 0, hd:hd + 2] = 1.0
     v_ext = F.pad(v0, (0, pad, 1, 0))
     v_ext[:, :, 0, hd] = 1.0
-    out = F.scaled_dot_product_attention(q_ext, k_ext, v_ext, is_causal=True, scale=scale,
+    # The summary key (index 0) is visible to every query; with documents, the dummy query row sees all keys.
+    mask_ext = None if mask is None else F.pad(mask, (1, 0, 1, 0), value=True)  # (B, 1, T+1, T+1)
+    out = F.scaled_dot_product_attention(q_ext, k_ext, v_ext, attn_mask=mask_ext, is_causal=mask is None, scale=scale,
                                          enable_gqa=groups > 1)[:, :, 1:]  # (B, nh, T, hd+pad)
     share = out[..., hd:hd + 1]  # (B, nh, T, 1): the diagonal keys' total probability
     diag = torch.einsum("bkgtj,bktjd->bkgtd", torch.softmax(d, -1).to(q.dtype), dv).reshape(B, nh, T, hd)
@@ -291,16 +298,89 @@ class CausalAttentionLSE(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-def causal_attention_lse_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
-    """`CausalAttentionLSE` the plain way (any device, autograd through everything): for tests and CPU."""
+def causal_attention_lse_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                                   mask: torch.Tensor | None = None):
+    """`CausalAttentionLSE` the plain way (any device, autograd through everything): for tests and CPU.
+    mask: (B, 1, T, T) bool (`document_mask`) instead of plain causal."""
     T = q.shape[2]
     s = (q @ k.transpose(-1, -2)).to(torch.promote_types(q.dtype, torch.float32)) * scale
-    s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=q.device).tril(), -math.inf)
+    if mask is None:
+        mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    s = s.masked_fill(~mask, -math.inf)
     return (torch.softmax(s, -1).to(v.dtype) @ v), torch.logsumexp(s, -1)
 
 
+# --- Packed rows: document masks ------------------------------------------------------------------------
+# A packed row holds several documents (whole conversations, or pieces of a long one) back to back;
+# `documents` (B, T) numbers them per row. Positions restart at each document and a query sees the step-0
+# keys of its own document only. The diagonal keys of later steps sit at the query's own index, so they
+# are inside its document by construction.
+
+try:  # torch >= 2.9 asks for the log-sum-exp through return_aux; earlier versions through return_lse
+    from torch.nn.attention.flex_attention import AuxRequest
+except ImportError:  # pragma: no cover - older torch
+    AuxRequest = None
+
+
+def document_positions(documents: torch.Tensor) -> torch.Tensor:
+    """RoPE positions that restart at 0 where each document of a row starts. (B, T) -> (B, T) int64"""
+    B, T = documents.shape
+    index = torch.arange(T, device=documents.device).expand(B, T)
+    starts = F.pad(documents[:, 1:] != documents[:, :-1], (1, 0), value=True)  # (B, T)
+    return index - torch.where(starts, index, 0).cummax(dim=1).values
+
+
+def document_mask(documents: torch.Tensor) -> torch.Tensor:
+    """Step-0 attention of packed rows as a dense mask: key s visible to query t iff s <= t in t's document.
+    (B, T) -> (B, 1, T, T) bool (for SDPA; the CPU path)."""
+    T = documents.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=documents.device).tril()
+    return ((documents[:, :, None] == documents[:, None, :]) & causal)[:, None]
+
+
+def document_block_mask(documents: torch.Tensor):
+    """The same mask as a FlexAttention `BlockMask` (the CUDA path: blocks outside every document are skipped)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def same_document_causal(b, h, q_idx, kv_idx):
+        return (documents[b, q_idx] == documents[b, kv_idx]) & (q_idx >= kv_idx)
+
+    B, T = documents.shape
+    return create_block_mask(same_document_causal, B, None, T, T, device=documents.device)
+
+
+@functools.cache
+def compiled_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)
+
+
+def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask, scale: float, lse: bool):
+    """FlexAttention under a block mask: out (B, nh, T, hd), and with lse=True also lse (B, nh, T) fp32 natural
+    log, differentiable (its backward takes the lse gradient). Compiled on CUDA, unless already inside a
+    compiled region (`compile_for_training`), which compiles it itself; eager flex materialises the scores and
+    serves the CPU tests, forward only."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    fn = flex_attention
+    if q.is_cuda and not torch.compiler.is_compiling():
+        fn = compiled_flex_attention()
+    kwargs = dict(block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    if not lse:
+        return fn(q, k, v, **kwargs)
+    if AuxRequest is not None:
+        out, aux = fn(q, k, v, return_aux=AuxRequest(lse=True), **kwargs)
+        return out, aux.lse
+    return fn(q, k, v, return_lse=True, **kwargs)
+
+
+def is_block_mask(mask) -> bool:
+    return mask is not None and not isinstance(mask, torch.Tensor)
+
+
 def ttt_attention_lse(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag_k: list[torch.Tensor],
-                      diag_v: list[torch.Tensor], causal=None) -> torch.Tensor:
+                      diag_v: list[torch.Tensor], causal=None, mask=None) -> torch.Tensor:
     """`ttt_attention` by merging log-sum-exps: the causal part at the plain head dim, the diagonal added after.
 
     out = w o0 + (1 - w) od, with o0, lse0 the causal attention over step 0's keys, od the softmax-weighted
@@ -309,15 +389,25 @@ def ttt_attention_lse(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag_
     ran 2x slower fwd + bwd on an H200: benchmarks/results/gpu_attention.json).
 
     Args: as `ttt_attention`; causal: (q, k, v, scale) -> (out, lse) with k/v at nh heads; defaults to
-        `CausalAttentionLSE` on CUDA and the plain reference elsewhere.
+        `CausalAttentionLSE` on CUDA and the plain reference elsewhere, or, for packed rows, to FlexAttention
+        under `mask` when it is a `BlockMask` (`document_block_mask`) and the reference under `mask` when it
+        is a dense (B, 1, T, T) mask (`document_mask`).
     Returns: (B, nh, T, hd).
     """
-    if not diag_k:
-        return ttt_attention(q, k0, v0, diag_k, diag_v)  # step 0: plain causal attention
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    if not diag_k:  # step 0: plain (document-) causal attention
+        if is_block_mask(mask):
+            return flex(q, k0, v0, mask, scale, lse=False)
+        return ttt_attention(q, k0, v0, diag_k, diag_v, mask)
     B, nh, T, hd = q.shape
     groups = nh // k0.shape[1]
-    scale = 1.0 / math.sqrt(hd)
-    causal = causal or (CausalAttentionLSE.apply if q.is_cuda else causal_attention_lse_reference)
+    if causal is None:
+        if is_block_mask(mask):
+            causal = lambda q_, k_, v_, s_: flex(q_, k_, v_, mask, s_, lse=True)  # noqa: E731
+        elif mask is not None:
+            causal = lambda q_, k_, v_, s_: causal_attention_lse_reference(q_, k_, v_, s_, mask)  # noqa: E731
+        else:
+            causal = CausalAttentionLSE.apply if q.is_cuda else causal_attention_lse_reference
     out0, lse0 = causal(q, k0.repeat_interleave(groups, 1), v0.repeat_interleave(groups, 1), scale)
     d, dv = diagonal_scores(q, diag_k, diag_v, scale)  # (B, nkv, g, T, i), (B, nkv, T, i, hd)
     acc = d.dtype
@@ -347,7 +437,7 @@ class Eagle3Drafter(nn.Module):
         self.soft_ce_rows = soft_ce_rows  # the loss's elementwise pass; `compile_for_training` swaps in a compiled copy
 
     def ttt_step(self, e_qkv: torch.Tensor, h: torch.Tensor, w_h: torch.Tensor, positions: torch.Tensor,
-                 cache: StepCache, first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                 cache: StepCache, first: bool, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
         """One TTT step over the whole sequence, up to the final norm (the head runs in `DraftHeadLoss`).
 
         The q/k/v projection of x = cat(input_layernorm(e), hidden_norm(h)) is split by linearity into
@@ -357,8 +447,9 @@ class Eagle3Drafter(nn.Module):
         Args:
             e_qkv: (B, T, (nh + 2 nkv) hd) the embedding half of q/k/v for the tokens fed at this step;
             h: (B, T, H) hidden state fed at this step; w_h: ((nh + 2 nkv) hd, H) the hidden half of the
-            q/k/v weights; positions: (T,) RoPE positions of this step's queries and keys; cache: keys and
-            values of steps 0..i-1; `first` marks step 0 (whose keys become the causal keys).
+            q/k/v weights; positions: (T,) or, for packed rows, (B, T) RoPE positions of this step's queries
+            and keys; cache: keys and values of steps 0..i-1; `first` marks step 0 (whose keys become the
+            causal keys); mask: packed rows' step-0 mask (`document_mask` / `document_block_mask`) or None.
         Returns:
             (norm(h_out) (B, T, H) in h's dtype, the head's input; h_out (B, T, H) pre-norm, fed to the next step).
         """
@@ -368,16 +459,21 @@ class Eagle3Drafter(nn.Module):
         qkv = e_qkv + F.linear(hn, w_h)  # (B, T, (nh + 2 nkv) hd)
         B, T, _ = qkv.shape
         nq, nk = attn_mod.nh * attn_mod.hd, attn_mod.nkv * attn_mod.hd
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)  # (T, hd) or (B, T, hd)
+        if cos.dim() == 3:
+            cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, hd): per-row positions, broadcast over heads
         q, k, v = attn_mod.heads(*qkv.split([nq, nk, nk], dim=-1), cos.to(qkv.dtype), sin.to(qkv.dtype))
         if first:
             cache.keys, cache.values = [k], [v]
         else:
             cache.keys.append(k)
             cache.values.append(v)
-        # The same math; each the faster where it runs (flash kernels take half precision only).
-        attention = ttt_attention_lse if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) else ttt_attention
-        attn = attention(q, cache.keys[0], cache.values[0], cache.keys[1:], cache.values[1:])  # (B, nh, T, hd)
+        # The same math; each the faster where it runs (flash kernels take half precision only; packed rows on
+        # CUDA go through FlexAttention's block mask, any dtype).
+        lse = q.is_cuda and (mask is not None or q.dtype in (torch.bfloat16, torch.float16))
+        attention = ttt_attention_lse if lse else ttt_attention
+        attn = attention(q, cache.keys[0], cache.values[0], cache.keys[1:], cache.values[1:],
+                         mask=mask)  # (B, nh, T, hd)
         attn = attn_mod.o_proj(attn.transpose(1, 2).reshape(B, T, -1))  # (B, T, H)
         h_out = mid.finish(attn, residual)
         return self.norm(h_out).to(h_out.dtype), h_out
@@ -513,9 +609,16 @@ def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([x[:, n:], torch.zeros_like(x[:, :n])], dim=1)
 
 
-def step_masks(loss_mask: torch.Tensor, steps: int) -> torch.Tensor:
-    """valid[i, b, t]: step i at index t predicts token t+2+i, which exists and is supervised. (K, B, T)"""
-    return torch.stack([shift_left(loss_mask, 2 + i).bool() for i in range(steps)])
+def step_masks(loss_mask: torch.Tensor, steps: int, documents: torch.Tensor | None = None) -> torch.Tensor:
+    """valid[i, b, t]: step i at index t predicts token t+2+i, which exists, is supervised and, in a packed
+    row (documents (B, T)), belongs to t's document. (K, B, T)"""
+    masks = []
+    for i in range(steps):
+        m = shift_left(loss_mask, 2 + i).bool()
+        if documents is not None:
+            m = m & (shift_left(documents, 2 + i) == documents)
+        masks.append(m)
+    return torch.stack(masks)
 
 
 @torch.no_grad()
@@ -535,7 +638,7 @@ def target_argmax(last: torch.Tensor, head: torch.Tensor, chunk: int | None = No
 def ttt_forward(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                 last: torch.Tensor, target_head: torch.Tensor, steps: int = TTT_STEPS,
                 decay: float = TTT_STEP_LOSS_DECAY, denominators: torch.Tensor | None = None,
-                t_argmax: torch.Tensor | None = None) -> TTTOutput:
+                t_argmax: torch.Tensor | None = None, documents: torch.Tensor | None = None) -> TTTOutput:
     """Unroll K steps of training-time test and compute the soft cross-entropy loss.
 
     Args:
@@ -544,11 +647,17 @@ def ttt_forward(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tens
         denominators: (K,) supervised-position counts over the global batch (for exact DDP / gradient
             accumulation parity); defaults to this batch's counts.
         t_argmax: (B, T) the target's argmax over its full vocabulary, if already known (the store keeps it).
+        documents: (B, T) packed rows: the document number of each token within its row (padding is a
+            document of its own). Positions restart per document, step-0 attention stays inside it and only
+            predictions of tokens of the same document are supervised, so a packed batch has the loss and
+            the per-token weights of the same documents unpacked. Inputs that reach across a boundary (the
+            token fed at t+1+i, the step-0 key at a document's last index) only reach positions whose
+            predictions lie past the document's end, which carry weight 0.
     Returns:
         TTTOutput. Step i at index t is fed token t+1+i and predicts token t+2+i, whose target
         distribution is the target's softmax at t+1+i restricted to the draft vocabulary.
     """
-    valid = step_masks(loss_mask, steps)  # (K, B, T)
+    valid = step_masks(loss_mask, steps, documents)  # (K, B, T)
     cfg = drafter.config
     B, T = input_ids.shape
     H = cfg.hidden_size
@@ -565,7 +674,11 @@ def ttt_forward(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tens
         denominators = valid.sum(dim=(1, 2))
     scales = (torch.tensor([decay ** i for i in range(steps)], dtype=p_target.dtype, device=aux.device)
               / denominators.clamp(min=1))  # (K,): step i's loss weight per supervised row
-    positions = torch.arange(T, device=aux.device)
+    if documents is None:
+        positions, mask = torch.arange(T, device=aux.device), None  # (T,)
+    else:  # (B, T); the mask in the form the step's attention takes on this device
+        positions = document_positions(documents)
+        mask = document_block_mask(documents) if aux.is_cuda else document_mask(documents)
     attn = drafter.midlayer.self_attn
     w_qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])  # ((nh + 2 nkv) hd, 2H)
     # The embedding half of q/k/v at step i is that of step 0 shifted by i tokens: projected once, over the
@@ -577,7 +690,7 @@ def ttt_forward(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tens
     cache = StepCache()
     xs = []
     for i in range(steps):
-        xn, h = drafter.ttt_step(e_qkv[:, i:i + T], h, w_h, positions + i, cache, first=i == 0)
+        xn, h = drafter.ttt_step(e_qkv[:, i:i + T], h, w_h, positions + i, cache, first=i == 0, mask=mask)
         xs.append(xn)
     # Step i at index t predicts token t+2+i; its target is the target's softmax at t+1+i.
     weight = valid & torch.stack([in_vocab[:, 1 + i:1 + i + T] for i in range(steps)])  # (K, B, T)
@@ -591,7 +704,8 @@ def ttt_forward(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tens
 def compile_for_training(drafter: Eagle3Drafter) -> None:
     """torch.compile the two pieces of the TTT unroll that are elementwise-heavy: the step up to the final
     norm, and the loss's pass over the logits (GPU runs, where it pays back the compile time; a new
-    sequence length recompiles once, then runs with dynamic shapes)."""
+    sequence length recompiles once, then runs with dynamic shapes: packed rows (`TrainConfig.pack`) keep
+    one shape, so the first step compiles and no later one does)."""
     drafter.ttt_step = torch.compile(drafter.ttt_step)
     drafter.soft_ce_rows = torch.compile(soft_ce_rows)
 

@@ -1,10 +1,13 @@
 """Where training features come from: a feature store (offline) or the target itself (online).
 
-Both sources give the trainer the same `Batch`, so one loop serves both modes.
+Both sources give the trainer the same `Batch`, so one loop serves both modes: padded (`batch`: one
+sample per row, padded to the longest) or packed (`packed_batch`: rows of a fixed length filled with
+whole documents back to back, `pack_rows`), whose shape never changes during a run.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -13,20 +16,56 @@ import torch
 
 from draftsmith.capture import pad_batch, target_features, target_identity, tokenized_conversations
 from draftsmith.chat import TokenizedSample
-from draftsmith.store import FeatureStore
 from draftsmith.conventions import validate_aux_ids
+from draftsmith.store import FeatureStore, Sample
 from draftsmith.target import TargetSpec, describe_target, load_target, read_config, resolve_target
 
 
 @dataclass
 class Batch:
-    """input_ids, loss_mask, target_argmax (B, T); aux (B, T, 3Ht); last (B, T, Ht) the target's final normed state."""
+    """input_ids, loss_mask, target_argmax (B, T); aux (B, T, 3Ht); last (B, T, Ht) the target's final normed state;
+    documents (B, T) for packed rows: each token's document number within its row (None: one sample per row)."""
 
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
     aux: torch.Tensor
     last: torch.Tensor
     target_argmax: torch.Tensor
+    documents: torch.Tensor | None = None
+
+
+Segment = tuple[int, int, int]
+"""(sample index, start, end): tokens [start, end) of one sample, one document of a packed row."""
+
+
+def pack_rows(rows: list[list[Segment]], row_tokens: int, sample: Callable[[int], Sample], device: torch.device,
+              dtype: torch.dtype) -> Batch:
+    """Packed rows (len(rows), row_tokens): each row's segments back to back, then zeros.
+
+    Documents are numbered 0, 1, ... per row in order; the padding after them is one more document, so
+    that it attends only to itself. A row may be empty (all padding: it keeps the micro-batch's shape).
+    `sample(k)` gives sample k's full-length tensors, on any device; the batch is built there.
+    """
+    segments = [seg for row in rows for seg in row]
+    assert segments, "pack_rows needs at least one segment"
+    first = sample(segments[0][0])
+    B, R, Ht, at = len(rows), row_tokens, first.last.shape[-1], first.last.device
+    ids, mask, argmax = (torch.zeros(B, R, dtype=torch.long, device=at) for _ in range(3))
+    aux = torch.zeros(B, R, 3 * Ht, dtype=dtype, device=at)
+    last = torch.zeros(B, R, Ht, dtype=dtype, device=at)
+    documents = torch.zeros(B, R, dtype=torch.long, device=at)
+    for b, row in enumerate(rows):
+        t = 0
+        for j, (k, start, end) in enumerate(row):
+            s, n = sample(k), end - start
+            assert t + n <= R, f"row {b} overflows: {t} + {n} > {R}"
+            ids[b, t:t + n], mask[b, t:t + n] = s.input_ids[start:end], s.loss_mask[start:end]
+            argmax[b, t:t + n], documents[b, t:t + n] = s.target_argmax[start:end], j
+            aux[b, t:t + n], last[b, t:t + n] = s.aux[start:end], s.last[start:end]
+            t += n
+        documents[b, t:] = len(row)
+    return Batch(ids.to(device), mask.to(device), aux.to(device, non_blocking=True),
+                 last.to(device, non_blocking=True), argmax.to(device), documents.to(device))
 
 
 class FeatureSource(Protocol):
@@ -37,6 +76,8 @@ class FeatureSource(Protocol):
 
     def __len__(self) -> int: ...
     def batch(self, indices: list[int], device: torch.device) -> Batch: ...
+    def packed_batch(self, rows: list[list[Segment]], row_tokens: int, device: torch.device) -> Batch: ...
+    def loss_mask(self, k: int) -> torch.Tensor: ...
     def target_head(self) -> torch.Tensor: ...
     def embed_tokens(self) -> torch.Tensor: ...
     def token_counts(self) -> torch.Tensor: ...
@@ -81,6 +122,13 @@ class StoreSource:
         return Batch(ids.to(device), mask.to(device), aux.to(device, non_blocking=True), last.to(device, non_blocking=True),
                      argmax.to(device))
 
+    def packed_batch(self, rows: list[list[Segment]], row_tokens: int, device: torch.device) -> Batch:
+        """Rows built on the CPU from the memory-mapped shards, then moved (only the packed tokens travel)."""
+        return pack_rows(rows, row_tokens, self.store.sample, device, feature_dtype(device))
+
+    def loss_mask(self, k: int) -> torch.Tensor:
+        return self.store.sample(k).loss_mask
+
     def target_head(self) -> torch.Tensor:
         return self._tensors["lm_head"].float()
 
@@ -113,6 +161,23 @@ class OnlineSource:
         ids, att, mask = pad_batch([self.samples[k] for k in indices], pad_id=0)
         feats = target_features(self.model, ids.to(device), att.to(device), self.aux_ids)
         return Batch(ids.to(device), mask.to(device), feats.aux.clone(), feats.last.clone(), feats.target_argmax.clone())
+
+    def packed_batch(self, rows: list[list[Segment]], row_tokens: int, device: torch.device) -> Batch:
+        """The target runs over the rows' samples whole (a piece of a split sample keeps its full left context,
+        as in a store), then their features are packed into the rows."""
+        keys = sorted({k for row in rows for k, _, _ in row})
+        ids, att, mask = pad_batch([self.samples[k] for k in keys], pad_id=0)
+        feats = target_features(self.model, ids.to(device), att.to(device), self.aux_ids)
+        ids, mask, at = ids.to(device), mask.to(device), {k: j for j, k in enumerate(keys)}
+
+        def sample(k: int) -> Sample:
+            j = at[k]
+            return Sample(ids[j], mask[j], feats.aux[j], feats.last[j], feats.target_argmax[j])
+
+        return pack_rows(rows, row_tokens, sample, device, feats.aux.dtype)
+
+    def loss_mask(self, k: int) -> torch.Tensor:
+        return torch.tensor(self.samples[k].loss_mask)
 
     def target_head(self) -> torch.Tensor:
         return self.model.get_output_embeddings().weight.detach().float()

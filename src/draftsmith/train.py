@@ -6,6 +6,9 @@
 One explicit loop: periodic eval / checkpoint -> micro-batch forward / backward -> clip -> step -> log.
 The learning rate is a pure function of the step (`lr_at`), the data order a pure function of
 (seed, epoch), so a checkpoint needs only the weights, the optimizer and the step to resume exactly.
+Micro-batches are packed by default (`pack_plan`): rows of a fixed length holding whole conversations
+with document masks, so every step has the same tensor shape (a compiled step never recompiles) and
+little padding; `--no-pack` pads one conversation per row instead.
 Runs unchanged under `torchrun --nproc-per-node N` (DDP; gloo on CPU, NCCL on GPU): the loss is
 normalised by the supervised-token count of the whole global batch, so N processes with the same global
 batch compute the same update as one process with gradient accumulation.
@@ -15,11 +18,15 @@ Run: draftsmith train --store runs/demo/store --out runs/demo/train --epochs 2
 
 from __future__ import annotations
 
+import argparse
+import bisect
+import gc
 import json
 import math
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -31,7 +38,7 @@ from draftsmith.checkpoint import drafter_path, load_drafter, save_drafter
 from draftsmith.drafter import (TTT_STEP_LOSS_DECAY, TTT_STEPS, DrafterConfig, Eagle3Drafter, TTTOutput, compile_for_training,
                                simulated_acceptance)
 from draftsmith.errors import DraftsmithError
-from draftsmith.features import Batch, FeatureSource, OnlineSource, StoreSource, feature_dtype
+from draftsmith.features import Batch, FeatureSource, OnlineSource, Segment, StoreSource, feature_dtype
 from draftsmith.target import pick_device
 from draftsmith.vocab import build_draft_vocab, default_draft_vocab_size
 
@@ -72,7 +79,16 @@ class TrainConfig:
     max_steps: int | None = None
     """Stop after this many optimizer steps (overrides epochs)."""
     batch_tokens: int = 4096
-    """Padded tokens per micro-batch."""
+    """Tokens per micro-batch, padding included (packed: batch_tokens // row_tokens rows)."""
+    pack: bool = True
+    """Pack whole conversations into rows of --row-tokens with document masks (positions restart per
+    conversation, attention stays inside it): one tensor shape for the whole run, so a compiled step never
+    recompiles, and little padding. --no-pack: one conversation per row, padded to the micro-batch's longest."""
+    row_tokens: int | None = None
+    """Packed row length (default: batch_tokens)."""
+    pack_long: str = "split"
+    """Packing, conversations longer than a row: split (into pieces ending at assistant-turn ends, or at the row
+    length where a turn is longer) or truncate (keep the first row)."""
     grad_accum: int = 1
     """Micro-batches per optimizer step and process."""
     max_length: int = 2048
@@ -107,6 +123,12 @@ class TrainConfig:
         if self.ttt_steps < 1 or not 0 < self.step_loss_decay <= 1:
             raise DraftsmithError("bad TTT settings", got=f"--ttt-steps {self.ttt_steps}, --step-loss-decay "
                                   f"{self.step_loss_decay}", expected="steps >= 1, 0 < decay <= 1", fix="fix the flags")
+        row = self.row_tokens or self.batch_tokens
+        if self.pack and not (1 <= row <= self.batch_tokens and self.pack_long in ("split", "truncate")):
+            raise DraftsmithError("bad packing settings", got=f"--row-tokens {self.row_tokens}, --batch-tokens "
+                                  f"{self.batch_tokens}, --pack-long {self.pack_long}",
+                                  expected="1 <= row tokens <= batch tokens; --pack-long split or truncate",
+                                  fix="fix the flags (or pass --no-pack)")
         if self.parallel not in ("ddp", "fsdp"):
             raise DraftsmithError("unknown --parallel", got=self.parallel, expected="ddp or fsdp",
                                   fix="pass --parallel ddp (default) or --parallel fsdp")
@@ -136,6 +158,90 @@ def micro_batches(indices: list[int], lengths: list[int], batch_tokens: int, see
     window = 64
     order = [k for w in range(0, len(order), window) for k in sorted(order[w:w + window], key=lambda k: lengths[k])]
     return [[order[i] for i in group] for group in group_by_tokens([lengths[k] for k in order], batch_tokens)]
+
+
+PACK_WINDOW = 512
+"""Packing fills rows best-fit, longest first, within windows of this many shuffled pieces: rows ~full, and
+the data order stays a shuffle."""
+
+
+def turn_pieces(loss_mask: torch.Tensor, row_tokens: int) -> list[tuple[int, int]]:
+    """Split a sample into [start, end) pieces of at most row_tokens, each ending where an assistant turn
+    ends (a supervised token followed by an unsupervised one, or the sample's end) when one fits, else
+    at the row length. Pieces without a supervised token are dropped."""
+    m = loss_mask.bool()
+    n = len(m)
+    ends = set((torch.nonzero(m[:-1] & ~m[1:]).flatten() + 1).tolist()) | {n}
+    pieces, start = [], 0
+    while start < n:
+        fits = [e for e in ends if start < e <= start + row_tokens]
+        end = max(fits) if fits else min(n, start + row_tokens)
+        if m[start:end].any():
+            pieces.append((start, end))
+        start = end
+    return pieces
+
+
+def document_pieces(indices: list[int], lengths: list[int], row_tokens: int, long: str,
+                    loss_mask: Callable[[int], torch.Tensor]) -> list[Segment]:
+    """The documents packing places: each sample whole, or, when longer than a row, split or truncated."""
+    pieces = []
+    for k in indices:
+        if lengths[k] <= row_tokens:
+            pieces.append((k, 0, lengths[k]))
+        elif long == "truncate":
+            pieces.append((k, 0, row_tokens))
+        else:
+            pieces += [(k, a, b) for a, b in turn_pieces(loss_mask(k), row_tokens)]
+    return pieces
+
+
+def best_fit_rows(pieces: list[Segment], row_tokens: int) -> list[list[Segment]]:
+    """Rows of at most row_tokens, each piece into the fullest row that still has room for it."""
+    rows: list[list[Segment]] = []
+    free: list[tuple[int, int]] = []  # (room left, row), sorted
+    for piece in pieces:
+        n = piece[2] - piece[1]
+        i = bisect.bisect_left(free, (n, -1))
+        if i == len(free):
+            rows.append([piece])
+            bisect.insort(free, (row_tokens - n, len(rows) - 1))
+        else:
+            room, r = free.pop(i)
+            rows[r].append(piece)
+            bisect.insort(free, (room - n, r))
+    return rows
+
+
+def pack_plan(pieces: list[Segment], row_tokens: int, rows_per_batch: int, seed: int,
+              epoch: int) -> list[list[list[Segment]]]:
+    """The epoch's packed micro-batches, each exactly rows_per_batch rows (the last filled up with empty rows):
+    a seeded shuffle of the pieces, packed best-fit, longest first, within windows of `PACK_WINDOW`."""
+    g = torch.Generator().manual_seed(seed * 1000 + epoch)
+    order = [pieces[i] for i in torch.randperm(len(pieces), generator=g).tolist()]
+    rows = []
+    for w in range(0, len(order), PACK_WINDOW):
+        window = sorted(order[w:w + PACK_WINDOW], key=lambda p: p[2] - p[1], reverse=True)
+        rows += best_fit_rows(window, row_tokens)
+    plan = [rows[i:i + rows_per_batch] for i in range(0, len(rows), rows_per_batch)]
+    if plan:
+        plan[-1] += [[] for _ in range(rows_per_batch - len(plan[-1]))]
+    return plan
+
+
+def packed_shape(lengths: list[int], train_idx: list[int], cfg: TrainConfig) -> tuple[int, int]:
+    """(row tokens, rows per micro-batch): the one micro-batch shape of a packed run, fixed at its start.
+
+    batch_tokens // row_tokens rows of row_tokens (default batch_tokens), except that a training set smaller
+    than one micro-batch does not pay for padding it can never fill: the rows shrink to its size (rounded up
+    to 64 tokens) and their number to what it fills.
+    """
+    row = cfg.row_tokens or cfg.batch_tokens
+    rows = cfg.batch_tokens // row
+    total = sum(lengths[k] for k in train_idx)
+    if cfg.row_tokens is None and total < row:
+        return max(64, -(-total // 64) * 64), 1
+    return row, max(1, min(rows, -(-total // row)))
 
 
 @dataclass(frozen=True)
@@ -183,6 +289,11 @@ class Trainer:
             raise DraftsmithError("nothing to train on", got=f"{len(self.data)} samples with supervised tokens",
                                   expected="at least 2 (one is held back for evaluation)",
                                   fix="regenerate more conversations (or check that they have assistant turns)")
+        if cfg.pack:
+            self.row_tokens, self.rows_per_batch = packed_shape(self.data.lengths, self.train_idx, cfg)
+            self.train_pieces, self.eval_pieces = (
+                document_pieces(idx, self.data.lengths, self.row_tokens, cfg.pack_long, self.data.loss_mask)
+                for idx in (self.train_idx, self.eval_idx))
         self.drafter = self.build_drafter().to(self.device)
         # In the features' dtype (bf16 on GPU: ttt_forward computes in it anyway; half the memory of fp32).
         self.target_head = self.data.target_head().to(self.device, feature_dtype(self.device))
@@ -201,10 +312,10 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
                                            fused=self.device.type == "cuda")
         per_step = self.world * cfg.grad_accum
-        self.steps_per_epoch = max(1, len(micro_batches(self.train_idx, self.data.lengths, cfg.batch_tokens,
-                                                        cfg.seed, 0)) // per_step)
+        self.steps_per_epoch = max(1, len(self.plan(train=True, epoch=0)) // per_step)
         self.total_steps = cfg.max_steps or max(1, int(cfg.epochs * self.steps_per_epoch))
         self.step = 0
+        self.first_step_done = False  # the first step of this process compiles / warms up: logged apart
 
     def build_drafter(self) -> Eagle3Drafter:
         spec = self.data.target_spec
@@ -233,13 +344,35 @@ class Trainer:
     def forward(self, batch: Batch, denominators: torch.Tensor | None) -> TTTOutput:
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             return self.model(batch.aux, batch.input_ids, batch.loss_mask, batch.last, self.target_head,
-                              self.cfg.ttt_steps, self.cfg.step_loss_decay, denominators, batch.target_argmax)
+                              self.cfg.ttt_steps, self.cfg.step_loss_decay, denominators, batch.target_argmax,
+                              batch.documents)
 
-    def micro_batches_for(self, step: int) -> list[list[int]]:
+    def plan(self, train: bool, epoch: int) -> list:
+        """An epoch's micro-batches (a pure function of seed and epoch): packed, lists of rows of segments;
+        unpacked, lists of sample indices. The eval plan is fixed (seed 0, epoch 0)."""
+        seed = self.cfg.seed if train else 0
+        if self.cfg.pack:
+            return pack_plan(self.train_pieces if train else self.eval_pieces, self.row_tokens, self.rows_per_batch,
+                             seed, epoch)
+        return micro_batches(self.train_idx if train else self.eval_idx, self.data.lengths, self.cfg.batch_tokens,
+                             seed, epoch)
+
+    def load(self, micro_batch: list) -> Batch:
+        if self.cfg.pack:
+            return self.data.packed_batch(micro_batch, self.row_tokens, self.device)
+        return self.data.batch(micro_batch, self.device)
+
+    def real_tokens(self, micro_batch: list) -> int:
+        """Non-padding tokens of a micro-batch."""
+        if self.cfg.pack:
+            return sum(end - start for row in micro_batch for _, start, end in row)
+        return sum(self.data.lengths[k] for k in micro_batch)
+
+    def micro_batches_for(self, step: int) -> list[list]:
         """This rank's micro-batches for global step `step` (a pure function of the step)."""
         epoch, offset = divmod(step, self.steps_per_epoch)
-        plan = micro_batches(self.train_idx, self.data.lengths, self.cfg.batch_tokens, self.cfg.seed, epoch)
-        return rank_micro_batches(plan, offset, self.world, self.cfg.grad_accum, self.rank)
+        return rank_micro_batches(self.plan(train=True, epoch=epoch), offset, self.world, self.cfg.grad_accum,
+                                  self.rank)
 
     def train_step(self) -> dict:
         from draftsmith.drafter import step_masks
@@ -248,9 +381,10 @@ class Trainer:
         lr = lr_at(self.step, self.total_steps, self.cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        batches = [self.data.batch(mb, self.device) for mb in self.micro_batches_for(self.step)]
+        plan = self.micro_batches_for(self.step)
+        batches = [self.load(mb) for mb in plan]
         # Global denominators: supervised positions per TTT step over the whole global batch.
-        denom = sum(step_masks(b.loss_mask, self.cfg.ttt_steps).sum(dim=(1, 2)) for b in batches).float()
+        denom = sum(step_masks(b.loss_mask, self.cfg.ttt_steps, b.documents).sum(dim=(1, 2)) for b in batches).float()
         if self.world > 1:
             dist.all_reduce(denom)
         self.optimizer.zero_grad(set_to_none=True)
@@ -278,16 +412,21 @@ class Trainer:
         if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
             grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
-        stats = torch.cat([total_loss.view(1), loss_sum, correct, count])
+        supervised = sum(b.loss_mask.sum() for b in batches).float().view(1)
+        real = torch.tensor([float(sum(self.real_tokens(mb) for mb in plan))], device=self.device)
+        stats = torch.cat([total_loss.view(1), loss_sum, correct, count, real, supervised])
         if self.world > 1:
             dist.all_reduce(stats)
         stats = stats.tolist()  # CPU-GPU sync point: once per step, for logging
         K = self.cfg.ttt_steps
         tokens = sum(int(b.loss_mask.numel()) for b in batches) * self.world
         dt = time.perf_counter() - t0
-        return {"step": self.step + 1, "loss": stats[0], "loss_per_step": [s / max(c, 1) for s, c in zip(stats[1:K + 1], stats[2 * K + 1:])],
-                "acc": [a / max(c, 1) for a, c in zip(stats[K + 1:2 * K + 1], stats[2 * K + 1:])], "lr": lr,
-                "grad_norm": float(grad_norm), "ms": dt * 1000, "tokens": tokens, "tok_per_s": tokens / dt}
+        counts = stats[2 * K + 1:3 * K + 1]
+        return {"step": self.step + 1, "loss": stats[0], "loss_per_step": [s / max(c, 1) for s, c in zip(stats[1:K + 1], counts)],
+                "acc": [a / max(c, 1) for a, c in zip(stats[K + 1:2 * K + 1], counts)], "lr": lr,
+                "grad_norm": float(grad_norm), "ms": dt * 1000, "tokens": tokens, "tok_per_s": tokens / dt,
+                "real_tokens": int(stats[-2]), "supervised_tokens": int(stats[-1]), "real_tok_per_s": stats[-2] / dt,
+                "shape": list(batches[0].input_ids.shape)}
 
     # -- evaluation -----------------------------------------------------------------------------------
 
@@ -297,8 +436,8 @@ class Trainer:
         K = self.cfg.ttt_steps
         correct, count, loss, n = torch.zeros(K), torch.zeros(K), 0.0, 0
         tau_sum, tau_n = [0.0] * K, [0] * K
-        for mb in micro_batches(self.eval_idx, self.data.lengths, self.cfg.batch_tokens, 0, 0):
-            out = self.forward(self.data.batch(mb, self.device), None)
+        for mb in self.plan(train=False, epoch=0):
+            out = self.forward(self.load(mb), None)
             correct += out.correct_count.cpu()
             count += out.count.cpu()
             loss += float(out.loss)
@@ -383,8 +522,11 @@ class Trainer:
         resumed = self.try_resume()
         if self.rank == 0:
             (self.out / "train_config.json").write_text(json.dumps(asdict(self.cfg), indent=2) + "\n")
-            print(f"train: {len(self.train_idx)} train / {len(self.eval_idx)} eval samples, {self.total_steps} steps "
-                  f"({self.steps_per_epoch}/epoch), world {self.world}, device {self.device}"
+            packing = (f"packed rows of {self.row_tokens} tokens x {self.rows_per_batch} per micro-batch "
+                       f"({len(self.train_pieces)} documents)" if self.cfg.pack
+                       else "unpacked")
+            print(f"train: {len(self.train_idx)} train / {len(self.eval_idx)} eval samples, {packing}, {self.total_steps} "
+                  f"steps ({self.steps_per_epoch}/epoch), world {self.world}, device {self.device}"
                   + (f", resumed at step {self.step}" if resumed else ""))
         from draftsmith.progress import progress_bar
 
@@ -397,6 +539,14 @@ class Trainer:
                     self.log_eval(self.evaluate())
                 record = self.train_step()
                 self.step += 1
+                if not self.first_step_done:  # compile (--compile) and warm-up happen here: reported apart
+                    self.first_step_done = True
+                    record["first_step"] = True
+                    self.log({"step": self.step, "first_step_s": record["ms"] / 1000, "compile": self.cfg.compile,
+                              "shape": record["shape"]})
+                    if self.rank == 0:
+                        print(f"train: first step {record['ms'] / 1000:.1f} s ({'compile + ' if self.cfg.compile else ''}"
+                              f"warm-up; micro-batch shape {record['shape']})", flush=True)
                 self.log(record)
                 if self.rank == 0 and self.step % self.cfg.log_every == 0:
                     print(step_line(record, self.total_steps), flush=True)
@@ -411,6 +561,27 @@ class Trainer:
                                                                    "target": self.data.target_name,
                                                                    "eval": asdict(result)}, state=model_state)
         return result
+
+    def close(self) -> None:
+        """End a multi-process run in an order that cannot abort the process at exit.
+
+        The abort seen once under FSDP2 (issue 21: rank 0 SIGABRT, "terminate called without an active
+        exception") is what a C++ thread gets when it needs the GIL during interpreter finalization: gloo runs
+        collectives on worker threads, and the last reference to a finished work and its tensors can drop there
+        (pytorch/pytorch#179291 describes this path; #190489 the same message without destroy_process_group).
+        Before, rank 1 tore down while rank 0 still wrote the drafter, and FSDP2's hooks and DTensors, in
+        reference cycles with the modules, kept the process group and its works alive until some later garbage
+        collection, possibly the one during finalization. Now, on every rank: a barrier (no collective in flight
+        anywhere, rank 0's last file written), then the model, its FSDP2 / DDP state and the optimizer dropped
+        and collected while the interpreter is whole, then the process group destroyed.
+        """
+        if not dist.is_initialized():
+            return
+        dist.barrier()
+        self.model = self.drafter = self.optimizer = self.target_head = None
+        gc.collect()
+        dist.destroy_process_group()
+        gc.collect()
 
     def log_eval(self, result: EvalResult) -> None:
         if not self.eval_idx:
@@ -437,7 +608,7 @@ def step_line(r: dict, total: int) -> str:
     """The one greppable line per step (STYLE.md)."""
     acc = " ".join(f"{a:.2f}" for a in r["acc"])
     return (f"step {r['step']:05d}/{total:05d} | loss {r['loss']:.3f} | acc[k] {acc} | lr {r['lr']:.2e} "
-            f"| {r['ms']:.0f} ms | {r['tok_per_s']:,.0f} tok/s")
+            f"| {r['ms']:.0f} ms | {r['tok_per_s']:,.0f} tok/s" + (" (first step: compile / warm-up)" if r.get("first_step") else ""))
 
 
 def add_parser(sub) -> None:
@@ -462,7 +633,7 @@ def add_parser(sub) -> None:
         elif f.type in ("int", "int | None"):
             p.add_argument(flag, type=int, default=f.default, help=doc)
         elif f.type == "bool":
-            p.add_argument(flag, action="store_true", help=docs.get(f.name, ""))
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=docs.get(f.name, ""))
         elif f.type in ("float",):
             p.add_argument(flag, type=float, default=f.default, help=doc)
         else:
@@ -481,6 +652,5 @@ def run_train(args) -> int:
     if trainer.rank == 0:
         print(f"train: drafter -> {Path(args.out) / 'drafter'} | simulated tau at k=4: "
               f"{result.tau.get(4, float('nan')):.2f} | acc {' '.join(f'{a:.2f}' for a in result.acc)}")
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    trainer.close()
     return 0
