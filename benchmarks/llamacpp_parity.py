@@ -52,15 +52,19 @@ def vllm_tokens(base: str, ids: list[int], max_tokens: int) -> list[int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--drafter", type=Path, required=True, help="draftsmith checkpoint directory")
+    ap.add_argument("--drafter", required=True, help="draftsmith checkpoint directory or shipped short name (smollm2)")
     ap.add_argument("--k", type=int, default=3)
-    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=4, help="how many prompts of --prompt-set")
+    ap.add_argument("--prompt-set", default="eval", help="eval (HumanEval) | chat-eval | a JSONL prompt file")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--skip-eval", action="store_true", help="engines only (eval takes minutes on a loaded CPU)")
     ap.add_argument("--save-metrics", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
+    from draftsmith.checkpoint import drafter_path
+
+    args.drafter = drafter_path(args.drafter)
 
     from transformers import AutoTokenizer
 
@@ -74,13 +78,14 @@ def main() -> None:
 
     target = resolve_target("smollm2")
     tok = AutoTokenizer.from_pretrained(target)
-    prompts = [prompt_ids(tok, p.messages) for p in load_prompts("eval", args.prompts)]
-    result: dict = {"drafter": str(args.drafter), "k": args.k, "prompts": args.prompts, "max_tokens": args.max_tokens,
+    prompts = [prompt_ids(tok, p.messages) for p in load_prompts(args.prompt_set, args.prompts)]
+    result: dict = {"drafter": str(args.drafter), "k": args.k, "prompts": args.prompts, "prompt_set": args.prompt_set, "max_tokens": args.max_tokens,
                     "dtype": "float32", "host": platform.node(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "command": "flock /tmp/draftsmith-engine.lock .venv/bin/python benchmarks/llamacpp_parity.py "
-                               f"--drafter {args.drafter} --k {args.k} --prompts {args.prompts} --max-tokens {args.max_tokens}"}
+                               f"--drafter {args.drafter} --k {args.k} --prompts {args.prompts} --prompt-set {args.prompt_set} "
+                               f"--max-tokens {args.max_tokens}"}
     if not args.skip_eval:
-        [ours] = run_eval("smollm2", args.drafter, "eval", [args.k], args.prompts, 0.0, args.max_tokens, "vllm",
+        [ours] = run_eval("smollm2", args.drafter, args.prompt_set, [args.k], args.prompts, 0.0, args.max_tokens, "vllm",
                           "float32", True, 0)
         result["eval"] = {"tau": ours.tau, "per_position": ours.per_position, "verify_steps": ours.verify_steps,
                           "identical_to_target": ours.identical_to_target}

@@ -75,7 +75,9 @@ def data_summary(run: Path, target: str | None) -> dict | None:
 
 def starting_drafter(cfg: dict) -> str:
     """Where training started: from scratch, or the drafter named by train.init_from (and where that came from)."""
-    name = (cfg.get("train") or {}).get("init_from")
+    from draftsmith.run import starting_drafter as resolve
+
+    name = resolve((cfg.get("train") or {}).get("init_from"), str(cfg.get("target", "")))
     if not name:
         return "trained from scratch (train.init_from: null)"
     from draftsmith.checkpoint import drafter_path
@@ -183,8 +185,9 @@ def decide(doc: dict) -> dict:
             # bench alone cannot tell a misread drafter from a weak one; the reference decoder reads it as trained,
             # so an engine tau this close to the reference's rules the wiring fault out.
             why = [r for r in why if "reads wrong" not in r]
+            weak = "" if v["decision"] == "go" else "; the drafter itself accepts little"
             why.insert(0, f"engine tau {p['engine_tau']:.2f} matches the reference decoder's {p['reference_tau']:.2f} "
-                          f"at k={p['k']}: the engine reads the drafter as trained; the drafter itself accepts little")
+                          f"at k={p['k']}: the engine reads the drafter as trained{weak}")
         return {"decision": v["decision"], "source": "bench: vLLM with and without the drafter",
                 "reasons": why + reasons, "next_steps": v.get("next_steps", [])}
     ev = doc.get("eval")
