@@ -35,3 +35,16 @@ def test_run_starts_from_the_shipped_drafter_only_for_its_own_target():
     assert starting_drafter("auto", str(EMBEDDED_DRAFTERS / "smollm2")) is None  # a path is not a short name
     assert starting_drafter(None, "smollm2") is None
     assert starting_drafter("/my/drafter", "smollm2") == "/my/drafter"
+
+
+def test_launch_replaces_a_shipped_drafters_short_name_in_vllm_and_sglang_commands():
+    from draftsmith.launch import with_shipped_drafters
+
+    spec = json.dumps({"method": "eagle3", "model": "smollm2", "num_speculative_tokens": 2})
+    vllm = with_shipped_drafters(["vllm", "serve", "T", "--speculative-config", spec])
+    assert json.loads(vllm[-1]) == {"method": "eagle3", "model": str(EMBEDDED_DRAFTERS / "smollm2"),
+                                    "num_speculative_tokens": 2}
+    sglang = with_shipped_drafters(["python", "-m", "sglang.launch_server", "--speculative-draft-model-path", "smollm2"])
+    assert sglang[-1] == str(EMBEDDED_DRAFTERS / "smollm2")
+    other = ["vllm", "serve", "T", "--speculative-config", json.dumps({"model": "./my-drafter"})]
+    assert with_shipped_drafters(other) == other

@@ -188,7 +188,9 @@ def add_parser(sub) -> None:
         **example_help(
             "example:\n  draftsmith launch --log runs/vllm.log -- python -m vllm.entrypoints.openai.api_server "
             "--model ./target --port 8000\n  draftsmith launch --then 'draftsmith bench --url http://127.0.0.1:8000'"
-            " -- vllm serve ./target\n  draftsmith launch --attach /var/log/vllm.log --url http://10.0.0.5:8000\n\n"
+            " -- vllm serve ./target\n  draftsmith launch --attach /var/log/vllm.log --url http://10.0.0.5:8000\n"
+            "  draftsmith launch -- vllm serve TARGET --speculative-config '{\"method\": \"eagle3\", \"model\": \"smollm2\", "
+            "\"num_speculative_tokens\": 2}'   # a shipped drafter by its short name\n\n"
             "exit codes: 0 ready, 3 crashed, 4 stalled, 5 timed out, 2 bad usage; with --then, its exit code"))
     p.add_argument("--log", type=Path, help="where the engine's output goes (default runs/launch-TIME.log)")
     p.add_argument("--url", help="base URL to probe for readiness (default: from the command's --host/--port)")
@@ -224,8 +226,32 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def with_shipped_drafters(cmd: list[str]) -> list[str]:
+    """The command with a shipped drafter's short name (`"model": "smollm2"` in vLLM's --speculative-config,
+    or SGLang's --speculative-draft-model-path smollm2) replaced by its directory; anything else unchanged."""
+    from draftsmith.checkpoint import EMBEDDED_DRAFTERS, drafter_path
+
+    def shipped(name: object) -> str | None:
+        return str(drafter_path(name)) if isinstance(name, str) and "/" not in name and \
+            (EMBEDDED_DRAFTERS / name / "config.json").is_file() else None
+
+    out = list(cmd)
+    for i, arg in enumerate(out[:-1]):
+        value = out[i + 1]
+        if arg == "--speculative-config":
+            try:
+                spec = json.loads(value)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(spec, dict) and shipped(spec.get("model")):
+                out[i + 1] = json.dumps({**spec, "model": shipped(spec["model"])})
+        elif arg == "--speculative-draft-model-path" and shipped(value):
+            out[i + 1] = shipped(value)
+    return out
+
+
 def run_launch(args) -> int:
-    cmd = list(args.command)
+    cmd = with_shipped_drafters(list(args.command))
     if args.attach and cmd:
         raise DraftsmithError("--attach follows a running engine and takes no command", got=shlex.join(cmd),
                               expected="either --attach LOGFILE or `-- ENGINE COMMAND...`", fix="drop one of them")
