@@ -59,7 +59,7 @@ def test_regenerate_self_writes_multi_turn_conversations_and_a_rerun_skips_them(
 
     from conftest import build_tiny_target
     from draftsmith.conversations import ConversationWriter
-    from draftsmith.regenerate import LocalSettings, regenerate_self
+    from draftsmith.regenerate import LocalCompleter, LocalSettings, end_of_turn_stops, regenerate_self
 
     path = build_tiny_target(tmp_path / "t", layers=2, head_scale=3.0)  # flat logits: varied sampled turns
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -67,8 +67,9 @@ def test_regenerate_self_writes_multi_turn_conversations_and_a_rerun_skips_them(
     sp = SelfPromptSettings(count=24, max_turn_tokens=12, multi_turn=0.5, min_chars=2, seed=3)
     ls = LocalSettings(max_new_tokens=10, batch_size=8, decoder=decoder, max_length=128)
     out = tmp_path / "conv.jsonl"
+    complete = LocalCompleter(model, tok, ls, end_of_turn_stops(tok)[0])
     with ConversationWriter(out) as w:
-        summary = regenerate_self(model, tok, w, sp, ls, eval_texts=[])
+        summary = regenerate_self(complete, tok, w, sp, ls, eval_texts=[])
     c = summary.first_turns
     assert c.sampled == 24 and c.kept + c.empty + c.cut_off + c.repetitive + c.near_duplicate + c.eval_overlap == 24
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -77,5 +78,35 @@ def test_regenerate_self_writes_multi_turn_conversations_and_a_rerun_skips_them(
     assert sum(r == ["user", "assistant", "user", "assistant"] for r in roles) == summary.multi_turn
     assert all(r in (["user", "assistant"], ["user", "assistant", "user", "assistant"]) for r in roles)
     with ConversationWriter(out) as w:
-        again = regenerate_self(model, tok, w, sp, ls, eval_texts=[])
+        again = regenerate_self(complete, tok, w, sp, ls, eval_texts=[])
     assert again.conversations == 0 and len(out.read_text().splitlines()) == len(rows)
+
+
+@pytest.mark.engine
+def test_self_written_prompts_through_a_real_llama_servers_completions_api(tmp_path):
+    """The endpoint path of `--prompts self`: the embedded target served by llama-server, every wave sent as a raw
+    prefix to /v1/completions (the chat template rendered here)."""
+    from transformers import AutoTokenizer
+
+    from draftsmith import llamacpp
+    from draftsmith.conversations import ConversationWriter
+    from draftsmith.endpoints import EndpointCompleter
+    from draftsmith.regenerate import LocalSettings, end_of_turn_stops, regenerate_self
+    from draftsmith.target import embedded_gguf_path, resolve_target
+
+    tok = AutoTokenizer.from_pretrained(resolve_target("smollm2"))
+    out = tmp_path / "conv.jsonl"
+    with llamacpp.serve(llamacpp.LlamaServe(embedded_gguf_path()), tmp_path / "server.log") as base:
+        complete = EndpointCompleter([base + "/v1"], concurrency=1, stop=(end_of_turn_stops(tok)[1],), seed=1)
+        sp = SelfPromptSettings(count=4, max_turn_tokens=64, multi_turn=1.0, seed=1)
+        with ConversationWriter(out) as w:
+            summary = regenerate_self(complete, tok, w, sp, LocalSettings(max_new_tokens=24), eval_texts=[],
+                                      backend="endpoint")
+    assert summary.first_turns.sampled == 4 and summary.conversations == summary.first_turns.kept >= 1
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == summary.conversations and all(r["meta"]["backend"] == "endpoint" for r in rows)
+    for r in rows:
+        users = [m["content"] for m in r["messages"] if m["role"] == "user"]
+        answers = [m["content"] for m in r["messages"] if m["role"] == "assistant"]
+        assert len(users) == len(answers) and all(len(u) >= sp.min_chars for u in users) and all(answers)
+        assert "<|im_start|>" not in "".join(users + answers), "the template leaked into a turn"

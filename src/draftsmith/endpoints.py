@@ -748,3 +748,78 @@ def regenerate_endpoints_sync(prompts: list[Prompt], endpoints: list[str], write
         raise DraftsmithError("the endpoint backend needs the openai client", got="no Python package 'openai'",
                               expected="openai >= 1.40 (a draftsmith dependency)", fix="pip install 'openai>=1.40'")
     return asyncio.run(regenerate_endpoints(prompts, endpoints, writer, settings))
+
+
+# ---------------------------------------------------------------- raw-prefix completions (self-written prompts)
+
+@dataclass
+class EndpointCompleter:
+    """Continues raw text prefixes through OpenAI-compatible completions endpoints (`/v1/completions`).
+
+    The prefix is sent as text, so what the model continues is the target's chat template rendered here, up to
+    the start of a user turn (self-written prompts) or of an answer: no chat API adds its own turn structure.
+    Requests go round-robin over the endpoints, `concurrency` in flight per endpoint; each carries a seed
+    derived from `seed`, the call and its index, so a rerun samples the same turns where the server honours
+    seeds (vLLM, llama.cpp). Retryable failures (refused, reset, timeout, 429 / 5xx) are retried with backoff.
+    """
+
+    endpoints: list[str]
+    model: str | None = None
+    concurrency: int = 8
+    stop: tuple[str, ...] = ()
+    seed: int = 0
+    max_retries: int = 4
+    request_timeout_s: float = 600.0
+    calls: int = 0
+
+    def __call__(self, prefixes: list[str], max_tokens: int, temperature: float, top_p: float,
+                 label: str) -> list:
+        if openai is None:
+            raise DraftsmithError("the endpoint backend needs the openai client", got="no module openai",
+                                  expected="pip package openai", fix="pip install openai")
+        self.calls += 1
+        return asyncio.run(self._complete_all(prefixes, max_tokens, temperature, top_p, label))
+
+    async def _complete_all(self, prefixes: list[str], max_tokens: int, temperature: float, top_p: float,
+                            label: str) -> list:
+        from draftsmith.progress import progress_bar
+        from draftsmith.selfprompt import Continuation
+
+        key = api_key_from_env()
+        urls = [normalize_base(parse_endpoint(u, self.concurrency)[0]) + "/v1" for u in self.endpoints]  # either form
+        clients = [openai.AsyncOpenAI(base_url=u, api_key=key, max_retries=0, timeout=self.request_timeout_s)
+                   for u in urls]
+        model = self.model or (await clients[0].models.list()).data[0].id
+        gate = asyncio.Semaphore(self.concurrency * len(clients))
+        rng = random.Random(self.seed)
+        done = [0, 0]
+
+        async def one(i: int, prefix: str, bar) -> Continuation:
+            client = clients[i % len(clients)]
+            async with gate:
+                for attempt in range(self.max_retries + 1):
+                    try:
+                        r = await client.completions.create(
+                            model=model, prompt=prefix, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                            stop=list(self.stop) or None, seed=(self.seed * 1_000_003 + self.calls * 100_003 + i) % 2**31)
+                        choice = r.choices[0]
+                        tokens = r.usage.completion_tokens if r.usage else 0
+                        done[0] += 1
+                        done[1] += tokens
+                        bar.advance(1, tokens=done[1])
+                        return Continuation(choice.text, choice.finish_reason == "stop", tokens)
+                    except Exception as exc:  # classify re-raises what it does not know
+                        failure = classify(exc)
+                        if not failure.retryable or attempt == self.max_retries:
+                            raise DraftsmithError(f"a completion request to {display_url(str(client.base_url))} failed",
+                                                  got=failure.reason, expected="a completion",
+                                                  fix="check the server (its log, --model) and rerun") from exc
+                        await asyncio.sleep(failure.retry_after_s or backoff_delay(attempt + 1, 0.5, 8.0, rng))
+            raise AssertionError("unreachable: the loop returns or raises")
+
+        try:
+            with progress_bar(label, total=len(prefixes), unit="turns") as bar:
+                return list(await asyncio.gather(*(one(i, p, bar) for i, p in enumerate(prefixes))))
+        finally:
+            for c in clients:
+                await c.close()

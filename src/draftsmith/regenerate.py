@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -23,7 +24,8 @@ from draftsmith.endpoints import EndpointSettings, RegenerateSummary, parse_repl
 from draftsmith.errors import DraftsmithError
 from draftsmith.progress import progress_bar
 from draftsmith.prompts import SELF, Prompt, load_prompts, stable_id
-from draftsmith.selfprompt import (FilterCounts, SelfPromptSettings, TurnFilter, end_of_turn_ids, eval_prompt_texts,
+from draftsmith.selfprompt import (Completer, Continuation, FilterCounts, SelfPromptSettings, TurnFilter, end_of_turn_ids,
+                                   eval_prompt_texts,
                                    user_turn_prefix)
 
 @dataclass(frozen=True)
@@ -176,67 +178,94 @@ class SelfSummary:
                 f"  user-turn sampling {self.prompt_tokens_per_s:,.0f} tok/s, answers {self.answer_tokens_per_s:,.0f} tok/s")
 
 
-def sample_user_turns(model, tokenizer, histories: list[list[dict]], sp: SelfPromptSettings, settings: LocalSettings,
+@dataclass
+class LocalCompleter:
+    """The local target (rows decoder or `generate`, as LocalSettings says), stopping at `stop_ids`."""
+
+    model: Any
+    tokenizer: Any
+    settings: LocalSettings
+    stop_ids: list[int]
+
+    def __call__(self, prefixes: list[str], max_tokens: int, temperature: float, top_p: float,
+                 label: str) -> list[Continuation]:
+        ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prefixes]
+        s = replace(self.settings, max_new_tokens=max_tokens, temperature=temperature, top_p=top_p)
+        out: list[Continuation] = []
+        with progress_bar(label, total=len(ids), unit="turns") as bar:
+            for b in range(0, len(ids), CHUNK_TURNS):
+                for t, n in continue_ids(self.model, self.tokenizer, ids[b: b + CHUNK_TURNS], s, self.stop_ids):
+                    out.append(Continuation(self.tokenizer.decode(t, skip_special_tokens=True), n == len(t) + 1, n))
+                bar.advance(len(out) - bar.done, tokens=sum(c.tokens for c in out))
+        return out
+
+
+def end_of_turn_stops(tokenizer) -> tuple[list[int], str]:
+    """Stop ids (the template's turn closer and eos) and the closer's text, for every wave."""
+    _, suffix = user_turn_prefix(tokenizer, [])
+    ids = end_of_turn_ids(tokenizer, suffix)
+    return ids, tokenizer.decode(ids[:1])
+
+
+def sample_user_turns(complete: Completer, tokenizer, histories: list[list[dict]], sp: SelfPromptSettings,
                       flt: TurnFilter) -> tuple[list[str | None], int, float]:
     """A sampled user turn after each history (None where the filter dropped it), tokens generated, seconds."""
-    prefixes, stops = [], set()
-    for h in histories:
-        prefix, suffix = user_turn_prefix(tokenizer, h)
-        prefixes.append(tokenizer(prefix, add_special_tokens=False)["input_ids"])
-        stops.update(end_of_turn_ids(tokenizer, suffix))
-    turn = LocalSettings(max_new_tokens=sp.max_turn_tokens, batch_size=settings.batch_size, temperature=sp.temperature,
-                         top_p=sp.top_p, decoder=settings.decoder, max_length=settings.max_length)
+    prefixes = [user_turn_prefix(tokenizer, h)[0] for h in histories]
     t0 = time.perf_counter()
-    with progress_bar("user turns", total=len(prefixes), unit="turns") as bar:
-        out = continue_ids(model, tokenizer, prefixes, turn, sorted(stops),
-                           lambda done, tokens: bar.advance(done - bar.done, tokens=tokens))
+    out = complete(prefixes, sp.max_turn_tokens, sp.temperature, sp.top_p, "user turns") if prefixes else []
     seconds = time.perf_counter() - t0
-    texts: list[str | None] = []
-    for ids, n in out:
-        text = tokenizer.decode(ids, skip_special_tokens=True).strip()
-        stopped = n == len(ids) + 1
-        texts.append(None if flt.reason(text, stopped) else text)
-    return texts, sum(n for _, n in out), seconds
+    texts = [None if flt.reason(c.text.strip(), c.stopped) else c.text.strip() for c in out]
+    return texts, sum(c.tokens for c in out), seconds
 
 
-def regenerate_self(model, tokenizer, writer: ConversationWriter, sp: SelfPromptSettings, settings: LocalSettings,
-                    reasoning: str = "keep", target_name: str = "", eval_texts: list[str] | None = None) -> SelfSummary:
+def answer_all(complete: Completer, tokenizer, convs: list[list[dict]], settings: LocalSettings) -> list[Continuation]:
+    """The target's next assistant turn for each conversation, from its chat template's generation prompt."""
+    from draftsmith.chat import for_template, render
+
+    prefixes = [render(tokenizer, for_template(c), add_generation_prompt=True) for c in convs]
+    return complete(prefixes, settings.max_new_tokens, settings.temperature, settings.top_p, "answers") if convs else []
+
+
+def regenerate_self(complete: Completer, tokenizer, writer: ConversationWriter, sp: SelfPromptSettings,
+                    settings: LocalSettings, reasoning: str = "keep", target_name: str = "",
+                    eval_texts: list[str] | None = None, backend: str = "local") -> SelfSummary:
     """The target writes its user turns and answers them: four waves (first turns, answers, follow-ups, answers).
 
-    A rerun with the same settings writes the same conversations (seeded); finished ids are skipped.
+    `settings` gives the answers' max_new_tokens, temperature and top_p. A rerun with the same settings writes
+    the same conversations (seeded); finished ids are skipped.
     """
     start = time.perf_counter()
     torch.manual_seed(sp.seed)
     flt = TurnFilter(sp, eval_texts if eval_texts is not None else eval_prompt_texts())
-    firsts, prompt_tokens, prompt_s = sample_user_turns(model, tokenizer, [[]] * sp.count, sp, settings, flt)
+    firsts, prompt_tokens, prompt_s = sample_user_turns(complete, tokenizer, [[]] * sp.count, sp, flt)
     convs = [[{"role": "user", "content": t}] for t in firsts if t is not None]
     ids = [stable_id("self", f"{sp.seed}:{t}") for t in firsts if t is not None]
     todo = [i for i, cid in enumerate(ids) if cid not in writer.done]
     convs, ids = [convs[i] for i in todo], [ids[i] for i in todo]
     torch.manual_seed(sp.seed + 1)
     t0 = time.perf_counter()
-    answers = generate_batch_all(model, tokenizer, convs, settings)
-    answer_tokens, answer_s = sum(n for _, n in answers), time.perf_counter() - t0
-    for conv, (text, _) in zip(convs, answers):
-        conv.append(assistant_message(text, reasoning))
+    answers = answer_all(complete, tokenizer, convs, settings)
+    answer_tokens, answer_s = sum(c.tokens for c in answers), time.perf_counter() - t0
+    for conv, c in zip(convs, answers):
+        conv.append(assistant_message(c.text, reasoning))
     # Follow-ups: a seeded share of the conversations whose first answer ended on its own.
     g = torch.Generator().manual_seed(sp.seed + 2)
-    eligible = [i for i, (_, n) in enumerate(answers) if n < settings.max_new_tokens]
+    eligible = [i for i, c in enumerate(answers) if c.stopped]
     picked = sorted(eligible[j] for j in torch.randperm(len(eligible), generator=g)[:round(sp.multi_turn * len(convs))].tolist())
     follow_flt = TurnFilter(sp, [])
     torch.manual_seed(sp.seed + 3)
-    follow, n_follow, follow_s = sample_user_turns(model, tokenizer, [convs[i] for i in picked], sp, settings, follow_flt)
+    follow, n_follow, follow_s = sample_user_turns(complete, tokenizer, [convs[i] for i in picked], sp, follow_flt)
     second = [i for i, t in zip(picked, follow) if t is not None]
     for i, t in zip(picked, follow):
         if t is not None:
             convs[i].append({"role": "user", "content": t})
     t0 = time.perf_counter()
-    for i, (text, n) in zip(second, generate_batch_all(model, tokenizer, [convs[i] for i in second], settings)):
-        convs[i].append(assistant_message(text, reasoning))
-        answer_tokens += n
+    for i, c in zip(second, answer_all(complete, tokenizer, [convs[i] for i in second], settings)):
+        convs[i].append(assistant_message(c.text, reasoning))
+        answer_tokens += c.tokens
     answer_s += time.perf_counter() - t0
     for cid, conv in zip(ids, convs):
-        writer.write(Conversation(cid, conv, {"backend": "local", "target": target_name, "prompts": "self",
+        writer.write(Conversation(cid, conv, {"backend": backend, "target": target_name, "prompts": "self",
                                               "self_seed": sp.seed, "temperature": settings.temperature}))
     writer.sync()
     return SelfSummary(flt.counts, follow_flt.counts, len(convs), len(second), answer_tokens,
@@ -244,27 +273,17 @@ def regenerate_self(model, tokenizer, writer: ConversationWriter, sp: SelfPrompt
                        answer_tokens / max(answer_s, 1e-9))
 
 
-def write_self_prompts(model, tokenizer, out: Path, sp: SelfPromptSettings, settings: LocalSettings,
+def write_self_prompts(complete: Completer, tokenizer, out: Path, sp: SelfPromptSettings,
                        eval_texts: list[str] | None = None) -> FilterCounts:
     """Sample and filter first user turns only, and write them as a prompt JSONL (`{"id", "prompt"}` per line)."""
     torch.manual_seed(sp.seed)
     flt = TurnFilter(sp, eval_texts if eval_texts is not None else eval_prompt_texts())
-    texts, _, _ = sample_user_turns(model, tokenizer, [[]] * sp.count, sp, settings, flt)
+    texts, _, _ = sample_user_turns(complete, tokenizer, [[]] * sp.count, sp, flt)
     with open(out, "w") as f:
         for t in texts:
             if t is not None:
                 f.write(json.dumps({"id": stable_id("self", f"{sp.seed}:{t}"), "prompt": t}) + "\n")
     return flt.counts
-
-
-def generate_batch_all(model, tokenizer, convs: list[list[dict]], settings: LocalSettings) -> list[tuple[str, int]]:
-    """generate_batch over any number of conversations, in chunks, with a progress bar."""
-    out: list[tuple[str, int]] = []
-    with progress_bar("answers", total=len(convs), unit="turns") as bar:
-        for b in range(0, len(convs), CHUNK_TURNS):
-            out += generate_batch(model, tokenizer, convs[b: b + CHUNK_TURNS], settings)
-            bar.advance(len(out) - bar.done, tokens=sum(n for _, n in out))
-    return out
 
 
 def add_parser(sub) -> None:
@@ -367,22 +386,33 @@ def self_settings(args) -> SelfPromptSettings:
 
 
 def run_self(args) -> int:
-    """`--prompts self`: the local target writes its user turns and answers them."""
+    """`--prompts self`: the target writes its user turns and answers them, locally or on `--endpoint` servers
+    (their completions API, with this target's chat template rendered here: --target names its tokenizer)."""
     from draftsmith.target import load_target, resolve_target
 
-    if args.endpoint or args.backend == "endpoint":
-        raise DraftsmithError("--prompts self runs on the local backend", got="--endpoint with --prompts self",
-                              expected="the target loaded here (--target, --device)",
-                              fix="drop --endpoint, or write prompts locally and answer them with --prompts FILE --endpoint URL")
-    model, tokenizer = load_target(resolve_target(args.target), dtype=args.dtype, device=args.device)
+    sp, settings = self_settings(args), local_settings(args)
+    if args.endpoint:
+        from transformers import AutoTokenizer
+
+        from draftsmith.endpoints import EndpointCompleter
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_target(args.target))
+        _, closer = end_of_turn_stops(tokenizer)
+        complete: Completer = EndpointCompleter(args.endpoint, args.model, args.concurrency, (closer,), sp.seed,
+                                                args.max_retries, args.request_timeout)
+        backend = "endpoint"
+    else:
+        model, tokenizer = load_target(resolve_target(args.target), dtype=args.dtype, device=args.device)
+        complete, backend = LocalCompleter(model, tokenizer, settings, end_of_turn_stops(tokenizer)[0]), "local"
     if args.prompts_only:
-        counts = write_self_prompts(model, tokenizer, args.out, self_settings(args), local_settings(args))
+        counts = write_self_prompts(complete, tokenizer, args.out, sp)
         print(json.dumps(counts.to_dict()) if args.json else f"regenerate --prompts self --prompts-only: "
               f"{counts.render()}\n-> {args.out}")
         return 0
+    if args.endpoint and args.temperature is None:
+        settings = replace(settings, temperature=LocalSettings.temperature)
     with ConversationWriter(args.out) as writer:
-        summary = regenerate_self(model, tokenizer, writer, self_settings(args), local_settings(args), args.reasoning,
-                                  args.target)
+        summary = regenerate_self(complete, tokenizer, writer, sp, settings, args.reasoning, args.target, backend=backend)
     print(json.dumps(asdict(summary), indent=2) if args.json else f"{summary.render()}\n-> {args.out}")
     return 0
 

@@ -460,7 +460,7 @@ def regenerate_self_stage(ctx: RunContext) -> None:
     from dataclasses import asdict
 
     from draftsmith.conversations import ConversationWriter
-    from draftsmith.regenerate import LocalSettings, regenerate_self
+    from draftsmith.regenerate import LocalCompleter, LocalSettings, end_of_turn_stops, regenerate_self
     from draftsmith.selfprompt import SelfPromptSettings
     from draftsmith.target import load_target, resolve_target
 
@@ -471,10 +471,10 @@ def regenerate_self_stage(ctx: RunContext) -> None:
     model, tokenizer = load_target(resolve_target(ctx.cfg.target), dtype=r.dtype, device=r.device)
     sp = SelfPromptSettings(count=r.self_count, temperature=r.self_temperature, top_p=r.self_top_p, seed=r.self_seed,
                             multi_turn=r.multi_turn)
+    settings = LocalSettings(r.max_new_tokens, r.batch_size, r.temperature or 0.0)
+    complete = LocalCompleter(model, tokenizer, settings, end_of_turn_stops(tokenizer)[0])
     with ConversationWriter(ctx.out / "conversations.jsonl") as writer:
-        summary = regenerate_self(model, tokenizer, writer, sp, LocalSettings(r.max_new_tokens, r.batch_size,
-                                                                              r.temperature or 0.0),
-                                  r.reasoning, target_name=ctx.cfg.target)
+        summary = regenerate_self(complete, tokenizer, writer, sp, settings, r.reasoning, target_name=ctx.cfg.target)
     print(summary.render())
     (ctx.out / "regenerate.json").write_text(json.dumps(asdict(summary), indent=2) + "\n")
     if not (ctx.out / "conversations.jsonl").read_text().strip():

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from draftsmith.chat import has_chat_template
 from draftsmith.errors import DraftsmithError
@@ -47,6 +47,24 @@ class SelfPromptSettings:
     """Estimated Jaccard similarity of word 3-gram shingles at or above which a turn is a near-duplicate."""
     num_perm: int = 64
     """MinHash permutations."""
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """One continuation of a raw text prefix."""
+
+    text: str
+    stopped: bool
+    """It ended on an end-of-turn token (False: cut at max_tokens)."""
+    tokens: int
+
+
+class Completer(Protocol):
+    """Continues raw text prefixes: the local target (`regenerate.LocalCompleter`) or an endpoint's completions
+    API (`endpoints.EndpointCompleter`). One interface, so self-prompting runs the same waves on either."""
+
+    def __call__(self, prefixes: list[str], max_tokens: int, temperature: float, top_p: float,
+                 label: str) -> list[Continuation]: ...
 
 
 @dataclass
