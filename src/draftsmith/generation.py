@@ -89,8 +89,7 @@ def supports(model) -> bool:
     if layers is None or not hasattr(inner, "rotary_emb"):
         return False
     if getattr(model.config, "sliding_window", None) and getattr(model.config, "use_sliding_window", True):
-        if model.config.model_type == "mistral":
-            return False
+        return False  # attention here spans the whole row; a sliding window would differ beyond its width
     return all(type(layer.self_attn).__name__ in SUPPORTED_ATTENTION for layer in layers)
 
 
