@@ -141,10 +141,17 @@ EMBEDDED_DRAFTERS = Path(__file__).parent / "data" / "drafters"
 """Drafters shipped with the package, one directory per short name (`smollm2`: the embedded target's)."""
 
 
+def shipped_drafter(name: object) -> Path | None:
+    """The directory of the drafter shipped under this short name (`smollm2`), or None: the one place that decides."""
+    if not isinstance(name, str) or not name or "/" in name:
+        return None
+    path = EMBEDDED_DRAFTERS / name
+    return path if (path / "config.json").is_file() else None
+
+
 def drafter_path(name: str | Path) -> Path:
     """A drafter directory, or the shipped drafter of that short name (`smollm2`); anything else unchanged."""
     path = Path(name).expanduser()
-    if path.is_dir() or "/" in str(name):
+    if path.is_dir():
         return path
-    shipped = EMBEDDED_DRAFTERS / str(name)
-    return shipped if (shipped / "config.json").is_file() else path
+    return shipped_drafter(str(name)) or path

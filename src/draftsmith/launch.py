@@ -229,11 +229,11 @@ def _interrupt(signum, frame) -> None:
 def with_shipped_drafters(cmd: list[str]) -> list[str]:
     """The command with a shipped drafter's short name (`"model": "smollm2"` in vLLM's --speculative-config,
     or SGLang's --speculative-draft-model-path smollm2) replaced by its directory; anything else unchanged."""
-    from draftsmith.checkpoint import EMBEDDED_DRAFTERS, drafter_path
+    from draftsmith.checkpoint import shipped_drafter
 
     def shipped(name: object) -> str | None:
-        return str(drafter_path(name)) if isinstance(name, str) and "/" not in name and \
-            (EMBEDDED_DRAFTERS / name / "config.json").is_file() else None
+        path = shipped_drafter(name)
+        return str(path) if path else None
 
     out = list(cmd)
     for i, arg in enumerate(out[:-1]):

@@ -506,12 +506,11 @@ def do_train(ctx: RunContext) -> None:
 
 def starting_drafter(init_from: str | None, target: str) -> str | None:
     """train.init_from resolved: `auto` is the drafter shipped for the target when there is one, else none."""
-    from draftsmith.checkpoint import EMBEDDED_DRAFTERS
+    from draftsmith.checkpoint import shipped_drafter
 
     if init_from != "auto":
         return init_from
-    shipped = "/" not in target and (EMBEDDED_DRAFTERS / target / "config.json").is_file()
-    return target if shipped else None
+    return target if shipped_drafter(target) else None
 
 
 def do_export(ctx: RunContext) -> None:
