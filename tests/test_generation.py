@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from draftsmith.errors import DraftsmithError
 from draftsmith.generation import DecodeSettings, decode_all, sample_next, supports
 
 
@@ -36,11 +37,12 @@ def test_the_tiny_llama_is_supported(tiny):
     assert supports(tiny)
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "matmul"])
 @pytest.mark.parametrize("rows", [1, 3])
-def test_greedy_rows_equal_transformers_generate_one_prompt_at_a_time(tiny, rows):
+def test_greedy_rows_equal_transformers_generate_one_prompt_at_a_time(tiny, rows, attention):
     stop = tiny.config.eos_token_id
     prompts = prompts_of(7, tiny.config.vocab_size)
-    settings = DecodeSettings(max_new_tokens=24, rows=rows, max_length=64, sync_every=3)
+    settings = DecodeSettings(max_new_tokens=24, rows=rows, max_length=64, sync_every=3, attention=attention)
     got, stats = decode_all(tiny, prompts, settings, [stop])
     for p, c in zip(prompts, got):
         want = hf_greedy(tiny, p, 24, stop)
@@ -68,6 +70,11 @@ def test_sampling_is_seeded_and_a_row_hits_max_length(tiny):
     b, _ = decode_all(tiny, prompts, settings, [tiny.config.eos_token_id])
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
     assert all(len(p) + len(c.token_ids) <= 30 for p, c in zip(prompts, a))
+
+
+def test_an_unknown_decode_attention_is_refused_with_the_choices():
+    with pytest.raises(DraftsmithError, match="sdpa or matmul"):
+        DecodeSettings(attention="flash")
 
 
 def test_top_p_keeps_only_the_nucleus_and_temperature_zero_is_argmax():

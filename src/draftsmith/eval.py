@@ -99,13 +99,15 @@ def turn_batches(prompts, batch_size: int):
 
 def run_eval(target_name: str, drafter_dir: Path, prompts_source: str, ks: list[int], limit: int | None,
              temperature: float, max_new_tokens: int, engine: str, dtype: str, baseline: bool, seed: int,
-             batch_size: int = 1, topk: int = 1, draft_tokens: int | None = None) -> list[KResult]:
+             batch_size: int = 1, topk: int = 1, draft_tokens: int | None = None,
+             device: str = "cpu") -> list[KResult]:
     """Decode the prompt set with speculation for each k (the tree depth when topk > 1) and without.
 
     Args:
         batch_size: prompts decoded together (per-sequence acceptance); the baseline runs at the same batch.
         topk, draft_tokens: tree settings (SGLang's --speculative-eagle-topk / --speculative-num-draft-tokens);
             topk 1 is a chain of k tokens.
+        device: where target and drafter run (cpu, cuda, auto).
     """
     from draftsmith.chat import prompt_ids
     from draftsmith.checkpoint import load_drafter
@@ -117,8 +119,9 @@ def run_eval(target_name: str, drafter_dir: Path, prompts_source: str, ks: list[
 
     model_dir = resolve_target(target_name)
     spec = describe_target(read_config(model_dir))
-    target, tokenizer = load_target(model_dir, dtype=dtype)
-    drafter = load_drafter(drafter_dir, target.get_input_embeddings().weight.detach().float()).to(getattr(torch, dtype)).eval()
+    target, tokenizer = load_target(model_dir, dtype=dtype, device=device)
+    drafter = load_drafter(drafter_dir, target.get_input_embeddings().weight.detach().float().cpu())
+    drafter = drafter.to(device=target.device, dtype=getattr(torch, dtype)).eval()
     drafter_config = json.loads((Path(drafter_dir) / "config.json").read_text())
     aux_ids = engine_aux_ids(drafter_config, spec.num_layers, engine)
     if max(aux_ids) >= spec.num_layers:
@@ -243,6 +246,7 @@ def add_parser(sub) -> None:
     p.add_argument("--engine", choices=("trained", "vllm", "sglang"), default="trained",
                    help="read the drafter's aux ids as this engine would (default: as trained)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (cuda when there is one)")
     p.add_argument("--no-baseline", action="store_true", help="skip plain target decoding (no speed-up)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="write results as JSON here")
@@ -269,10 +273,10 @@ def run_eval_cli(args) -> int:
     args.drafter = drafter_path(args.drafter)
     results = run_eval(args.target, args.drafter, args.prompts, ks, args.limit, args.temperature, args.max_new_tokens,
                        args.engine, args.dtype, not args.no_baseline, args.seed, batch_size=args.batch_size,
-                       topk=args.topk, draft_tokens=args.draft_tokens)
+                       topk=args.topk, draft_tokens=args.draft_tokens, device=args.device)
     settings = {"target": args.target, "drafter": str(args.drafter), "prompts": args.prompts, "limit": args.limit,
                 "temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "engine": args.engine,
-                "dtype": args.dtype, "batch": args.batch_size, "drafting": "tree" if args.topk > 1 else "chain",
+                "dtype": args.dtype, "device": args.device, "batch": args.batch_size, "drafting": "tree" if args.topk > 1 else "chain",
                 "topk": args.topk, "draft_tokens": args.draft_tokens, "depth": ks if len(ks) > 1 else ks[0]}
     best = recommend(results)
     print(report_markdown(results, settings))

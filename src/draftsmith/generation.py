@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from draftsmith.errors import DraftsmithError
 
 SUPPORTED_ATTENTION = ("LlamaAttention", "MistralAttention", "Qwen2Attention")
+ATTENTION = ("sdpa", "matmul")
 BUCKET = 128  # KV-length granularity of the CUDA graphs: attention reads ceil((max pos + sync_every) / 128) * 128
 
 
@@ -57,6 +58,14 @@ class DecodeSettings:
     """Padded prompt tokens per prefill call."""
     cuda_graphs: bool = True
     """Capture the decode step as CUDA graphs (CUDA only)."""
+    attention: str = "sdpa"
+    """Decode attention over the cache: `sdpa` (one fused kernel per layer: a row's query group is the
+    kernel's query length, so GQA needs no repeat) or `matmul` (explicit scores in fp32; the reference)."""
+
+    def __post_init__(self):
+        if self.attention not in ATTENTION:
+            raise DraftsmithError("unknown decode attention", got=repr(self.attention), expected=" or ".join(ATTENTION),
+                                  fix="pick one of them")
 
 
 @dataclass(frozen=True)
@@ -156,8 +165,11 @@ class RowDecoder:
         keys = self.k_cache[i, :, :, :length]  # (B, kvh, L, hd)
         values = self.v_cache[i, :, :, :length]
         qg = q.view(B, self.kvh, self.nh // self.kvh, self.hd)  # head j reads kv head j // g (HF repeat_kv)
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scale  # (B, kvh, g, L)
         visible = torch.arange(length, device=q.device)[None] <= self.pos[:, None]  # (B, L)
+        if self.s.attention == "sdpa":  # the g query heads of a kv head act as g query positions of one head
+            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=visible[:, None, None, :], scale=self.scale)
+            return out.reshape(B, self.nh * self.hd)  # (B, kvh, g, hd) -> (B, nh*hd)
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scale  # (B, kvh, g, L)
         scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
         probs = scores.softmax(dim=-1).to(values.dtype)
         return torch.matmul(probs, values).reshape(B, self.nh * self.hd)  # (B, kvh, g, hd) -> (B, nh*hd)
