@@ -11,7 +11,7 @@ import pytest
 from draftsmith.config import add_flags, from_flags, from_mapping
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval import EvalSettings
-from draftsmith.run import RUN_TRAIN_DEFAULTS, RunConfig
+from draftsmith.runconfig import RUN_TRAIN_DEFAULTS, RunConfig
 from draftsmith.train import TrainConfig, TrainSettings
 
 ROOT = Path(__file__).resolve().parents[1]
