@@ -27,7 +27,8 @@ from draftsmith.launch import (
     supervise,
     url_from_command,
 )
-from draftsmith.diagnose import Event, TracebackCollector, analyze, read_log
+from draftsmith.diagnose import TracebackCollector, analyze, read_log
+from draftsmith.loglines import Event
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"
 REPO = Path(__file__).resolve().parents[1]
