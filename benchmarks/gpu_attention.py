@@ -1,7 +1,7 @@
 """TTT attention on the GPU: what the diagonal costs, summary key against log-sum-exp merge.
 
-`drafter.ttt_attention` folds the diagonal keys of TTT steps 1..i into one extra key with two extra
-channels, so its causal SDPA runs at head dim 136 instead of 128. `drafter.ttt_attention_lse` runs the
+`kernels.ttt_attention` folds the diagonal keys of TTT steps 1..i into one extra key with two extra
+channels, so its causal SDPA runs at head dim 136 instead of 128. `kernels.ttt_attention_lse` runs the
 causal part with a flash kernel (cuDNN's, or FlashAttention-2's) at head dim 128 (`CausalAttentionLSE`,
 its log-sum-exp made differentiable) and merges the diagonal in closed form; `--flex` adds a third candidate with the same
 merge over FlexAttention's log-sum-exp. Timed: forward + backward of one call at Llama-3.1-8B drafter
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from draftsmith.drafter import CausalAttentionLSE, ttt_attention, ttt_attention_lse  # noqa: E402
+from draftsmith.kernels import CausalAttentionLSE, ttt_attention, ttt_attention_lse  # noqa: E402
 
 
 def flex_causal(flex, block_mask):

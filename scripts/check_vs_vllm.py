@@ -180,7 +180,7 @@ def make_target(kind: str, work: Path) -> Path:
         return smol
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("make_crash_logs", ROOT / "scripts" / "make_crash_logs.py")
+    spec = importlib.util.spec_from_file_location("make_crash_logs", ROOT / "tests" / "make_crash_logs.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)

@@ -13,14 +13,12 @@ from draftsmith.causes import HINTS, weight_shape_detail
 from draftsmith.diagnose import (
     analyze_file,
     iter_log,
-    PATTERN_NAMES,
     TracebackCollector,
     analyze,
     choose_root_cause,
-    parse_line,
     read_log,
-    split_line,
 )
+from draftsmith.loglines import PATTERN_NAMES, parse_line, split_line
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"
 LOGS = sorted(FIXTURES.glob("*.log"))

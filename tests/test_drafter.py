@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from draftsmith.drafter import (DrafterConfig, Eagle3Drafter, TTTOutput, apply_rope, rope_cos_sin, simulated_acceptance,
-                                step_masks, ttt_attention, ttt_forward)
+                                step_masks, ttt_forward)
+from draftsmith.kernels import ttt_attention
 from draftsmith.vocab import build_draft_vocab, default_draft_vocab_size
 
 
@@ -163,9 +164,9 @@ def test_ttt_forward_equals_the_naive_unroll_in_loss_argmax_and_every_gradient(n
     folded into one SDPA, the head + loss + argmax fused with gradients computed in the forward, in
     groups of steps: all 4 at once, 1 or 2 per group here) must not change the math: float64, against
     the plain unroll above."""
-    import draftsmith.drafter
+    import draftsmith.kernels
 
-    monkeypatch.setattr(draftsmith.drafter, "HEAD_GEMM_ROWS", head_rows)
+    monkeypatch.setattr(draftsmith.kernels, "HEAD_GEMM_ROWS", head_rows)
     torch.manual_seed(0)
     cfg = tiny_config(norm_before_residual=norm_before_residual)
     drafter = Eagle3Drafter(cfg).double()
@@ -196,7 +197,7 @@ def test_ttt_forward_equals_the_naive_unroll_in_loss_argmax_and_every_gradient(n
 
 
 def test_draft_head_loss_gradients_pass_gradcheck_and_skip_work_without_grad():
-    from draftsmith.drafter import DraftHeadLoss, soft_ce_rows
+    from draftsmith.kernels import DraftHeadLoss, soft_ce_rows
 
     torch.manual_seed(0)
     K, B, T, H, Vd = 3, 2, 5, 7, 11
@@ -228,7 +229,7 @@ def test_lse_merge_attention_matches_dense_mask_values_and_gradients(steps):
     """ttt_attention_lse (what CUDA runs) with the plain causal+lse reference standing in for the flash
     kernel: the merge algebra, in float64. The kernel's lse gradient is checked on the GPU
     (tests/test_gpu.py)."""
-    from draftsmith.drafter import causal_attention_lse_reference, ttt_attention_lse
+    from draftsmith.kernels import causal_attention_lse_reference, ttt_attention_lse
 
     q, k0, v0, dk, dv = random_qkv(steps)
     leaves = [q, k0, v0, *dk, *dv]
@@ -344,7 +345,7 @@ def test_packed_rows_give_the_loss_and_every_gradient_of_the_unpacked_batch(norm
 
 
 def test_document_positions_restart_and_the_mask_stays_inside_each_document():
-    from draftsmith.drafter import document_mask, document_positions
+    from draftsmith.kernels import document_mask, document_positions
 
     documents = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [0, 0, 0, 0, 0, 1, 1, 1]])
     assert document_positions(documents).tolist() == [[0, 1, 2, 0, 1, 0, 1, 2], [0, 1, 2, 3, 4, 0, 1, 2]]
@@ -357,7 +358,7 @@ def test_ttt_attention_under_a_document_mask_equals_each_document_alone(steps):
     """Both attention forms (summary key, lse merge) over a packed row equal the dense reference run on each
     document separately, values and gradients (float64); FlexAttention's block-mask form (the CUDA path) is
     checked here forward only (flex has no CPU backward; tests/test_gpu.py checks it on CUDA)."""
-    from draftsmith.drafter import (causal_attention_lse_reference, document_block_mask, document_mask, flex,
+    from draftsmith.kernels import (causal_attention_lse_reference, document_block_mask, document_mask, flex,
                                     ttt_attention_lse)
 
     q, k0, v0, dk, dv = random_qkv(steps, T=13)

@@ -7,7 +7,7 @@ import json
 import torch
 
 from draftsmith.checkpoint import EMBEDDED_DRAFTERS, drafter_path, load_drafter
-from draftsmith.run import starting_drafter
+from draftsmith.stages import starting_drafter
 
 
 def test_the_short_name_resolves_to_the_shipped_drafter_and_other_names_are_unchanged(tmp_path):

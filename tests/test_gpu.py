@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from draftsmith.drafter import CausalAttentionLSE, causal_attention_lse_reference, ttt_attention, ttt_attention_lse
+from draftsmith.kernels import CausalAttentionLSE, causal_attention_lse_reference, ttt_attention, ttt_attention_lse
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -71,7 +71,7 @@ def test_packed_rows_through_flex_block_mask_are_as_accurate_as_the_masked_summa
     than the summary key under SDPA with the dense mask in bf16."""
     from functools import partial
 
-    from draftsmith.drafter import document_block_mask, document_mask
+    from draftsmith.kernels import document_block_mask, document_mask
 
     q, k0, v0, dk, dv = qkv(T=1024, steps=steps)
     documents = packed_documents()

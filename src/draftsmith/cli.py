@@ -73,19 +73,3 @@ def example_help(text: str) -> dict:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def field_docs(cls) -> dict[str, str]:
-    """Attribute docstrings of a dataclass (the string literal under each field), for `--help`."""
-    import ast
-    import inspect
-    import textwrap
-
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
-    docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs

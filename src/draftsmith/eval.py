@@ -19,7 +19,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from pydantic import model_validator
 
+from draftsmith.config import Settings, add_flags, from_flags
 from draftsmith.errors import DraftsmithError
 
 
@@ -95,6 +97,59 @@ def turn_batches(prompts, batch_size: int):
             if not owners:
                 break
             yield start, [convs[j] for j in owners]
+
+
+class EvalSettings(Settings):
+    """How `eval` decodes: the eval verb's flags and `run`'s eval section."""
+
+    prompts: str = "eval"
+    """eval (HumanEval) | chat-eval | humaneval | train | a JSONL of prompt / messages / turns records."""
+    limit: int | None = 20
+    """Decode the first N prompts (null: all)."""
+    k: tuple[int, ...] = (4,)
+    """Draft lengths (tree depths) to sweep; the best is the recommended k."""
+    max_new_tokens: int = 128
+    """Tokens generated per prompt."""
+    temperature: float = 0.0
+    """0 = greedy (then speculative output must equal the target's)."""
+    engine: str = "trained"
+    """Read the drafter's aux ids as this engine would: trained | vllm | sglang."""
+    dtype: str = "float32"
+    """float32 | bfloat16."""
+    device: str = "cpu"
+    """Where target and drafter run: cpu | cuda | cuda:N | auto (cuda when there is one)."""
+    baseline: bool = True
+    """Also decode without speculation (the speed-up's denominator)."""
+    seed: int = 0
+    """Seed of sampled decoding (temperature > 0)."""
+    batch_size: int = 1
+    """Prompts decoded together (per-sequence acceptance)."""
+    topk: int = 1
+    """Tree drafting: children per expanded node (SGLang --speculative-eagle-topk); 1 = chain."""
+    draft_tokens: int | None = None
+    """Tree nodes verified per step, root included (SGLang --speculative-num-draft-tokens)."""
+
+    @model_validator(mode="after")
+    def check_choices(self) -> EvalSettings:
+        for flag, value, allowed in (("--engine", self.engine, ("trained", "vllm", "sglang")),
+                                     ("--dtype", self.dtype, ("float32", "bfloat16"))):
+            if value not in allowed:
+                raise DraftsmithError(f"unknown {flag}", got=value, expected=" | ".join(allowed),
+                                      fix=f"pass {flag} {allowed[0]}")
+        return self
+
+    def record(self) -> dict:
+        """The settings as eval.json and eval.md name them."""
+        return {"prompts": self.prompts, "limit": self.limit, "temperature": self.temperature,
+                "max_new_tokens": self.max_new_tokens, "engine": self.engine, "dtype": self.dtype,
+                "device": self.device, "batch": self.batch_size, "drafting": "tree" if self.topk > 1 else "chain"}
+
+
+def evaluate(target_name: str, drafter_dir: Path, s: EvalSettings) -> list[KResult]:
+    """`run_eval` with typed settings."""
+    return run_eval(target_name, drafter_dir, s.prompts, list(s.k), s.limit, s.temperature, s.max_new_tokens,
+                    s.engine, s.dtype, s.baseline, s.seed, batch_size=s.batch_size, topk=s.topk,
+                    draft_tokens=s.draft_tokens, device=s.device)
 
 
 def run_eval(target_name: str, drafter_dir: Path, prompts_source: str, ks: list[int], limit: int | None,
@@ -231,24 +286,10 @@ def add_parser(sub) -> None:
     p.add_argument("--target", default="smollm2")
     p.add_argument("--drafter", required=True,
                    help="drafter directory, or a shipped drafter's short name (smollm2: the embedded target's)")
-    p.add_argument("--prompts", default="eval", help="eval (HumanEval) | chat-eval | humaneval | train | JSONL (prompt/messages/turns)")
-    p.add_argument("--limit", type=int, default=20)
     p.add_argument("--k", default=None, help="draft length (tree depth), or a comma list to sweep (1,2,3,4)")
-    p.add_argument("--topk", type=int, default=1,
-                   help="tree drafting: children per expanded node (SGLang --speculative-eagle-topk); 1 = chain")
-    p.add_argument("--draft-tokens", type=int, default=None,
-                   help="tree nodes verified per step, root included (SGLang --speculative-num-draft-tokens)")
     p.add_argument("--depth", type=int, default=None,
                    help="tree depth (SGLang --speculative-num-steps); replaces --k; default: draft-tokens - 1")
-    p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (per-sequence acceptance)")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--engine", choices=("trained", "vllm", "sglang"), default="trained",
-                   help="read the drafter's aux ids as this engine would (default: as trained)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (cuda when there is one)")
-    p.add_argument("--no-baseline", action="store_true", help="skip plain target decoding (no speed-up)")
-    p.add_argument("--seed", type=int, default=0)
+    add_flags(p, EvalSettings, skip=("k",))
     p.add_argument("--json", type=Path, default=None, help="write results as JSON here")
     p.add_argument("--out", type=Path, default=None, help="directory for eval.md and PNG plots")
     p.set_defaults(func=run_eval_cli)
@@ -271,12 +312,9 @@ def run_eval_cli(args) -> int:
     from draftsmith.checkpoint import drafter_path
 
     args.drafter = drafter_path(args.drafter)
-    results = run_eval(args.target, args.drafter, args.prompts, ks, args.limit, args.temperature, args.max_new_tokens,
-                       args.engine, args.dtype, not args.no_baseline, args.seed, batch_size=args.batch_size,
-                       topk=args.topk, draft_tokens=args.draft_tokens, device=args.device)
-    settings = {"target": args.target, "drafter": str(args.drafter), "prompts": args.prompts, "limit": args.limit,
-                "temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "engine": args.engine,
-                "dtype": args.dtype, "device": args.device, "batch": args.batch_size, "drafting": "tree" if args.topk > 1 else "chain",
+    s = from_flags(EvalSettings, args, k=ks)
+    results = evaluate(args.target, args.drafter, s)
+    settings = {"target": args.target, "drafter": str(args.drafter), **s.record(),
                 "topk": args.topk, "draft_tokens": args.draft_tokens, "depth": ks if len(ks) > 1 else ks[0]}
     best = recommend(results)
     print(report_markdown(results, settings))

