@@ -175,8 +175,11 @@ def write_index(out: Path) -> str:
                                   "seq_len": datasets.Value("int64")})
     tmp = Path(out) / ".index.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    datasets.Dataset.from_generator(index_rows, gen_kwargs={"out": Path(out)}, features=features,
-                                    cache_dir=str(tmp / "cache")).save_to_disk(str(tmp / "index"))
+    rows = datasets.Dataset.from_generator(index_rows, gen_kwargs={"out": Path(out)}, features=features,
+                                           cache_dir=str(tmp / "cache"))
+    # torch format, saved in state.json: speculators compares the rows with torch.equal (preprocessing.py
+    # sets the same format before save_to_disk)
+    rows.with_format("torch").save_to_disk(str(tmp / "index"))
     for file in (tmp / "index").iterdir():  # beside hidden_states/, as prepare-data + generate leave them
         os.replace(file, Path(out) / file.name)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -242,10 +245,15 @@ def add_parser(sub) -> None:
 
 
 def run_export_store(args) -> int:
-    if args.index_only:
-        info = {"index": write_index(Path(args.out))}
-    else:
-        info = export_speculators(Path(args.store), Path(args.out), args.target)
+    import contextlib
+    import sys
+
+    # with --json, stdout carries the JSON alone: progress lines go to stderr
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        if args.index_only:
+            info = {"index": write_index(Path(args.out))}
+        else:
+            info = export_speculators(Path(args.store), Path(args.out), args.target)
     if args.json:
         print(json.dumps(info, indent=2))
     else:
