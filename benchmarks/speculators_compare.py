@@ -143,6 +143,33 @@ def draftsmith_values(run: str, store: Path, out: Path, epochs: float, vocab: in
     return values
 
 
+def requirement_problems(root: str = "speculators") -> list[str]:
+    """Every requirement under `root` (its Requires-Dist, recursively, extras left out) that is missing or
+    of a version outside its range, as installed here: what to carry before training."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    todo, seen, problems = [Requirement(root)], set(), []
+    while todo:
+        req = todo.pop()
+        name = canonicalize_name(req.name)
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            version = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            problems.append(f"{req} is not installed")
+            continue
+        if req.specifier and not req.specifier.contains(version, prereleases=True):
+            problems.append(f"{name} {version} is installed, {req} is required")
+        todo += [r for r in map(Requirement, metadata.requires(name) or [])
+                 if r.marker is None or r.marker.evaluate({"extra": ""})]
+    return sorted(problems)
+
+
 def latest_epoch_dir(save: Path) -> Path:
     """speculators' `SAVE_PATH/<epoch>/` with the highest epoch number (train/checkpointer.py)."""
     from draftsmith.errors import DraftsmithError
@@ -248,8 +275,12 @@ def run_parent(args) -> dict:
     from draftsmith.target import resolve_target
 
     runs = args.only or list(RUNS)
-    if any(r.startswith("speculators") for r in runs) and importlib.util.find_spec("speculators") is None:
-        sys.exit(SPECULATORS_MISSING)
+    if any(r.startswith("speculators") for r in runs):
+        if importlib.util.find_spec("speculators") is None:
+            sys.exit(SPECULATORS_MISSING)
+        if problems := requirement_problems():
+            sys.exit("speculators' requirements are not met here:\n  " + "\n  ".join(problems)
+                     + "\ncarry the wheels docs/peers.md lists (or the versions named above)")
     store = FeatureStore(Path(args.store))
     target_dir = resolve_target(args.target or store.identity["target"]["name"])
     work, data = Path(args.work), Path(args.work) / "speculators-data"
@@ -279,6 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=float, default=1.0, help="epochs for every run (speculators: rounded up)")
     p.add_argument("--only", action="append", choices=RUNS, help="run only these (repeatable; default all four)")
     p.add_argument("--out", default=str(RESULTS), help="results JSON")
+    p.add_argument("--check-env", action="store_true", help="only list speculators' unmet requirements here")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return p
 
@@ -290,6 +322,10 @@ def main(argv: list[str] | None = None) -> int:
         measured = run_child(json.loads(spec_path.read_text()))
         (spec_path.parent / "measured.json").write_text(json.dumps(measured, indent=2) + "\n")
         return 0
+    if args.check_env:
+        problems = requirement_problems()
+        print("\n".join(problems) or f"speculators {SPECULATORS_VERSION} and its requirements: all installed")
+        return 1 if problems else 0
     if not args.store:
         build_parser().error("--store is required")
     result = run_parent(args)

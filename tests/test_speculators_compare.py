@@ -130,3 +130,22 @@ def test_parser_takes_repeated_only_and_refuses_unknown_runs(capsys):
     with pytest.raises(SystemExit):
         cmp.build_parser().parse_args(["--store", "s", "--only", "eagle"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_requirement_check_names_what_is_missing(monkeypatch):
+    from importlib import metadata
+
+    real_version, real_requires = metadata.version, metadata.requires
+    fake = {"speculators": ("0.9.0", ["datasets<=5.1.0,>=4.0.0", "torch<=2.14.1", "mooncake>=1; extra == 'cuda'"]),
+            "datasets": ("5.2.0", []), "torch": ("2.11.0", ["speculators"])}  # a cycle must not loop
+
+    def version(name):
+        if name in fake:
+            return fake[name][0]
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", version)
+    monkeypatch.setattr(metadata, "requires", lambda name: fake[name][1])
+    assert cmp.requirement_problems() == ["datasets 5.2.0 is installed, datasets<=5.1.0,>=4.0.0 is required"]
+    del fake["torch"]
+    assert "torch<=2.14.1 is not installed" in cmp.requirement_problems()
