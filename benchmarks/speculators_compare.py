@@ -81,7 +81,7 @@ SETTINGS = (
     Setting("warmup_ratio", "--scheduler-warmup-ratio", 0.015, None, "speculators: None = 1% of the steps"),
     Setting("seed", "--seed", 0, 42),
     Setting("epochs", "--epochs", 1.0, 20, "the benchmark sets every run to --epochs"),
-    Setting("draft_vocab_size", "--draft-vocab-size", "vocab // 6, 64-aligned (32000 past 128k)", "full vocab",
+    Setting("draft_vocab_size", "--draft-vocab-size", "vocab // 6, 64-aligned (32000 from vocab 64000)", "full vocab",
             "the benchmark sets each matched run to the other trainer's choice"),
     Setting("clip", "(clip_grad_norm_ 1.0, fixed)", 0.5, 1.0, "speculators cannot be set: matched one way"),
     Setting("(AdamW)", "--optimizer", "adamw", "muon"),
@@ -97,6 +97,19 @@ SETTINGS = (
 PER_RUN = ("epochs", "draft_vocab_size")  # set by the benchmark for every run, not by the mapping
 # Value maps, the same both ways: train ratio = 1 - eval fraction; speculators' unset warm-up is 1 % of steps.
 CONVERT = {"eval_fraction": lambda x: round(1 - x, 6), "warmup_ratio": lambda x: 0.01 if x is None else x}
+
+
+def settings_table() -> str:
+    """SETTINGS as the markdown table docs/peers.md shows (a test keeps the two equal)."""
+    def cell(v: Any) -> str:  # a name or value in code type; a description or fixed trait as text
+        text = v if isinstance(v, str) else json.dumps(v)
+        return text if " " in text or text.startswith("(") else f"`{text}`"
+
+    rows = ["| draftsmith | speculators 0.9.0 | draftsmith default | speculators default | note |",
+            "|---|---|---|---|---|"]
+    rows += [f"| {cell(s.draftsmith)} | {cell(s.speculators)} | {cell(s.draftsmith_default)} | "
+             f"{cell(s.speculators_default)} | {s.note} |" for s in SETTINGS]
+    return "\n".join(rows)
 
 
 def speculators_matched_args() -> list[str]:

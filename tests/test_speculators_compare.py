@@ -149,3 +149,8 @@ def test_requirement_check_names_what_is_missing(monkeypatch):
     assert cmp.requirement_problems() == ["datasets 5.2.0 is installed, datasets<=5.1.0,>=4.0.0 is required"]
     del fake["torch"]
     assert "torch<=2.14.1 is not installed" in cmp.requirement_problems()
+
+
+def test_docs_show_the_settings_table_the_benchmark_uses():
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "peers.md").read_text()
+    assert cmp.settings_table() in docs, "docs/peers.md: paste benchmarks/speculators_compare.py settings_table()"
