@@ -207,12 +207,9 @@ def convert_checkpoint(save: Path, out: Path, target: str) -> dict[str, Any]:
         return {"ok": False, "error": err.render()}
 
 
-def train_split_tokens(data: Path, ratio: float) -> int:
+def train_split_tokens(lengths: list[int], ratio: float) -> int:
     """Tokens speculators trains on per epoch: its train split is the first int(n * ratio) rows
     (train/data.py ArrowDataset), each one token shorter after `shift_batch`."""
-    from draftsmith.interop import read_speculators
-
-    lengths = [len(s.input_ids) for s in read_speculators(data)]
     return sum(n - 1 for n in lengths[: int(len(lengths) * ratio)])
 
 
@@ -252,7 +249,8 @@ def draftsmith_tokens(out: Path) -> tuple[int, float]:
     return sum(r["tokens"] for r in steps), sum(r["ms"] for r in steps) / 1000
 
 
-def run_one(run: str, args, work: Path, data: Path, target_dir: Path, aux_ids: list[int], vocab: int) -> dict:
+def run_one(run: str, args, work: Path, data: Path, target_dir: Path, aux_ids: list[int], vocab: int,
+            lengths: list[int]) -> dict:
     """Train one run in a child process; its record for the results JSON."""
     from draftsmith.vocab import default_draft_vocab_size
 
@@ -273,7 +271,7 @@ def run_one(run: str, args, work: Path, data: Path, target_dir: Path, aux_ids: l
     record.update(json.loads((out / "measured.json").read_text()))
     if trainer == "speculators":
         ratio = 0.95 if run == "speculators-matched" else 0.9
-        record["train_tokens"] = train_split_tokens(data, ratio) * max(1, math.ceil(args.epochs))
+        record["train_tokens"] = train_split_tokens(lengths, ratio) * max(1, math.ceil(args.epochs))
         record["convert"] = convert_checkpoint(out / "checkpoints", out / "converted", str(target_dir))
     else:
         record["train_tokens"], step_s = draftsmith_tokens(out / "train")
@@ -300,9 +298,12 @@ def run_parent(args) -> dict:
     if not (data / EXPORT_INFO).is_file():
         export_speculators(Path(args.store), data, str(target_dir), index=False)
     if any(r.startswith("speculators") for r in runs) and not (data / "state.json").is_file():
-        write_index(data)
+        if (index := write_index(data)) != "written":
+            sys.exit(f"the speculators index of {data} is {index}")
     vocab = store.identity["target"]["vocab_size"]
-    records = [run_one(r, args, work, data, target_dir, store.identity["aux_layer_ids"], vocab) for r in runs]
+    lengths = [store.sample_length(k) for k in range(len(store))]
+    records = [run_one(r, args, work, data, target_dir, store.identity["aux_layer_ids"], vocab, lengths)
+               for r in runs]
     import torch
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"

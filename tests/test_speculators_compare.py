@@ -154,3 +154,9 @@ def test_requirement_check_names_what_is_missing(monkeypatch):
 def test_docs_show_the_settings_table_the_benchmark_uses():
     docs = (Path(__file__).resolve().parents[1] / "docs" / "peers.md").read_text()
     assert cmp.settings_table() in docs, "docs/peers.md: paste benchmarks/speculators_compare.py settings_table()"
+
+
+def test_speculators_train_tokens_are_its_first_rows_shifted_by_one():
+    # ArrowDataset: train = rows [0, int(n * ratio)); shift_batch drops one token per sample
+    assert cmp.train_split_tokens([10, 20, 30, 40], 0.5) == 9 + 19
+    assert cmp.train_split_tokens([10, 20, 30, 40], 0.9) == 9 + 19 + 29

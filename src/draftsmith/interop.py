@@ -158,9 +158,13 @@ def export_speculators(store_dir: Path, out: Path, target: str | None = None, in
 
 
 def index_rows(out: Path) -> Iterator[dict]:
-    """The rows of the Arrow index, read back from the hidden-state files (in index order)."""
-    for s in read_speculators(out):
-        yield {"input_ids": s.input_ids.tolist(), "loss_mask": s.loss_mask.tolist(), "seq_len": len(s.input_ids)}
+    """The rows of the Arrow index, read back from the hidden-state files in index order (their token ids
+    and masks only: the states stay on disk)."""
+    n = json.loads((Path(out) / EXPORT_INFO).read_text())["num_samples"]
+    for i in range(n):
+        with safe_open(str(hs_path(out, i)), framework="pt") as f:
+            ids, mask = f.get_tensor("token_ids"), f.get_tensor("loss_mask")
+        yield {"input_ids": ids.tolist(), "loss_mask": mask.tolist(), "seq_len": len(ids)}
 
 
 def write_index(out: Path) -> str:
