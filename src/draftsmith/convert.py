@@ -9,7 +9,8 @@ Source layouts, detected from config.json and the tensor names (reference/traini
 |             |                                                |              | (2, N//2, N-3) (`modeling_llama_kv`)|
 | specforge   | `LlamaForCausalLMEagle3` (SpecForge / SGLang)  | `midlayer.*` | layer outputs: boundary = id + 1    |
 | modelopt    | `LlamaForCausalLMEagle3` + `eagle_config`      | `layers.0.*` | layer outputs: boundary = id + 1    |
-| speculators | `Eagle3Speculator` + `speculators_config`      | `layers.0.*` | boundaries (vLLM reads them as is)  |
+| speculators | `Eagle3Speculator` (0.9.0 trainer:             | `layers.0.*` | boundaries (vLLM reads them as is)  |
+|             | `Eagle3DraftModel`) + `speculators_config`     |              |                                     |
 
 ModelOpt (NVIDIA/Model-Optimizer `modelopt/torch/export/plugins/hf_spec_export.py`): keys `fc`,
 `layers.0.*`, `norm`, optional `d2t`, `lm_head`, no `t2d` (draftsmith derives it from `d2t`), no
