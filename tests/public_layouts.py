@@ -17,6 +17,11 @@ converter bug cannot cancel itself out:
 - `write_speculators`: vllm-project/speculators `Eagle3Speculator` as in `nm-testing/EAGLE3-LLaMA3.1-
   Instruct-8B-converted` (reference/training.md §7.2): `speculators_config`, `transformer_layer_config`,
   `target_hidden_size: null` as RedHatAI releases write it, `layers.0.*` keys, boundary ids.
+- `write_speculators_trained`: what speculators 0.9.0's trainer saves in `SAVE_PATH/<epoch>/`
+  (`train/checkpointer.py` `save_pretrained`; fields as a real `speculators train --dry-run` wrote
+  them): `Eagle3DraftModel`, `rope_parameters` without a top-level `rope_theta`, `layer_types` /
+  `sliding_window`, `norm_before_fc` / `norm_output` (both true by default for eagle3, with an
+  `input_norm.weight`), the verifier's `embed_tokens.weight` copy, `d2t` / `t2d` when the vocab is pruned.
 - `write_mla`: ModelOpt's Kimi-K2 MLA drafter (`kimik2_eagle_template_config`, `KIMIK2_EAGLE_SINGLE_LAYER`).
 """
 
@@ -101,6 +106,34 @@ def write_speculators(state: dict, cfg: DrafterConfig, path: Path, dtype: str = 
               "torch_dtype": dtype, "transformer_layer_config": layer, "transformers_version": "4.51.0"}
     write_config(path, config)
     save_file(renamed(state, "layers.0.", dtype), str(path / "model.safetensors"))
+    return path
+
+
+def write_speculators_trained(state: dict, cfg: DrafterConfig, path: Path, defaults: bool = False,
+                              verifier: str = "/models/target") -> Path:
+    """`defaults`: speculators' eagle3 defaults (input norm, norm_output, sliding window 2048); else the
+    settings matched to draftsmith's (`--no-norm-before-fc --no-norm-output --full-attention-indices 0`)."""
+    layer = {k: v for k, v in llama_fields(cfg, "bfloat16").items() if k not in ("rope_theta", "rope_scaling", "torch_dtype")}
+    layer.update(rope_parameters={"rope_theta": cfg.rope_theta, "rope_type": "default"}, sliding_window=2048,
+                 layer_types=["sliding_attention" if defaults else "full_attention"], use_sliding_window=defaults,
+                 attention_bias=False, mlp_bias=False, pad_token_id=None, transformers_version="5.24.0")
+    config = {"architectures": ["Eagle3DraftModel"], "auto_map": {"": "config.Eagle3SpeculatorConfig"},
+              "draft_vocab_size": cfg.draft_vocab_size, "dtype": "bfloat16",
+              "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids), "embed_requires_grad": False,
+              "fc_norm": False, "norm_before_fc": defaults, "norm_before_residual": cfg.norm_before_residual,
+              "norm_output": defaults,
+              "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                                     "proposal_methods": [{"accept_tolerance": 0.0, "proposal_type": "greedy",
+                                                           "speculative_tokens": 3, "verifier_accept_k": 1}],
+                                     "verifier": {"architectures": ["LlamaForCausalLM"], "name_or_path": verifier}},
+              "speculators_model_type": "eagle3", "speculators_version": "0.9.0", "target_hidden_size": None,
+              "tie_word_embeddings": False, "transformer_layer_config": layer, "transformers_version": "5.24.0"}
+    write_config(path, config)
+    tensors = renamed(state, "layers.0.", "bfloat16")
+    tensors["embed_tokens.weight"] = torch.zeros(cfg.vocab_size, cfg.hidden_size, dtype=torch.bfloat16)
+    if defaults:
+        tensors["input_norm.weight"] = torch.ones(3 * cfg.target_hidden_size, dtype=torch.bfloat16)
+    save_file(tensors, str(path / "model.safetensors"))
     return path
 
 

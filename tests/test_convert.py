@@ -20,7 +20,7 @@ from draftsmith.cli import main
 from draftsmith.convert import convert, read_drafter
 from draftsmith.errors import DraftsmithError
 from draftsmith.export import FORMATS, export
-from public_layouts import WRITERS, write_mla
+from public_layouts import WRITERS, write_mla, write_speculators_trained
 
 LAYOUT_DTYPE = {"eagle": "float16", "specforge": "bfloat16", "modelopt": "bfloat16", "speculators": "bfloat16"}
 
@@ -121,6 +121,38 @@ def test_speculators_without_norm_flag_is_read_as_vllm_reads_it(checkpoint, tmp_
     cfg.pop("norm_before_residual")
     (src / "config.json").write_text(json.dumps(cfg))
     assert read_drafter(src, 30).config.norm_before_residual is True  # vLLM's update_eagle3 default
+
+
+def test_speculators_trainer_checkpoint_with_matched_settings_converts(checkpoint, tmp_path):
+    # speculators 0.9.0 writes rope_theta only under rope_parameters: a reader that missed it would fall
+    # back to 10000 and shift every RoPE angle of a SmolLM2-style (rope_theta 100000) drafter
+    drafter, ckpt = checkpoint
+    cfg = replace(CFG, rope_theta=100000.0)
+    src = write_speculators_trained(state_of(ckpt), cfg, tmp_path / "save" / "0")
+    back = convert(src, tmp_path / "back", "draftsmith", target_layers=30, drop_embeddings=True).out
+    read = json.loads((back / "config.json").read_text())["draftsmith"]
+    assert read["drafter"] == {**CFG.to_dict(), "rope_theta": 100000.0} and read["aux_layer_ids_boundary"] == [2, 15, 27]
+    want = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state_of(ckpt).items()}
+    assert_same_tensors(state_of(back), want)
+
+
+def test_speculators_default_recipe_is_refused_with_its_extra_norms(checkpoint, tmp_path):
+    _, ckpt = checkpoint
+    src = write_speculators_trained(state_of(ckpt), CFG, tmp_path / "save" / "0", defaults=True)
+    with pytest.raises(DraftsmithError, match="no place") as err:
+        read_drafter(src, 30, drop_embeddings=True)
+    assert "input_norm.weight" in err.value.got
+
+
+def test_speculators_sliding_window_shorter_than_the_context_is_refused(checkpoint, tmp_path):
+    _, ckpt = checkpoint
+    src = write_speculators_trained(state_of(ckpt), replace(CFG, max_position_embeddings=8192), tmp_path / "s")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["transformer_layer_config"].update(layer_types=["sliding_attention"], use_sliding_window=True)
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DraftsmithError, match="cannot be converted faithfully") as err:
+        read_drafter(src, 30, drop_embeddings=True)
+    assert "sliding_window 2048 < context 8192" in err.value.got and "--full-attention-indices" in err.value.got
 
 
 def test_eagle_release_max_positions_raised_to_the_target_context(checkpoint, tmp_path):

@@ -19,6 +19,7 @@ VERBS = {
     "target": ("draftsmith.target", "resolve a target and print its normalized spec"),
     "regenerate": ("draftsmith.regenerate", "answer prompts with the target (local or endpoints) into conversations JSONL"),
     "capture": ("draftsmith.capture", "capture target hidden states into a feature store"),
+    "export-store": ("draftsmith.interop", "write a feature store in a peer trainer's offline layout (speculators)"),
     "train": ("draftsmith.train", "train an EAGLE-3 drafter with training-time test"),
     "export": ("draftsmith.export", "write a drafter in the layout vLLM, SGLang or speculators loads"),
     "convert": ("draftsmith.convert", "convert a public EAGLE-3 drafter (EAGLE, SpecForge, ModelOpt, speculators)"),

