@@ -78,6 +78,7 @@ def test_a_post_release_and_an_unlisted_patch_use_the_release_they_belong_to():
     assert check.engine_release("sglang", "0.5.6").read == "0.5.6.post2"
     assert check.engine_release("vllm", "0.9.0.1").read == "0.9.0.1"
     assert check.engine_release("vllm", "0.13.1").read == "0.13.0"
+    assert check.engine_release("vllm", "0.10.1").read == "0.10.1"  # not its later patch 0.10.1.1
 
 
 def test_newer_than_the_table_says_so_and_uses_the_newest_release(tmp_path):

@@ -446,11 +446,11 @@ def facts_table() -> dict[str, dict[str, dict[str, Any]]]:
 def engine_release(engine: str, version: str) -> EngineRelease:
     """The facts of the newest release in the table at or before `version` (newest known if `version` is newer)."""
     rows = facts_table().get(engine, {})
-    asked = Version(version).release
+    want = Version(version)
     known = sorted(rows, key=Version)
-    older = [v for v in known if Version(v).release[:len(asked)] <= asked]
-    read = older[-1] if older else None
-    newer = bool(known) and asked > Version(known[-1]).release
+    older = [v for v in known if Version(v) <= want or (Version(v).is_postrelease and Version(v).release == want.release)]
+    read = version if version in rows else older[-1] if older else None
+    newer = bool(known) and want.release > Version(known[-1]).release
     return EngineRelease(engine, version, read, rows.get(read, {}) if read else {}, newer)
 
 
@@ -459,7 +459,7 @@ def release_facts(rel: EngineRelease) -> dict[str, Any]:
     f = rel.facts
     get = lambda key: f.get(key) if rel.read else None  # noqa: E731
     return {
-        "facts_release": rel.read, "facts_newest": max(facts_table().get(rel.engine, {"": 0}), key=_vkey),
+        "facts_release": rel.read,
         "engine_newer_than_table": rel.newer_than_table,
         "engine_eagle3_modules": get("eagle3_modules"), "engine_whitelist": get("eagle3_whitelist"),
         "engine_rejects_tp_key": get("tp_key_rejected"),
@@ -468,10 +468,6 @@ def release_facts(rel: EngineRelease) -> dict[str, Any]:
         "engine_norm_flags_read": get("norm_flags_read"), "engine_aux_shift": get("aux_shift") or {},
         "engine_capture_error": get("capture_error"), "engine_draft_archs": get("draft_archs"),
     }
-
-
-def _vkey(v: str) -> Version:
-    return Version(v) if v else Version("0")
 
 
 def version_table(entries: list[dict], version: str, key: str) -> set:
