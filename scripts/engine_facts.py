@@ -5,14 +5,16 @@ reads only the files that matter straight out of the wheel (zipfile, no install)
 deletes the wheel, and moves on: never more than one wheel on disk.
 
 Facts per release (each names the file it came from in `sources`):
-  vLLM   eagle3_whitelist (substrings of the target's text model_type, or null when there is no whitelist),
+  vLLM   eagle3_archs (registry architectures whose class, or a parent class, implements the EAGLE-3 target
+         interface), eagle3_whitelist (substrings of the target's text model_type, or null when there is no whitelist),
          eagle3_modules (model files whose classes implement SupportsEagle3 / set_aux_hidden_state_layers),
          aux_ids_read (whether explicit eagle_aux_hidden_state_layer_ids are read at all, and from eagle_config),
          method_path_guess (substrings of the drafter path that select a method when "method" is absent),
          norm_flags_read (norm-variant flags llama_eagle3.py reads), loader_midlayer_map (midlayer.* renamed),
          draft_max_position_override (the drafter's rope cache raised to max_model_len), tp_key_rejected,
          multimodal_probes (image-token attributes the drafter loader reads), mla_drafter (deepseek_eagle3.py).
-  SGLang eagle3_modules with aux_shift per model file, draft_archs (EntryClass of the *eagle3* model files) (plus1 | plus1_if_first_is_1 | plus1_unless_last_boundary
+  SGLang eagle3_archs (EntryClass names whose class or a parent defines set_eagle3_layers_to_capture),
+         arch_modules (EntryClass name -> model file), eagle3_modules with aux_shift per model file, draft_archs (EntryClass of the *eagle3* model files) (plus1 | plus1_if_first_is_1 | plus1_unless_last_boundary
          | as_is | delegates), aux_ids_read, norm_flags_read, mla_drafter (kimi_k25_eagle3.py),
          capture_error (the ValueError text naming set_eagle3_layers_to_capture, when the release has one).
 
@@ -103,6 +105,37 @@ def _def_bodies(text: str, func: str) -> list[str]:
     return out
 
 
+def classes(text: str) -> dict[str, tuple[list[str], str]]:
+    """Top-level classes of a module: name -> (base names, body source)."""
+    out = {}
+    heads = list(re.finditer(r"^class (\w+)(?:\(([^)]*)\))?:", text, re.M))
+    for i, m in enumerate(heads):
+        end = heads[i + 1].start() if i + 1 < len(heads) else len(text)
+        body = text[m.end():end]
+        stop = re.search(r"^\S", body, re.M)  # the first top-level statement after the class
+        bases = [b.strip().split(".")[-1].split("[")[0] for b in (m.group(2) or "").split(",") if b.strip()]
+        out[m.group(1)] = (bases, body[: stop.start()] if stop else body)
+    return out
+
+
+def supporting(all_classes: dict[str, tuple[list[str], str]], declares) -> set[str]:
+    """Classes that declare support (declares(bases, body)) or inherit from one that does, by name."""
+    found = {name for name, (bases, body) in all_classes.items() if declares(bases, body)}
+    grew = True
+    while grew:
+        new = {n for n, (bases, _) in all_classes.items() if n not in found and any(b in found for b in bases)}
+        found |= new
+        grew = bool(new)
+    return found
+
+
+def model_classes(wheel: Wheel, folder: str) -> dict[str, tuple[list[str], str]]:
+    out: dict[str, tuple[list[str], str]] = {}
+    for name in wheel.under(folder):
+        out.update(classes(wheel.text(name)))
+    return out
+
+
 # ---------------------------------------------------------------- vLLM
 
 VLLM_CONFIG_FILES = ("vllm/config/speculative.py", "vllm/config/__init__.py", "vllm/config.py")
@@ -136,6 +169,17 @@ def vllm_eagle3_modules(wheel: Wheel) -> list[str]:
     return sorted(mods)
 
 
+def vllm_eagle3_archs(wheel: Wheel) -> list[str]:
+    """Registry architectures whose class (or a parent class) the runner accepts as an EAGLE-3 target."""
+    has_interface = "class SupportsEagle3" in wheel.text("vllm/model_executor/models/interfaces.py")
+    found = supporting(model_classes(wheel, "vllm/model_executor/models/"),
+                       (lambda bases, body: "SupportsEagle3" in bases) if has_interface
+                       else (lambda bases, body: "def set_aux_hidden_state_layers" in body))
+    registry = wheel.text("vllm/model_executor/models/registry.py")
+    pairs = re.findall(r"[\"'](\w+)[\"']\s*:\s*\(\s*[\"'][\w.]+[\"']\s*,\s*[\"'](\w+)[\"']", registry)
+    return sorted({arch for arch, cls in pairs if cls in found})
+
+
 def vllm_facts(wheel: Wheel) -> dict:
     cfg_name, cfg = wheel.first(*VLLM_CONFIG_FILES)
     eagle3_name, eagle3 = wheel.first("vllm/model_executor/models/llama_eagle3.py")
@@ -150,6 +194,7 @@ def vllm_facts(wheel: Wheel) -> dict:
     return {
         "eagle3_whitelist": vllm_whitelist(cfg),
         "eagle3_modules": vllm_eagle3_modules(wheel),
+        "eagle3_archs": vllm_eagle3_archs(wheel),
         "aux_ids_read": bool(aux_read_files),
         "aux_ids_from_eagle_config": "eagle_config" in aux_texts,
         "method_path_guess": guess,
@@ -194,6 +239,14 @@ def sglang_facts(wheel: Wheel) -> dict:
             if m:
                 capture_error = name
                 break
+    all_classes = model_classes(wheel, "sglang/srt/models/")
+    found = supporting(all_classes, lambda bases, body: "def set_eagle3_layers_to_capture" in body)
+    entry = {}
+    for name in wheel.under("sglang/srt/models/"):
+        m = re.search(r"^EntryClass\s*=\s*\[?([\w,\s]+)\]?", wheel.text(name), re.M)
+        for cls in (m.group(1).split(",") if m else []):
+            if cls.strip():
+                entry[cls.strip()] = _module(name)
     draft_archs = set()
     for name in wheel.under("sglang/srt/models/"):
         if "eagle3" in _module(name):
@@ -202,6 +255,8 @@ def sglang_facts(wheel: Wheel) -> dict:
     return {
         "eagle3_modules": sorted(shifts),
         "draft_archs": sorted(draft_archs),
+        "eagle3_archs": sorted(a for a in entry if a in found and a not in draft_archs),
+        "arch_modules": dict(sorted(entry.items())),
         "aux_shift": dict(sorted(shifts.items())),
         "aux_ids_read": bool(readers),
         "aux_ids_from_eagle_config": any("eagle_config" in wheel.text(n) for n in readers),
@@ -234,8 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engine", choices=sorted(READERS), action="append")
     p.add_argument("--versions", help="comma-separated releases (default: every release on the index)")
+    p.add_argument("--out", type=Path, default=TABLE, help="the table to update (default: the committed one)")
     args = p.parse_args(argv)
-    table = json.loads(TABLE.read_text()) if TABLE.exists() else {}
+    table = json.loads(args.out.read_text()) if args.out.exists() else {}
     for engine in args.engine or sorted(READERS):
         versions = args.versions.split(",") if args.versions else releases(engine)
         rows = table.setdefault(engine, {})
@@ -253,8 +309,8 @@ def main(argv: list[str] | None = None) -> int:
             changes = diff(old, facts) if old else diff(rows.get(_previous(rows, version), {}), facts)
             print(f"{engine} {version}: " + ("unchanged" if not changes else "\n" + "\n".join(changes)))
         table[engine] = dict(sorted(rows.items(), key=lambda kv: Version(kv[0])))
-    TABLE.write_text(json.dumps(table, indent=1, sort_keys=False) + "\n")
-    print(f"wrote {TABLE.relative_to(ROOT)}")
+    args.out.write_text(json.dumps(table, indent=1, sort_keys=False) + "\n")
+    print(f"wrote {args.out}")
     return 0
 
 

@@ -18,9 +18,9 @@ from draftsmith.errors import DraftsmithError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "configs"
 TARGETS, DRAFTERS = FIXTURES / "targets", FIXTURES / "drafters"
-VLLM_KEYS = {"eagle3_whitelist", "eagle3_modules", "aux_ids_read", "method_path_guess", "norm_flags_read",
+VLLM_KEYS = {"eagle3_whitelist", "eagle3_modules", "eagle3_archs", "aux_ids_read", "method_path_guess", "norm_flags_read",
              "draft_max_position_override", "tp_key_rejected", "multimodal_probes", "mla_drafter", "sources"}
-SGLANG_KEYS = {"eagle3_modules", "aux_shift", "aux_ids_read", "norm_flags_read", "mla_drafter", "capture_error"}
+SGLANG_KEYS = {"eagle3_modules", "eagle3_archs", "arch_modules", "draft_archs", "aux_shift", "aux_ids_read", "norm_flags_read", "mla_drafter", "capture_error"}
 
 
 def write(folder: Path, config: dict) -> Path:
@@ -96,6 +96,22 @@ def test_older_than_the_table_says_target_support_was_not_checked(tmp_path):
 
 
 # ---------------------------------------------------------------- rules read from the table
+
+def test_support_is_decided_per_class_with_inheritance_resolved(tmp_path):
+    """A class inheriting the hooks counts (vLLM's Qwen3-VL-MoE from Qwen3-VL); an SGLang wrapper whose class
+    lacks set_eagle3_layers_to_capture does not (sglang#17935, Qwen3-VL-30B-A3B on 0.5.7), whatever its file."""
+    assert "Qwen3VLMoeForConditionalGeneration" in check.engine_release("vllm", "0.13.0").facts["eagle3_archs"]
+    assert "MistralForCausalLM" in check.engine_release("vllm", "0.13.0").facts["eagle3_archs"]
+    target = write(tmp_path / "qwen3-vl-moe", {
+        "architectures": ["Qwen3VLMoeForConditionalGeneration"], "model_type": "qwen3_vl_moe", "image_token_id": 1,
+        "vision_config": {"depth": 27}, "text_config": {"model_type": "qwen3_vl_moe_text", "hidden_size": 2048,
+                                                        "num_hidden_layers": 48, "num_attention_heads": 32,
+                                                        "vocab_size": 151936}})
+    drafter = llama_drafter(tmp_path, hidden_size=2048, vocab_size=151936)
+    findings, facts = run(target, drafter, engine="sglang", version="0.5.7")
+    assert facts["target_module"] and facts["target_supports_eagle3"] is False
+    assert "sglang.layer-capture" in errors(findings, "start")
+
 
 def test_explicit_aux_ids_are_ignored_by_releases_that_do_not_read_them(tmp_path):
     """vLLM read explicit aux ids only after vllm#25961; before, the runner always set the default."""
@@ -178,6 +194,15 @@ def test_fields_a_published_config_omits_take_their_transformers_defaults(tmp_pa
     _, facts = run(write(tmp_path / "t", config), llama_drafter(tmp_path))
     assert facts["target_max_position"] == 2048  # LlamaConfig default
     assert facts["target_num_kv_heads"] == facts["target_num_heads"]
+
+
+def test_derived_fields_are_derived_from_this_config_not_from_the_class_default(tmp_path):
+    """LlamaConfig derives KV heads and head_dim from the config's own heads and hidden size (576 / 9 -> 64)."""
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+              "num_hidden_layers": 30, "num_attention_heads": 9, "vocab_size": 49152}
+    drafter = llama_drafter(tmp_path, hidden_size=576, vocab_size=49152, num_attention_heads=9)
+    _, facts = run(write(tmp_path / "smol", config), drafter)
+    assert facts["target_num_kv_heads"] == 9 and facts["target_max_position"] == 2048
 
 
 def test_a_multimodal_wrapper_with_a_sparse_text_config_is_unwrapped_with_its_class_defaults(tmp_path):

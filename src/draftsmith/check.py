@@ -467,6 +467,7 @@ def release_facts(rel: EngineRelease) -> dict[str, Any]:
         "engine_reads_explicit_aux": get("aux_ids_read"), "engine_has_mla_drafter": get("mla_drafter"),
         "engine_norm_flags_read": get("norm_flags_read"), "engine_aux_shift": get("aux_shift") or {},
         "engine_capture_error": get("capture_error"), "engine_draft_archs": get("draft_archs"),
+        "engine_eagle3_archs": get("eagle3_archs"), "engine_arch_modules": get("arch_modules") or {},
     }
 
 
@@ -496,6 +497,11 @@ DEFAULTED_FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size", "num_atten
                     "intermediate_size", "max_position_embeddings", "rope_theta", "tie_word_embeddings", "head_dim")
 
 
+DERIVED_FIELDS = ("num_key_value_heads", "head_dim")
+"""Fields a config class derives from others (KV heads = heads, head_dim = hidden // heads): never taken from a
+default instance, whose values come from the default hidden size and head count."""
+
+
 @functools.lru_cache(maxsize=64)
 def class_defaults(model_type: str) -> dict[str, Any]:
     """The defaults of transformers' config class for `model_type` (to_dict of a default instance), or {}."""
@@ -507,22 +513,44 @@ def class_defaults(model_type: str) -> dict[str, Any]:
         return {}
 
 
+def built_by_class(config: dict[str, Any]) -> dict[str, Any]:
+    """`config` as its transformers config class builds it (defaults and derived fields filled in, nested text
+    configs included); without a known class, the class defaults of the plain fields; else {}."""
+    model_type = str(config.get("model_type") or "")
+    try:
+        from transformers import CONFIG_MAPPING
+
+        if model_type in CONFIG_MAPPING:
+            return CONFIG_MAPPING[model_type](**config).to_dict()
+    except Exception:  # noqa: BLE001 - a config its class refuses: fall back to the defaults of the plain fields
+        pass
+    return {k: v for k, v in class_defaults(model_type).items() if k not in DERIVED_FIELDS}
+
+
 def with_class_defaults(config: dict[str, Any], fields: tuple[str, ...] = DEFAULTED_FIELDS) -> dict[str, Any]:
-    """`config` with the missing `fields` (top level and in a multimodal wrapper's text config) filled from the
-    transformers config class of its model_type; a config that names every field is returned as is (no import)."""
-    out = dict(config)
+    """`config` with the missing `fields` (top level and in a multimodal wrapper's text config) filled the way
+    its transformers config class fills them; a config that names every field is returned as is (no import)."""
     inner_key = next((k for k in TEXT_CONFIG_KEYS if isinstance(config.get(k), dict)), None)
+    part = config[inner_key] if inner_key else config
+    if all(f in part for f in fields[:3]) and (inner_key or all(f in config for f in fields)):
+        return config
+    built = built_by_class(config)
     if inner_key:
-        inner = config[inner_key]
-        if any(f not in inner for f in fields[:3]):
-            nested = class_defaults(str(config.get("model_type") or "")).get(inner_key) or {}
-            own = class_defaults(str(inner.get("model_type") or nested.get("model_type") or ""))
-            out[inner_key] = {**{f: d[f] for d in (own, nested) for f in fields if f in d}, **inner}
-        return out
-    if any(f not in config for f in fields) and config.get("model_type"):
-        defaults = class_defaults(str(config["model_type"]))
-        out = {**{f: defaults[f] for f in fields if defaults.get(f) is not None}, **config}
-    return out
+        nested = built.get(inner_key) if isinstance(built.get(inner_key), dict) else {}
+        own = nested or (built_by_class(part) if part.get("model_type") else {})
+        filled = {f: own[f] for f in fields if own.get(f) is not None}
+        return {**config, inner_key: {**filled, **part}}
+    return {**{f: built[f] for f in fields if built.get(f) is not None}, **config}
+
+
+def supports_eagle3(arch: str, module: str | None, rf: dict[str, Any]) -> bool | None:
+    """Whether this release's class for `arch` (or a parent class) implements the EAGLE-3 target hooks; None when
+    the table has no row or neither the architecture nor its model file is known."""
+    if not rf["facts_release"]:
+        return None
+    if rf["engine_eagle3_archs"] is not None:  # class-level facts (inheritance resolved in the wheel)
+        return True if arch in rf["engine_eagle3_archs"] else False if module else None
+    return (module in (rf["engine_eagle3_modules"] or ())) if module else None
 
 
 DRAFTER_DEFAULTED = ("hidden_size", "vocab_size", "max_position_embeddings", "num_attention_heads")
@@ -533,8 +561,7 @@ def target_facts(path: Path, book: RuleBook, version: str, rf: dict[str, Any]) -
     spec = describe_target(config)
     tensors = read_model_tensors(path)
     arch = spec.architectures[0] if spec.architectures else ""
-    module = book.tables.get("target_modules", {}).get(arch)
-    supported = set(rf["engine_eagle3_modules"] or ())
+    module = book.tables.get("target_modules", {}).get(arch) or rf["engine_arch_modules"].get(arch)
     whitelist = rf["engine_whitelist"]
     probe = None
     if spec.has_vision:
@@ -548,7 +575,7 @@ def target_facts(path: Path, book: RuleBook, version: str, rf: dict[str, Any]) -
         "target_path": str(path), "target_model_type": spec.model_type, "target_outer_model_type": spec.outer_model_type,
         "target_arch": arch, "target_module": module,
         "target_config_class": arch.replace("ForConditionalGeneration", "Config").replace("ForCausalLM", "Config"),
-        "target_supports_eagle3": (module in supported) if module and rf["facts_release"] else None,
+        "target_supports_eagle3": supports_eagle3(arch, module, rf),
         "target_whitelist_blocked": None if whitelist is None else not any(w in spec.model_type for w in whitelist),
         "target_num_heads": spec.num_heads, "target_num_kv_heads": spec.num_kv_heads,
         "target_num_layers": spec.num_layers, "target_hidden_size": spec.hidden_size, "target_vocab_size": spec.vocab_size,
