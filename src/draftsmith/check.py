@@ -12,12 +12,13 @@ Run: `draftsmith check --target DIR --drafter DIR --engine vllm --engine-version
 
 from __future__ import annotations
 
+import functools
 import json
 import shlex
 import string
 import subprocess
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -31,7 +32,9 @@ from draftsmith.safetensors_header import ModelTensors, read_model_tensors
 from draftsmith.conventions import (
     MLA_DRAFTER_ARCHITECTURES,
     MLA_MODEL_TYPES,
+    TEXT_CONFIG_KEYS,
     aux_ids_for_format,
+    aux_reading,
     default_aux_ids,
     engine_reads,
     find_aux_ids,
@@ -398,7 +401,74 @@ def read_dir_config(path: Path) -> dict[str, Any]:
     if not cfg.is_file():
         raise DraftsmithError("no config.json", got=str(path), expected="a Hugging Face model directory",
                               fix="point the flag at the folder that holds config.json")
-    return json.loads(cfg.read_text())
+    try:
+        config = json.loads(cfg.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DraftsmithError("config.json is not JSON", got=f"{cfg}: {exc}",
+                              expected="the JSON object a Hugging Face model directory holds",
+                              fix="re-download config.json (a Git LFS pointer or an HTML error page is not a config)"
+                              ) from exc
+    if not isinstance(config, dict):
+        raise DraftsmithError("config.json is not a JSON object", got=f"{cfg}: {type(config).__name__}",
+                              expected="{...} with model_type, hidden_size, ...", fix="re-download config.json")
+    return config
+
+
+# ---------------------------------------------------------------- the engine facts table
+
+FACTS_TABLE = RULES_DIR / "engine_facts.json"
+"""Facts read out of every released wheel by scripts/engine_facts.py (per engine, per release)."""
+
+
+@dataclass(frozen=True)
+class EngineRelease:
+    """The release of the facts table that stands for the version asked about."""
+
+    engine: str
+    asked: str
+    read: str | None
+    """The table's release used: the newest one <= asked (a post release counts for its release); None when the
+    engine is not in the table or `asked` is older than every release in it."""
+    facts: dict[str, Any]
+    newer_than_table: bool
+
+
+@functools.lru_cache(maxsize=1)
+def facts_table() -> dict[str, dict[str, dict[str, Any]]]:
+    try:
+        return json.loads(FACTS_TABLE.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise DraftsmithError("the engine facts table is unreadable", got=f"{FACTS_TABLE}: {exc}",
+                              expected="the JSON that scripts/engine_facts.py writes",
+                              fix="reinstall draftsmith, or re-run scripts/engine_facts.py") from exc
+
+
+def engine_release(engine: str, version: str) -> EngineRelease:
+    """The facts of the newest release in the table at or before `version` (newest known if `version` is newer)."""
+    rows = facts_table().get(engine, {})
+    want = Version(version)
+    known = sorted(rows, key=Version)
+    older = [v for v in known if Version(v) <= want or (Version(v).is_postrelease and Version(v).release == want.release)]
+    read = version if version in rows else older[-1] if older else None
+    newer = bool(known) and want.release > Version(known[-1]).release
+    return EngineRelease(engine, version, read, rows.get(read, {}) if read else {}, newer)
+
+
+def release_facts(rel: EngineRelease) -> dict[str, Any]:
+    """The table's facts under the names the rules use (None when the table has no row for this release)."""
+    f = rel.facts
+    get = lambda key: f.get(key) if rel.read else None  # noqa: E731
+    return {
+        "facts_release": rel.read,
+        "engine_newer_than_table": rel.newer_than_table,
+        "engine_eagle3_modules": get("eagle3_modules"), "engine_whitelist": get("eagle3_whitelist"),
+        "engine_rejects_tp_key": get("tp_key_rejected"),
+        "engine_raises_draft_rope": get("draft_max_position_override"),
+        "engine_reads_explicit_aux": get("aux_ids_read"), "engine_has_mla_drafter": get("mla_drafter"),
+        "engine_norm_flags_read": get("norm_flags_read"), "engine_aux_shift": get("aux_shift") or {},
+        "engine_capture_error": get("capture_error"), "engine_draft_archs": get("draft_archs"),
+        "engine_eagle3_archs": get("eagle3_archs"), "engine_arch_modules": get("arch_modules") or {},
+    }
 
 
 def version_table(entries: list[dict], version: str, key: str) -> set:
@@ -421,13 +491,78 @@ def with_standard_names(config: dict[str, Any]) -> dict[str, Any]:
     return {**{std: config[alias] for alias, std in HF_ALIASES.items() if alias in config}, **config}
 
 
-def target_facts(path: Path, book: RuleBook, version: str) -> dict[str, Any]:
-    config = with_standard_names(read_dir_config(path))
+# Fields check reads from a model config; a config.json that omits one gets its transformers class default,
+# exactly what the engines see (both load configs through transformers.AutoConfig).
+DEFAULTED_FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads", "num_key_value_heads",
+                    "intermediate_size", "max_position_embeddings", "rope_theta", "tie_word_embeddings", "head_dim")
+
+
+DERIVED_FIELDS = ("num_key_value_heads", "head_dim")
+"""Fields a config class derives from others (KV heads = heads, head_dim = hidden // heads): never taken from a
+default instance, whose values come from the default hidden size and head count."""
+
+
+@functools.lru_cache(maxsize=64)
+def class_defaults(model_type: str) -> dict[str, Any]:
+    """The defaults of transformers' config class for `model_type` (to_dict of a default instance), or {}."""
+    try:
+        from transformers import CONFIG_MAPPING
+
+        return CONFIG_MAPPING[model_type]().to_dict() if model_type in CONFIG_MAPPING else {}
+    except Exception:  # noqa: BLE001 - a class that cannot build without arguments has no usable defaults
+        return {}
+
+
+def built_by_class(config: dict[str, Any]) -> dict[str, Any]:
+    """`config` as its transformers config class builds it (defaults and derived fields filled in, nested text
+    configs included); without a known class, the class defaults of the plain fields; else {}."""
+    model_type = str(config.get("model_type") or "")
+    try:
+        from transformers import CONFIG_MAPPING
+
+        if model_type in CONFIG_MAPPING:
+            return CONFIG_MAPPING[model_type](**config).to_dict()
+    except Exception:  # noqa: BLE001 - a config its class refuses: fall back to the defaults of the plain fields
+        pass
+    return {k: v for k, v in class_defaults(model_type).items() if k not in DERIVED_FIELDS}
+
+
+def with_class_defaults(config: dict[str, Any], fields: tuple[str, ...] = DEFAULTED_FIELDS) -> dict[str, Any]:
+    """`config` with the missing `fields` (top level and in a multimodal wrapper's text config) filled the way
+    its transformers config class fills them; a config that names every field is returned as is (no import)."""
+    inner_key = next((k for k in TEXT_CONFIG_KEYS if isinstance(config.get(k), dict)), None)
+    part = config[inner_key] if inner_key else config
+    if all(f in part for f in fields[:3]) and (inner_key or all(f in config for f in fields)):
+        return config
+    built = built_by_class(config)
+    if inner_key:
+        nested = built.get(inner_key) if isinstance(built.get(inner_key), dict) else {}
+        own = nested or (built_by_class(part) if part.get("model_type") else {})
+        filled = {f: own[f] for f in fields if own.get(f) is not None}
+        return {**config, inner_key: {**filled, **part}}
+    return {**{f: built[f] for f in fields if built.get(f) is not None}, **config}
+
+
+def supports_eagle3(arch: str, module: str | None, rf: dict[str, Any]) -> bool | None:
+    """Whether this release's class for `arch` (or a parent class) implements the EAGLE-3 target hooks; None when
+    the table has no row or neither the architecture nor its model file is known."""
+    if not rf["facts_release"]:
+        return None
+    if rf["engine_eagle3_archs"] is not None:  # class-level facts (inheritance resolved in the wheel)
+        return True if arch in rf["engine_eagle3_archs"] else False if module else None
+    return (module in (rf["engine_eagle3_modules"] or ())) if module else None
+
+
+DRAFTER_DEFAULTED = ("hidden_size", "vocab_size", "max_position_embeddings", "num_attention_heads")
+
+
+def target_facts(path: Path, book: RuleBook, version: str, rf: dict[str, Any]) -> dict[str, Any]:
+    config = with_class_defaults(with_standard_names(read_dir_config(path)))
     spec = describe_target(config)
     tensors = read_model_tensors(path)
     arch = spec.architectures[0] if spec.architectures else ""
-    module = book.tables.get("target_modules", {}).get(arch)
-    supported = version_table(book.tables.get("eagle3_targets", []), version, "modules")
+    module = book.tables.get("target_modules", {}).get(arch) or rf["engine_arch_modules"].get(arch)
+    whitelist = rf["engine_whitelist"]
     probe = None
     if spec.has_vision:
         probe = "image_token_index"
@@ -439,7 +574,10 @@ def target_facts(path: Path, book: RuleBook, version: str) -> dict[str, Any]:
     return {
         "target_path": str(path), "target_model_type": spec.model_type, "target_outer_model_type": spec.outer_model_type,
         "target_arch": arch, "target_module": module,
-        "target_config_class": arch.replace("ForConditionalGeneration", "Config").replace("ForCausalLM", "Config"), "target_supports_eagle3": (module in supported) if module else None,
+        "target_config_class": arch.replace("ForConditionalGeneration", "Config").replace("ForCausalLM", "Config"),
+        "target_supports_eagle3": supports_eagle3(arch, module, rf),
+        "target_whitelist_blocked": None if whitelist is None else not any(w in spec.model_type for w in whitelist),
+        "target_num_heads": spec.num_heads, "target_num_kv_heads": spec.num_kv_heads,
         "target_num_layers": spec.num_layers, "target_hidden_size": spec.hidden_size, "target_vocab_size": spec.vocab_size,
         "target_is_mla": spec.is_mla, "target_has_vision": spec.has_vision, "target_probe_attr": probe,
         "target_probe_missing": bool(probe) and not probe_present,
@@ -451,7 +589,8 @@ def target_facts(path: Path, book: RuleBook, version: str) -> dict[str, Any]:
 
 
 def drafter_facts(path: Path, hidden: int, vocab: int) -> dict[str, Any]:
-    d = describe_drafter(read_dir_config(path))
+    raw = read_dir_config(path)
+    d = describe_drafter(raw if "speculators_config" in raw else with_class_defaults(raw, DRAFTER_DEFAULTED))
     tensors = read_model_tensors(path)
     t = tensors.tensors
     prefix = layer_prefix(tensors)
@@ -462,6 +601,7 @@ def drafter_facts(path: Path, hidden: int, vocab: int) -> dict[str, Any]:
         "drafter_path": str(path), "drafter_format": d.format,
         "drafter_arch": d.architectures[0] if d.architectures else None, "drafter_model_type": d.model_type,
         "drafter_is_mla": d.is_mla, "drafter_is_kimi_typed_mla": d.is_mla and d.model_type == "kimi_k2",
+        "drafter_num_heads": (raw.get("transformer_layer_config") or raw).get("num_attention_heads"),
         "drafter_hidden_size": d.hidden_size, "drafter_target_hidden_size": d.target_hidden_size,
         "drafter_vocab_size": d.vocab_size, "drafter_draft_vocab_size": d.draft_vocab_size or d.vocab_size,
         "drafter_max_position": d.max_position_embeddings, "drafter_dtype": d.dtype,
@@ -499,6 +639,13 @@ def aux_facts(f: dict[str, Any], engine: str, version: str, drafter_config: dict
         trained, basis = None, "unknown"
     if engine == "llamacpp":  # what its GGUF holds or its converter will write (llamacpp.llamacpp_facts)
         reads = f["llamacpp_aux_reads"]
+    elif ids and f["engine_reads_explicit_aux"] is False:  # this release captures its default, ids or not
+        reads = list(default_aux_ids(n))
+    elif engine == "sglang":  # read from eagle_config only, then shifted the way the target's model file does
+        written, _ = find_aux_ids(drafter_config, aux_reading("sglang").locations)
+        reads = sglang_capture(written, n, sglang_shift_of(f)) if written else list(default_aux_ids(n))
+    elif f["facts_release"] is None and engine in ("vllm", "sglang"):  # older than any release read
+        reads = list(default_aux_ids(n))
     else:
         reads = list(engine_reads(drafter_config, n, engine, version))
     return {
@@ -510,10 +657,33 @@ def aux_facts(f: dict[str, Any], engine: str, version: str, drafter_config: dict
     }
 
 
+# Text model types whose SGLang model file is named otherwise (a wrapper's `delegates` row follows its text model).
+SGLANG_TEXT_MODULES = {"deepseek_v3": "deepseek_v2", "deepseek_v32": "deepseek_v2", "kimi_k2": "deepseek_v2"}
+
+
+def sglang_shift_of(f: dict[str, Any]) -> str:
+    """How the target's SGLang model file shifts explicit aux ids (facts table `aux_shift`; plus1 if unknown)."""
+    shifts = f["engine_aux_shift"]
+    shift = shifts.get(f["target_module"] or "", "plus1")
+    if shift == "delegates":
+        text = f["target_model_type"]
+        shift = shifts.get(SGLANG_TEXT_MODULES.get(text, text), "plus1")
+    return "plus1" if shift == "delegates" else shift
+
+
+def sglang_capture(ids: list[int], num_layers: int, shift: str) -> list[int]:
+    """The boundary indices an SGLang model file captures for explicit ids, per its `aux_shift` kind."""
+    plus = {"plus1": True, "as_is": False, "plus1_if_first_is_1": ids[0] == 1,
+            "plus1_unless_last_boundary": max(ids) != num_layers}[shift]
+    return [int(i) + 1 if plus else int(i) for i in ids]
+
+
 def norm_facts(f: dict[str, Any], engine: str, book: RuleBook, version: str) -> dict[str, Any]:
     """Per norm flag: trained value (export record, else config), what the engine computes, mismatch."""
     out: dict[str, Any] = {}
-    honoured = version_table(book.tables.get("norm_flags_read", []), version, "flags")
+    honoured = f["engine_norm_flags_read"]
+    if honoured is None:  # an engine the facts table does not cover (llama.cpp): the rule file's table
+        honoured = version_table(book.tables.get("norm_flags_read", []), version, "flags")
     for flag in NORM_FLAGS:
         in_config = f["drafter_norm_flags"].get(flag)
         trained = f["draftsmith"].get(flag, in_config)
@@ -535,6 +705,8 @@ def spec_facts(engine: str, spec: dict, args: dict[str, str], f: dict[str, Any])
                            "max_model_len": _int(args.get("max_model_len") or args.get("context_length"))
                            or f["target_max_position"],
                            "serve_dtype": args.get("dtype") if args.get("dtype") not in (None, "auto") else f["target_dtype"]}
+    out["max_num_batched_tokens"] = _int(args.get("max_num_batched_tokens"))
+    out["target_heads_indivisible"] = bool(f["target_num_heads"]) and f["target_num_heads"] % out["target_tp"] != 0
     if engine == "vllm":
         model = str(spec.get("model") or "")
         method = spec.get("method")
@@ -547,6 +719,9 @@ def spec_facts(engine: str, spec: dict, args: dict[str, str], f: dict[str, Any])
             "spec_draft_tp": spec.get("draft_tensor_parallel_size"),
         })
         out["spec_draft_tp_bad"] = out["spec_draft_tp"] not in (None, 1, out["target_tp"])
+        draft_tp = _int(out["spec_draft_tp"]) or out["target_tp"]
+        out["spec_draft_tp_resolved"] = draft_tp
+        out["drafter_heads_indivisible"] = bool(f["drafter_num_heads"]) and f["drafter_num_heads"] % draft_tp != 0
         out["spec_draft_arch"] = vllm_draft_arch(f["drafter_arch"], out["spec_method_effective"])
         return out
     if engine == "llamacpp":
@@ -570,7 +745,8 @@ def gather_facts(target: Path, drafter: Path, engine: str, version: str, book: R
                  spec: dict, args: dict[str, str]) -> dict[str, Any]:
     """Every fact the rules can test, in one flat dict (keys are the names the YAML conditions use)."""
     f: dict[str, Any] = {"engine": engine, "engine_version": version}
-    f |= target_facts(target, book, version)
+    f |= release_facts(engine_release(engine, version))
+    f |= target_facts(target, book, version, f)
     f |= drafter_facts(drafter, f["target_hidden_size"], f["target_vocab_size"])
     if engine == "llamacpp":
         from draftsmith.llamacpp import llamacpp_facts
@@ -584,6 +760,8 @@ def gather_facts(target: Path, drafter: Path, engine: str, version: str, book: R
     f["drafter_dtype_name"] = _dtype_name(f["drafter_dtype"] or f["drafter_header_dtype"])
     f["serve_dtype_name"] = _dtype_name(f["serve_dtype"])
     f["target_known_mla_family"] = f["target_model_type"] in MLA_MODEL_TYPES
+    archs = f["engine_draft_archs"]
+    f["drafter_arch_unknown_to_engine"] = None if not archs or not f["drafter_arch"] else f["drafter_arch"] not in archs
     return f
 
 
@@ -674,6 +852,7 @@ def run_checks(target: Path, drafter: Path, engine: str, version: str | None, sp
     except InvalidVersion as exc:
         raise DraftsmithError("bad --engine-version", got=repr(version), expected="a version like 0.17.0",
                               fix="pass the version `pip show vllm` prints") from exc
+    notes += table_notes(engine, version)
     args = parse_engine_args(engine_args)
     spec, assumed = speculative_config(engine, spec_raw, args, str(drafter))
     if assumed:
@@ -683,8 +862,43 @@ def run_checks(target: Path, drafter: Path, engine: str, version: str | None, sp
     findings = notes + evaluate(book, facts, version)
     if engine_python is not None and engine == "vllm":
         findings.append(dry_run_vllm(engine_python, target, spec, args))
-    findings.sort(key=lambda x: SEVERITY_ORDER[x.severity])
-    return findings, facts
+    return in_startup_order(findings, book.tables.get("startup_order", [])), facts
+
+
+def in_startup_order(findings: list[Finding], order: list[str]) -> list[Finding]:
+    """Errors first (start, serve, accept), start errors in the engine's start-up order; every start error after
+    the first says it is what the user meets after fixing the first."""
+    rank = {rule: i for i, rule in enumerate(order)}
+    kinds = {k: i for i, k in enumerate(KINDS)}
+    ordered = sorted(findings, key=lambda x: (SEVERITY_ORDER[x.severity], kinds.get(x.kind, 9) if x.severity == "error"
+                                              else 0, rank.get(x.rule, len(rank))))
+    starts = [f for f in ordered if f.severity == "error" and f.kind == "start"]
+    if len(starts) < 2:
+        return ordered
+    first = starts[0].rule
+    later = {id(f) for f in starts[1:]}
+    return [replace(f, message=f"after fixing {first}: {f.message}") if id(f) in later else f for f in ordered]
+
+
+def table_notes(engine: str, version: str) -> list[Finding]:
+    """Say so when the version is outside the facts table: newer falls back to the newest release read."""
+    rel = engine_release(engine, version)
+    rows = facts_table().get(engine)
+    if not rows:
+        return []
+    newest, oldest = max(rows, key=Version), min(rows, key=Version)
+    if rel.newer_than_table:
+        return [Finding("warning", "check.version-newer-than-table",
+                        f"{engine} {version} is newer than every release in the facts table; checked with the facts "
+                        f"of {newest}, the newest release read. Behaviour that changed after {newest} is not known.",
+                        fix="re-run scripts/engine_facts.py to read the new release, or check against "
+                            f"--engine-version {newest}", source=f"engine_facts.json ({len(rows)} {engine} releases)")]
+    if rel.read is None:
+        return [Finding("warning", "check.version-older-than-table",
+                        f"{engine} {version} is older than every release in the facts table (oldest {oldest}); "
+                        "its model tables are unknown, so target support was not checked.",
+                        fix=f"use {engine} >= {oldest}", source=f"engine_facts.json ({len(rows)} {engine} releases)")]
+    return []
 
 
 def resolve_drafter(name: str) -> Path:

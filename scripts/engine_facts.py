@@ -1,0 +1,323 @@
+"""Read EAGLE-3 facts out of every released vLLM and SGLang wheel; write src/draftsmith/rules/engine_facts.json.
+
+Maintenance script (CI never runs it). For each release it runs `pip download --no-deps` into a temp dir,
+reads only the files that matter straight out of the wheel (zipfile, no install), extracts the facts below,
+deletes the wheel, and moves on: never more than one wheel on disk.
+
+Facts per release (each names the file it came from in `sources`):
+  vLLM   eagle3_archs (registry architectures whose class, or a parent class, implements the EAGLE-3 target
+         interface), eagle3_whitelist (substrings of the target's text model_type, or null when there is no whitelist),
+         eagle3_modules (model files whose classes implement SupportsEagle3 / set_aux_hidden_state_layers),
+         aux_ids_read (whether explicit eagle_aux_hidden_state_layer_ids are read at all, and from eagle_config),
+         method_path_guess (substrings of the drafter path that select a method when "method" is absent),
+         norm_flags_read (norm-variant flags llama_eagle3.py reads), loader_midlayer_map (midlayer.* renamed),
+         draft_max_position_override (the drafter's rope cache raised to max_model_len), tp_key_rejected,
+         multimodal_probes (image-token attributes the drafter loader reads), mla_drafter (deepseek_eagle3.py).
+  SGLang eagle3_archs (EntryClass names whose class or a parent defines set_eagle3_layers_to_capture),
+         arch_modules (EntryClass name -> model file), eagle3_modules with aux_shift per model file, draft_archs (EntryClass of the *eagle3* model files) (plus1 | plus1_if_first_is_1 | plus1_unless_last_boundary
+         | as_is | delegates), aux_ids_read, norm_flags_read, mla_drafter (kimi_k25_eagle3.py),
+         capture_error (the ValueError text naming set_eagle3_layers_to_capture, when the release has one).
+
+Run: `nice -n 10 .venv/bin/python scripts/engine_facts.py [--engine vllm|sglang] [--versions 0.18.0,...]`.
+Prints what changed against the committed table. Existing releases are kept unless re-read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parents[1]
+TABLE = ROOT / "src" / "draftsmith" / "rules" / "engine_facts.json"
+NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+IMAGE_TOKEN_FIELDS = ("image_token_index", "image_token_id", "media_placeholder_token_id")
+FIRST = {"vllm": Version("0.8.0"), "sglang": Version("0.4.0")}
+
+
+# ---------------------------------------------------------------- releases
+
+def releases(engine: str) -> list[str]:
+    """Every release on the index from FIRST[engine] on; vLLM: all, SGLang: the newest patch of each minor."""
+    out = subprocess.run([sys.executable, "-m", "pip", "index", "versions", engine], capture_output=True,
+                         text=True, check=True).stdout
+    line = next(ln for ln in out.splitlines() if ln.startswith("Available versions:"))
+    found = sorted((Version(v.strip()) for v in line.split(":", 1)[1].split(",")), reverse=False)
+    found = [v for v in found if v >= FIRST[engine] and not v.is_prerelease]
+    if engine == "vllm":
+        return [str(v) for v in found]
+    newest: dict[tuple[int, int, int], Version] = {}
+    for v in found:  # post releases collapse onto their release (0.5.6.post2 stands for 0.5.6)
+        newest[v.release[:3]] = v
+    return [str(v) for v in newest.values()]
+
+
+def download(engine: str, version: str, into: Path) -> Path:
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(into),
+                    f"{engine}=={version}"], check=True, capture_output=True)
+    wheels = list(into.glob("*.whl"))
+    if len(wheels) != 1:
+        raise RuntimeError(f"{engine}=={version}: expected one wheel, got {wheels}")
+    return wheels[0]
+
+
+# ---------------------------------------------------------------- reading a wheel
+
+class Wheel:
+    """Lazy reader of the .py files of one wheel."""
+
+    def __init__(self, path: Path):
+        self.zip = zipfile.ZipFile(path)
+        self.names = [n for n in self.zip.namelist() if n.endswith(".py")]
+
+    def text(self, name: str) -> str:
+        return self.zip.read(name).decode("utf-8", "replace") if name in self.names else ""
+
+    def first(self, *names: str) -> tuple[str, str]:
+        for name in names:
+            if name in self.names:
+                return name, self.text(name)
+        return "", ""
+
+    def under(self, folder: str) -> list[str]:
+        return [n for n in self.names if n.startswith(folder) and n.count("/") == folder.count("/")]
+
+
+def _module(name: str) -> str:
+    return name.rsplit("/", 1)[-1][: -len(".py")]
+
+
+def _def_bodies(text: str, func: str) -> list[str]:
+    """The source of every `def func(` in text, up to the next def at the same or lower indent."""
+    out = []
+    for m in re.finditer(rf"^([ \t]*)def {func}\(", text, re.M):
+        indent = len(m.group(1))
+        rest = text[m.end():]
+        stop = re.search(rf"^[ \t]{{0,{indent}}}(def |class |@)\S", rest, re.M)
+        out.append(rest[: stop.start() if stop else len(rest)])
+    return out
+
+
+def classes(text: str) -> dict[str, tuple[list[str], str]]:
+    """Top-level classes of a module: name -> (base names, body source)."""
+    out = {}
+    heads = list(re.finditer(r"^class (\w+)(?:\(([^)]*)\))?:", text, re.M))
+    for i, m in enumerate(heads):
+        end = heads[i + 1].start() if i + 1 < len(heads) else len(text)
+        body = text[m.end():end]
+        stop = re.search(r"^\S", body, re.M)  # the first top-level statement after the class
+        bases = [b.strip().split(".")[-1].split("[")[0] for b in (m.group(2) or "").split(",") if b.strip()]
+        out[m.group(1)] = (bases, body[: stop.start()] if stop else body)
+    return out
+
+
+def supporting(all_classes: dict[str, tuple[list[str], str]], declares) -> set[str]:
+    """Classes that declare support (declares(bases, body)) or inherit from one that does, by name."""
+    found = {name for name, (bases, body) in all_classes.items() if declares(bases, body)}
+    grew = True
+    while grew:
+        new = {n for n, (bases, _) in all_classes.items() if n not in found and any(b in found for b in bases)}
+        found |= new
+        grew = bool(new)
+    return found
+
+
+def model_classes(wheel: Wheel, folder: str) -> dict[str, tuple[list[str], str]]:
+    out: dict[str, tuple[list[str], str]] = {}
+    for name in wheel.under(folder):
+        out.update(classes(wheel.text(name)))
+    return out
+
+
+# ---------------------------------------------------------------- vLLM
+
+VLLM_CONFIG_FILES = ("vllm/config/speculative.py", "vllm/config/__init__.py", "vllm/config.py")
+
+
+def vllm_whitelist(text: str) -> list[str] | None:
+    if "Eagle3 is only supported" not in text:
+        return None
+    m = re.search(r"eagle3_target_supported\s*=\s*\[([^\]]*)\]", text)
+    if m:
+        return re.findall(r"[\"']([^\"']+)[\"']", m.group(1))
+    m = re.search(r"Eagle3 is only supported for (\w+) models", text)
+    return [m.group(1).lower()] if m else []
+
+
+def vllm_eagle3_modules(wheel: Wheel) -> list[str]:
+    """Model files the runner accepts as EAGLE-3 targets: once interfaces.py defines SupportsEagle3 the runner
+    asks supports_eagle3(model), so a class must declare it; before, it called set_aux_hidden_state_layers."""
+    has_interface = "class SupportsEagle3" in wheel.text("vllm/model_executor/models/interfaces.py")
+    mods = []
+    for name in wheel.under("vllm/model_executor/models/"):
+        if name.endswith(("interfaces.py", "interfaces_base.py")):
+            continue
+        text = wheel.text(name)
+        if has_interface:
+            found = re.search(r"^class \w+\([^)]*\bSupportsEagle3\b", text, re.M)
+        else:
+            found = "def set_aux_hidden_state_layers" in text
+        if found:
+            mods.append(_module(name))
+    return sorted(mods)
+
+
+def vllm_eagle3_archs(wheel: Wheel) -> list[str]:
+    """Registry architectures whose class (or a parent class) the runner accepts as an EAGLE-3 target."""
+    has_interface = "class SupportsEagle3" in wheel.text("vllm/model_executor/models/interfaces.py")
+    found = supporting(model_classes(wheel, "vllm/model_executor/models/"),
+                       (lambda bases, body: "SupportsEagle3" in bases) if has_interface
+                       else (lambda bases, body: "def set_aux_hidden_state_layers" in body))
+    registry = wheel.text("vllm/model_executor/models/registry.py")
+    pairs = re.findall(r"[\"'](\w+)[\"']\s*:\s*\(\s*[\"'][\w.]+[\"']\s*,\s*[\"'](\w+)[\"']", registry)
+    return sorted({arch for arch, cls in pairs if cls in found})
+
+
+def vllm_facts(wheel: Wheel) -> dict:
+    cfg_name, cfg = wheel.first(*VLLM_CONFIG_FILES)
+    eagle3_name, eagle3 = wheel.first("vllm/model_executor/models/llama_eagle3.py")
+    runner_files = [n for n in wheel.names if n.startswith("vllm/v1/") and "eagle_aux_hidden_state_layer_ids"
+                    in wheel.text(n)]
+    proposer_name, proposer = wheel.first("vllm/v1/spec_decode/llm_base_proposer.py", "vllm/v1/spec_decode/eagle.py")
+    aux_read_files = runner_files + [eagle3_name] * ("eagle_aux_hidden_state_layer_ids" in eagle3)
+    aux_texts = "".join(wheel.text(n) for n in aux_read_files)
+    guess = sorted(set(re.findall(r"elif [\"']([a-z0-9_-]+)[\"'] in self\.draft_model_config\.model", cfg))
+                   | set(re.findall(r"if [\"']([a-z0-9_-]+)[\"'] in self\.draft_model_config\.model", cfg)))
+    load = "".join(_def_bodies(eagle3, "load_weights"))
+    return {
+        "eagle3_whitelist": vllm_whitelist(cfg),
+        "eagle3_modules": vllm_eagle3_modules(wheel),
+        "eagle3_archs": vllm_eagle3_archs(wheel),
+        "aux_ids_read": bool(aux_read_files),
+        "aux_ids_from_eagle_config": "eagle_config" in aux_texts,
+        "method_path_guess": guess,
+        "norm_flags_read": [f for f in NORM_FLAGS if f in eagle3],
+        "loader_midlayer_map": "midlayer" in load,
+        "loader_skips": sorted(set(re.findall(r"if [\"']([\w.]+)[\"'] (?:not )?in name", load))),
+        "draft_max_position_override": "_maybe_override_draft_max_position_embeddings" in cfg,
+        "tp_key_rejected": bool(re.search(r"is not a valid argument in the\W*(?:\"\s*\")?\s*speculative_config", cfg)),
+        "multimodal_probes": [f for f in IMAGE_TOKEN_FIELDS if f in proposer],
+        "mla_drafter": "vllm/model_executor/models/deepseek_eagle3.py" in wheel.names,
+        "sources": {"config": cfg_name, "drafter": eagle3_name, "aux_ids": aux_read_files, "proposer": proposer_name},
+    }
+
+
+# ---------------------------------------------------------------- SGLang
+
+def sglang_shift(bodies: list[str]) -> str:
+    """How a model file's set_eagle3_layers_to_capture turns explicit ids into captured layers."""
+    text = "\n".join(bodies)
+    if "+ 1" not in text and "+1" not in text:
+        return "delegates" if re.search(r"\.set_eagle3_layers_to_capture\(", text) else "as_is"
+    if re.search(r"layer_ids\[0\]\s*==\s*1", text):
+        return "plus1_if_first_is_1"
+    if re.search(r"max\(layer_ids\)\s*==\s*num_layers", text):
+        return "plus1_unless_last_boundary"
+    return "plus1"
+
+
+def sglang_facts(wheel: Wheel) -> dict:
+    shifts = {}
+    for name in wheel.under("sglang/srt/models/"):
+        text = wheel.text(name)
+        if "def set_eagle3_layers_to_capture" in text:
+            shifts[_module(name)] = sglang_shift(_def_bodies(text, "set_eagle3_layers_to_capture"))
+    eagle3_name, eagle3 = wheel.first("sglang/srt/models/llama_eagle3.py")
+    readers = [n for n in wheel.names if n.startswith("sglang/srt/") and "/models/" not in n
+               and "eagle_aux_hidden_state_layer_ids" in wheel.text(n)]
+    capture_error = ""
+    for name in wheel.names:
+        if name.startswith("sglang/srt/model_executor/"):
+            m = re.search(r"does not implement set_eagle3_layers_to_capture[^\"']*", wheel.text(name))
+            if m:
+                capture_error = name
+                break
+    all_classes = model_classes(wheel, "sglang/srt/models/")
+    found = supporting(all_classes, lambda bases, body: "def set_eagle3_layers_to_capture" in body)
+    entry = {}
+    for name in wheel.under("sglang/srt/models/"):
+        m = re.search(r"^EntryClass\s*=\s*\[?([\w,\s]+)\]?", wheel.text(name), re.M)
+        for cls in (m.group(1).split(",") if m else []):
+            if cls.strip():
+                entry[cls.strip()] = _module(name)
+    draft_archs = set()
+    for name in wheel.under("sglang/srt/models/"):
+        if "eagle3" in _module(name):
+            m = re.search(r"^EntryClass\s*=\s*\[?([\w,\s]+)\]?", wheel.text(name), re.M)
+            draft_archs |= {a.strip() for a in (m.group(1).split(",") if m else []) if a.strip()}
+    return {
+        "eagle3_modules": sorted(shifts),
+        "draft_archs": sorted(draft_archs),
+        "eagle3_archs": sorted(a for a in entry if a in found and a not in draft_archs),
+        "arch_modules": dict(sorted(entry.items())),
+        "aux_shift": dict(sorted(shifts.items())),
+        "aux_ids_read": bool(readers),
+        "aux_ids_from_eagle_config": any("eagle_config" in wheel.text(n) for n in readers),
+        "norm_flags_read": [f for f in NORM_FLAGS if f in eagle3],
+        "loader_midlayer_map": "midlayer" in "".join(_def_bodies(eagle3, "load_weights")),
+        "mla_drafter": "sglang/srt/models/kimi_k25_eagle3.py" in wheel.names,
+        "capture_error": bool(capture_error),
+        "sources": {"drafter": eagle3_name, "aux_ids": readers, "capture_error": capture_error},
+    }
+
+
+READERS = {"vllm": vllm_facts, "sglang": sglang_facts}
+
+
+# ---------------------------------------------------------------- the table
+
+def diff(old: dict, new: dict) -> list[str]:
+    lines = []
+    for key in sorted(set(old) | set(new)):
+        if key != "sources" and old.get(key) != new.get(key):
+            a, b = old.get(key), new.get(key)
+            if isinstance(a, list) and isinstance(b, list):
+                lines.append(f"  {key}: +{sorted(set(b) - set(a))} -{sorted(set(a) - set(b))}")
+            else:
+                lines.append(f"  {key}: {a!r} -> {b!r}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engine", choices=sorted(READERS), action="append")
+    p.add_argument("--versions", help="comma-separated releases (default: every release on the index)")
+    p.add_argument("--out", type=Path, default=TABLE, help="the table to update (default: the committed one)")
+    args = p.parse_args(argv)
+    table = json.loads(args.out.read_text()) if args.out.exists() else {}
+    for engine in args.engine or sorted(READERS):
+        versions = args.versions.split(",") if args.versions else releases(engine)
+        rows = table.setdefault(engine, {})
+        for version in versions:
+            with tempfile.TemporaryDirectory(prefix=f"facts-{engine}-") as tmp:
+                try:
+                    wheel_path = download(engine, version, Path(tmp))
+                except (subprocess.CalledProcessError, RuntimeError) as exc:
+                    print(f"{engine} {version}: no wheel ({exc})", file=sys.stderr)
+                    continue
+                facts = READERS[engine](Wheel(wheel_path)) | {"wheel": wheel_path.name}
+                wheel_path.unlink()
+            old = rows.get(version)
+            rows[version] = facts
+            changes = diff(old, facts) if old else diff(rows.get(_previous(rows, version), {}), facts)
+            print(f"{engine} {version}: " + ("unchanged" if not changes else "\n" + "\n".join(changes)))
+        table[engine] = dict(sorted(rows.items(), key=lambda kv: Version(kv[0])))
+    args.out.write_text(json.dumps(table, indent=1, sort_keys=False) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _previous(rows: dict, version: str) -> str:
+    older = [v for v in rows if Version(v) < Version(version)]
+    return max(older, key=Version) if older else ""
+
+
+if __name__ == "__main__":
+    sys.exit(main())

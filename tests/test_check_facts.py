@@ -1,0 +1,226 @@
+"""`draftsmith check` against the engine facts table (src/draftsmith/rules/engine_facts.json).
+
+The table is read out of released wheels by scripts/engine_facts.py; these tests hold the rules to it and
+pin a few facts that the releases themselves show (whitelists, model tables, the per-model aux-id shift).
+CI never downloads wheels.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from packaging.version import Version
+
+from draftsmith import check
+from draftsmith.errors import DraftsmithError
+
+FIXTURES = Path(__file__).parent / "fixtures" / "configs"
+TARGETS, DRAFTERS = FIXTURES / "targets", FIXTURES / "drafters"
+VLLM_KEYS = {"eagle3_whitelist", "eagle3_modules", "eagle3_archs", "aux_ids_read", "method_path_guess", "norm_flags_read",
+             "draft_max_position_override", "tp_key_rejected", "multimodal_probes", "mla_drafter", "sources"}
+SGLANG_KEYS = {"eagle3_modules", "eagle3_archs", "arch_modules", "draft_archs", "aux_shift", "aux_ids_read", "norm_flags_read", "mla_drafter", "capture_error"}
+
+
+def write(folder: Path, config: dict) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "tokenizer.json").write_text("{}")
+    return folder
+
+
+def llama_drafter(tmp_path, **over) -> Path:
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": 4096,
+              "num_hidden_layers": 1, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+              "draft_vocab_size": 32000, "max_position_embeddings": 131072} | over
+    return write(tmp_path / "drafter-eagle3", config)
+
+
+def run(target, drafter, engine="vllm", version="0.33.0", spec=None, engine_args=""):
+    return check.run_checks(Path(target), Path(drafter), engine, version, json.dumps(spec) if spec else None,
+                            engine_args)
+
+
+def errors(findings, kind=None) -> list[str]:
+    return [f.rule for f in findings if f.severity == "error" and (kind is None or f.kind == kind)]
+
+
+# ---------------------------------------------------------------- the table itself
+
+@pytest.mark.parametrize("engine, keys, oldest, at_least", [
+    ("vllm", VLLM_KEYS, "0.8.0", 40), ("sglang", SGLANG_KEYS, "0.4.0", 25)])
+def test_the_table_covers_every_release_read_with_every_fact(engine, keys, oldest, at_least):
+    rows = check.facts_table()[engine]
+    assert len(rows) >= at_least
+    assert min(rows, key=Version).startswith(oldest)
+    for version, facts in rows.items():
+        assert keys <= set(facts), (version, keys - set(facts))
+
+
+def test_every_fact_a_rule_names_is_computed(tmp_path):
+    """A rule that names a fact nobody computes would never fire: hold every rule against the facts."""
+    for engine in ("vllm", "sglang"):
+        _, facts = run(TARGETS / "llama-3.1-8b", llama_drafter(tmp_path / engine), engine=engine,
+                       version=check.load_rules(engine).default_version)
+        for rule in check.load_rules(engine).rules:
+            assert check.referenced_facts(rule) <= set(facts), (rule.id, check.referenced_facts(rule) - set(facts))
+
+
+@pytest.mark.parametrize("version, whitelist", [
+    ("0.8.5", ["llama"]), ("0.10.0", ["llama"]), ("0.10.1.1", ["llama", "qwen"]),
+    ("0.11.0", ["llama", "qwen", "minicpm", "gpt_oss"]), ("0.17.0", None), ("0.33.0", None)])
+def test_the_whitelist_per_release_is_the_one_the_wheel_holds(version, whitelist):
+    assert check.engine_release("vllm", version).facts["eagle3_whitelist"] == whitelist
+
+
+def test_a_post_release_and_an_unlisted_patch_use_the_release_they_belong_to():
+    assert check.engine_release("sglang", "0.5.6").read == "0.5.6.post2"
+    assert check.engine_release("vllm", "0.9.0.1").read == "0.9.0.1"
+    assert check.engine_release("vllm", "0.13.1").read == "0.13.0"
+    assert check.engine_release("vllm", "0.10.1").read == "0.10.1"  # not its later patch 0.10.1.1
+
+
+def test_newer_than_the_table_says_so_and_uses_the_newest_release(tmp_path):
+    newest = max(check.facts_table()["vllm"], key=Version)
+    findings, facts = run(TARGETS / "llama-3.1-8b", llama_drafter(tmp_path), version="9.0.0")
+    note = next(f for f in findings if f.rule == "check.version-newer-than-table")
+    assert note.severity == "warning" and newest in note.message and "9.0.0" in note.message
+    assert facts["facts_release"] == newest
+
+
+def test_older_than_the_table_says_target_support_was_not_checked(tmp_path):
+    findings, facts = run(TARGETS / "qwen3-8b", llama_drafter(tmp_path, vocab_size=151936), version="0.7.3")
+    assert "check.version-older-than-table" in {f.rule for f in findings}
+    assert facts["target_supports_eagle3"] is None
+
+
+# ---------------------------------------------------------------- rules read from the table
+
+def test_support_is_decided_per_class_with_inheritance_resolved(tmp_path):
+    """A class inheriting the hooks counts (vLLM's Qwen3-VL-MoE from Qwen3-VL); an SGLang wrapper whose class
+    lacks set_eagle3_layers_to_capture does not (sglang#17935, Qwen3-VL-30B-A3B on 0.5.7), whatever its file."""
+    assert "Qwen3VLMoeForConditionalGeneration" in check.engine_release("vllm", "0.13.0").facts["eagle3_archs"]
+    assert "MistralForCausalLM" in check.engine_release("vllm", "0.13.0").facts["eagle3_archs"]
+    target = write(tmp_path / "qwen3-vl-moe", {
+        "architectures": ["Qwen3VLMoeForConditionalGeneration"], "model_type": "qwen3_vl_moe", "image_token_id": 1,
+        "vision_config": {"depth": 27}, "text_config": {"model_type": "qwen3_vl_moe_text", "hidden_size": 2048,
+                                                        "num_hidden_layers": 48, "num_attention_heads": 32,
+                                                        "vocab_size": 151936}})
+    drafter = llama_drafter(tmp_path, hidden_size=2048, vocab_size=151936)
+    findings, facts = run(target, drafter, engine="sglang", version="0.5.7")
+    assert facts["target_module"] and facts["target_supports_eagle3"] is False
+    assert "sglang.layer-capture" in errors(findings, "start")
+
+
+def test_explicit_aux_ids_are_ignored_by_releases_that_do_not_read_them(tmp_path):
+    """vLLM read explicit aux ids only after vllm#25961; before, the runner always set the default."""
+    drafter = llama_drafter(tmp_path, eagle_aux_hidden_state_layer_ids=[1, 15, 28])
+    _, old = run(TARGETS / "llama-3.1-8b", drafter, version="0.10.0")
+    _, new = run(TARGETS / "llama-3.1-8b", drafter, version="0.33.0")
+    assert old["engine_reads_explicit_aux"] is False and old["aux_engine_reads"] == [2, 16, 29]
+    assert new["aux_engine_reads"] == [1, 15, 28]
+
+
+@pytest.mark.parametrize("ids, version, reads", [
+    ([12, 18, 24], "0.5.23", [12, 18, 24]),   # gpt_oss (24 layers) keeps ids that reach the last boundary
+    ([1, 11, 20], "0.5.23", [2, 12, 21]),     # otherwise the +1
+])
+def test_sglang_shifts_aux_ids_the_way_the_target_model_file_does(tmp_path, ids, version, reads):
+    drafter = write(tmp_path / "gpt-oss-eagle3", {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": 2880, "vocab_size": 201088,
+        "num_attention_heads": 64, "max_position_embeddings": 131072, "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids}})
+    _, facts = run(TARGETS / "gpt-oss-20b", drafter, engine="sglang", version=version)
+    assert facts["aux_engine_reads"] == reads
+
+
+def test_sglang_deepseek_wrapper_follows_its_language_model_file(tmp_path):
+    """Kimi-K2.5's model file delegates to DeepSeek-V2's, which adds 1 only when the first id is 1."""
+    for ids, reads in (([1, 29, 57], [2, 30, 58]), ([2, 30, 58], [2, 30, 58])):
+        d = json.loads((DRAFTERS / "kimi-k25-eagle3-specforge" / "config.json").read_text())
+        d["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
+        _, facts = run(TARGETS / "kimi-k2.5", write(tmp_path / f"d{ids[0]}", d), engine="sglang", version="0.5.23")
+        assert facts["aux_engine_reads"] == reads
+
+
+def test_rope_cache_shorter_than_the_context_is_an_error_where_the_release_keeps_it(tmp_path):
+    drafter = llama_drafter(tmp_path, max_position_embeddings=2048)
+    keeps = next(v for v, f in sorted(check.facts_table()["vllm"].items(), key=lambda kv: Version(kv[0]))
+                 if Version(v) >= Version("0.18.0") and not f["draft_max_position_override"])
+    findings, _ = run(TARGETS / "llama-3.1-8b", drafter, version=keeps)
+    assert "vllm.max-position" in errors(findings, "serve")
+    raised = next(v for v, f in check.facts_table()["vllm"].items() if f["draft_max_position_override"])
+    findings, _ = run(TARGETS / "llama-3.1-8b", drafter, version=raised)
+    assert "vllm.max-position" not in errors(findings)
+    assert "vllm.max-position-raised" in {f.rule for f in findings if f.severity == "warning"}
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_other_tokenizer_with_equal_hidden_size_accepts_nothing(tmp_path, engine):
+    findings, _ = run(TARGETS / "llama-3.1-8b", llama_drafter(tmp_path, vocab_size=151936, draft_vocab_size=32000),
+                      engine=engine, version=check.load_rules(engine).default_version)
+    assert f"{engine}.vocab" in errors(findings, "accept")
+
+
+def test_tensor_parallel_that_does_not_divide_the_heads_will_not_start(tmp_path):
+    drafter = llama_drafter(tmp_path)
+    findings, _ = run(TARGETS / "llama-3.1-8b", drafter, engine_args="--tensor-parallel-size 3")
+    assert {"vllm.tp-heads", "vllm.draft-tp-heads"} <= set(errors(findings, "start"))
+    findings, _ = run(TARGETS / "llama-3.1-8b", drafter, engine_args="-tp 3",
+                      spec={"method": "eagle3", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1})
+    assert "vllm.draft-tp-heads" not in errors(findings)
+
+
+def test_the_first_start_error_is_the_first_the_engine_meets(tmp_path):
+    """DeepSeek-V3 on vLLM 0.17.0 with TP 7: the config check (heads) fires seconds in, before the weights load
+    and long before the SupportsEagle3 check; that one comes "after fixing" the first."""
+    drafter = write(tmp_path / "ds-eagle3", {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+                                             "hidden_size": 7168, "vocab_size": 129280, "num_attention_heads": 56,
+                                             "max_position_embeddings": 163840})
+    findings, _ = run(TARGETS / "deepseek-v3", drafter, version="0.17.0", engine_args="--tp 3")
+    starts = [f for f in findings if f.severity == "error" and f.kind == "start"]
+    assert starts[0].rule == "vllm.tp-heads"
+    assert all(f.message.startswith("after fixing vllm.tp-heads") for f in starts[1:])
+    assert "vllm.eagle3-interface" in {f.rule for f in starts[1:]}
+
+
+# ---------------------------------------------------------------- configs read the way the engine reads them
+
+def test_fields_a_published_config_omits_take_their_transformers_defaults(tmp_path):
+    """A Llama config without max_position_embeddings / rope_theta / tie_word_embeddings: LlamaConfig's defaults."""
+    config = json.loads((TARGETS / "llama-3.1-8b" / "config.json").read_text())
+    for key in ("max_position_embeddings", "num_key_value_heads", "tie_word_embeddings", "rope_theta"):
+        config.pop(key, None)
+    _, facts = run(write(tmp_path / "t", config), llama_drafter(tmp_path))
+    assert facts["target_max_position"] == 2048  # LlamaConfig default
+    assert facts["target_num_kv_heads"] == facts["target_num_heads"]
+
+
+def test_derived_fields_are_derived_from_this_config_not_from_the_class_default(tmp_path):
+    """LlamaConfig derives KV heads and head_dim from the config's own heads and hidden size (576 / 9 -> 64)."""
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+              "num_hidden_layers": 30, "num_attention_heads": 9, "vocab_size": 49152}
+    drafter = llama_drafter(tmp_path, hidden_size=576, vocab_size=49152, num_attention_heads=9)
+    _, facts = run(write(tmp_path / "smol", config), drafter)
+    assert facts["target_num_kv_heads"] == 9 and facts["target_max_position"] == 2048
+
+
+def test_a_multimodal_wrapper_with_a_sparse_text_config_is_unwrapped_with_its_class_defaults(tmp_path):
+    config = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+              "image_token_id": 151655, "vision_config": {"depth": 32},
+              "text_config": {"hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28,
+                              "num_key_value_heads": 4}}
+    _, facts = run(write(tmp_path / "vl", config), llama_drafter(tmp_path, hidden_size=3584, vocab_size=152064))
+    assert facts["target_hidden_size"] == 3584 and facts["target_vocab_size"] == 152064  # Qwen2_5_VL text default
+
+
+def test_a_config_that_is_not_json_is_a_clear_error(tmp_path):
+    target = tmp_path / "t"
+    target.mkdir()
+    (target / "config.json").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:abc\n")
+    with pytest.raises(DraftsmithError) as err:
+        run(target, llama_drafter(tmp_path))
+    assert "not JSON" in str(err.value) and "config.json" in str(err.value)
+    (target / "config.json").write_text("[1, 2]")
+    with pytest.raises(DraftsmithError, match="not a JSON object"):
+        run(target, llama_drafter(tmp_path / "2"))
