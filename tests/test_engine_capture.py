@@ -40,7 +40,7 @@ class FakeCaptureServer:
         self.model = AutoModelForCausalLM.from_pretrained(target).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(target)
         self.hs_dir, self.layer_ids, self.shift_token, self.requests = hs_dir, layer_ids, shift_token, 0
-        self.lock = threading.Lock()
+        self.lock, self.most_files = threading.Lock(), 0
         hs_dir.mkdir(parents=True, exist_ok=True)
 
     def complete(self, ids: list[int]) -> dict:
@@ -63,6 +63,7 @@ class FakeCaptureServer:
         states = torch.stack([pre_norm[0][0] if k == n else out.hidden_states[k][0] for k in self.layer_ids], 1)
         path = self.hs_dir / f"req-{self.requests}.safetensors"
         save_file({"hidden_states": states.contiguous(), "token_ids": torch.tensor(ids)}, str(path))
+        self.most_files = max(self.most_files, len(list(self.hs_dir.glob("*.safetensors"))))
         return {**reply, "kv_transfer_params": {"hidden_states_path": str(path)}}
 
     def tokenize(self, text: str) -> dict:
@@ -112,6 +113,7 @@ def test_engine_store_equals_the_in_process_store_and_leaves_no_connector_files(
         assert torch.equal(a.target_argmax, b.target_argmax)
     assert torch.equal(ref.token_counts(), eng.token_counts())
     assert not list(fake.hs_dir.iterdir()), "every request's file is deleted once stored"
+    assert fake.most_files <= 3, f"at most --concurrency files in flight, saw {fake.most_files}"
 
 
 def test_engine_capture_resumes_after_the_last_complete_shard(fake_server, tiny_target, tmp_path):

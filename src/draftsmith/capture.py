@@ -243,6 +243,8 @@ def add_parser(sub) -> None:
                            "examples:\n"
                            "  draftsmith capture --conversations runs/demo/conversations.jsonl --out runs/demo/store\n"
                            "  draftsmith capture --target ./Llama-3.1-8B --conversations conv.jsonl --out store --aux-ids 2,16,29\n"
+                           "  draftsmith capture --engine vllm --conversations conv.jsonl --out store --tp 2   # through vLLM\n"
+                           "  draftsmith capture --print-server-args --target ./Kimi-K2.5 --hs-dir /dev/shm/hs --tp 8\n"
                            "A killed capture resumes when the same command is run again."))
     p.add_argument("--target", default="smollm2")
     p.add_argument("--conversations", type=Path, help="JSONL written by `draftsmith regenerate` (required to capture)")

@@ -32,6 +32,7 @@ import shutil
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -238,6 +239,18 @@ def to_sample(states: torch.Tensor, sample: TokenizedSample, head: TargetHead) -
 
 # ---------------------------------------------------------------- the capture
 
+def in_order(pool: ThreadPoolExecutor, fn, items: list, window: int) -> Iterator:
+    """fn over items with at most `window` calls submitted ahead of the consumer, results in order (unlike
+    `pool.map`, which submits every item at once: the server would write every file before one is stored)."""
+    pending: deque = deque()
+    for item in items:
+        pending.append(pool.submit(fn, item))
+        if len(pending) >= window:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
+
+
 def capture_from_engine(base_url: str, todo: list[TokenizedSample], writer: StoreWriter, head: TargetHead,
                         tokenizer, concurrency: int) -> int:
     """Send `todo` with `concurrency` requests in flight, store the samples in order; returns tokens stored."""
@@ -245,11 +258,11 @@ def capture_from_engine(base_url: str, todo: list[TokenizedSample], writer: Stor
     if todo:
         check_server_tokenizer(base_url, todo[0], tokenizer)
     with ThreadPoolExecutor(concurrency) as pool, progress_bar("capture", total=len(todo), unit="samples") as bar:
-        for sample, reply in zip(todo, pool.map(lambda s: request_states(base_url, s.input_ids), todo)):
-            check_prompt_ids(sample.input_ids, reply.prompt_token_ids, tokenizer)
-            states = read_states(reply.states_path)
+        for sample, reply in zip(todo, in_order(pool, lambda s: request_states(base_url, s.input_ids), todo,
+                                                 concurrency)):
             try:
-                stored = to_sample(states, sample, head)
+                check_prompt_ids(sample.input_ids, reply.prompt_token_ids, tokenizer)
+                stored = to_sample(read_states(reply.states_path), sample, head)
                 check_states(stored, writer.samples_done + len(writer.pending))
                 check_greedy(stored.last[-1:].float(), head.head.float(), reply.next_token)
                 writer.add(stored)
@@ -326,7 +339,8 @@ def print_server_args(target: str, aux_ids: tuple[int, ...] | None, settings: En
     aux_ids = validate_aux_ids(tuple(aux_ids or spec.default_aux_ids), spec.num_layers)
     module_dir = install_connector(cache_dir() / "vllm-connector")
     args = server_args(engine_layer_ids(aux_ids, spec.num_layers), settings)
-    return f"PYTHONPATH={module_dir} vllm serve {shlex.quote(str(model_dir))} --served-model-name target " + shlex.join(args)
+    return (f"env PYTHONPATH={shlex.quote(str(module_dir))} vllm serve {shlex.quote(str(model_dir))} "
+            "--served-model-name target " + shlex.join(args))
 
 
 def run_engine_capture(args) -> int:
