@@ -181,6 +181,13 @@ def test_server_args_ask_for_aux_ids_plus_the_last_layer_without_prefix_caching(
     assert kv["kv_connector_extra_config"]["draftsmith_max_bytes"] == 1000
 
 
+def test_a_tensor_parallel_size_that_does_not_divide_the_heads_is_refused_before_a_start(tiny_target, tmp_path):
+    conv = write_conversations(tmp_path / "conv.jsonl", n=2)
+    settings = EngineSettings(tmp_path / "hs", tensor_parallel=3)  # the tiny target has 4 heads
+    with pytest.raises(DraftsmithError, match="a divisor of 4: 1, 2, 4"):
+        engine_capture(conv, tmp_path / "eng", settings, target=str(tiny_target), endpoint="http://127.0.0.1:9")
+
+
 def test_final_norm_is_the_targets_own_norm(tiny_target):
     from transformers import AutoModelForCausalLM
 

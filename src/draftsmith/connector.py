@@ -90,6 +90,8 @@ class DraftsmithHiddenStatesConnector(ExampleHiddenStatesConnector):
             time.sleep(0.05)
 
     def _submit_async_write(self, pending: PendingSave) -> None:
+        if not self._is_tp_rank_zero:  # only rank 0 writes (stock); the others must not wait or leave errors
+            return None
         if self._kv_cache is not None and self._kv_cache.is_cuda:
             folder = os.path.dirname(pending.filename)
             nbytes = self._state_bytes(pending)
@@ -105,8 +107,6 @@ class DraftsmithHiddenStatesConnector(ExampleHiddenStatesConnector):
 
     def _write_now(self, pending: PendingSave) -> None:
         """CPU: copy this request's states out of the cache and write them before returning."""
-        if not self._is_tp_rank_zero:
-            return
         assert self._kv_cache is not None, "register_kv_caches runs before the first request"
         block_ids = torch.tensor(pending.block_ids, dtype=torch.long)
         offsets = torch.arange(self._block_size, dtype=torch.long)

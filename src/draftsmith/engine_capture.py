@@ -76,6 +76,17 @@ def engine_layer_ids(aux_ids: tuple[int, ...], num_layers: int) -> list[int]:
     return aux_ids_for_format(aux_ids, "vllm") + [num_layers]
 
 
+def check_tensor_parallel(spec, tp: int) -> None:
+    """vLLM splits attention heads across TP ranks: refuse, before a server start, a size that cannot."""
+    if tp < 1 or spec.num_heads % tp:
+        fits = [n for n in range(1, spec.num_heads + 1) if spec.num_heads % n == 0 and n <= 16]
+        raise DraftsmithError("tensor-parallel size does not divide the target's attention heads",
+                              got=f"--tp {tp} for {spec.num_heads} heads",
+                              expected=f"a divisor of {spec.num_heads}: {', '.join(map(str, fits))}",
+                              fix="pick one of those (vLLM refuses the start otherwise: 'Total number of attention "
+                              "heads ... must be divisible by tensor parallel size')")
+
+
 def install_connector(folder: Path) -> Path:
     """Copy the connector module into `folder` (the server's PYTHONPATH entry); returns the folder."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -214,8 +225,7 @@ def load_target_head(model_dir: Path) -> TargetHead:
         raise DraftsmithError("target weights lack the final norm or the embeddings", got=str(sorted(found)),
                               expected="*.safetensors with model.norm.weight and model.embed_tokens.weight",
                               fix="point --target at the Hugging Face directory the server serves")
-    config = read_config(model_dir)
-    eps = float(config.get("rms_norm_eps", (config.get("text_config") or {}).get("rms_norm_eps", 1e-6)))
+    eps = describe_target(read_config(model_dir)).rms_norm_eps
     embed = found["embed_tokens.weight"]
     return TargetHead(found["model.norm.weight"], eps, embed, found.get("lm_head.weight", embed))
 
@@ -308,6 +318,7 @@ def engine_capture(conversations: Path, out: Path, settings: EngineSettings, tar
     model_dir = resolve_target(target)
     spec = describe_target(read_config(model_dir))
     aux_ids = validate_aux_ids(tuple(aux_ids or spec.default_aux_ids), spec.num_layers)
+    check_tensor_parallel(spec, settings.tensor_parallel)
     writer = StoreWriter(out, capture_identity(model_dir, target, aux_ids, spec, max_length, Path(conversations)),
                          shard_tokens)
     if writer.manifest.get("complete"):
@@ -337,6 +348,7 @@ def print_server_args(target: str, aux_ids: tuple[int, ...] | None, settings: En
     model_dir = resolve_target(target)
     spec = describe_target(read_config(model_dir))
     aux_ids = validate_aux_ids(tuple(aux_ids or spec.default_aux_ids), spec.num_layers)
+    check_tensor_parallel(spec, settings.tensor_parallel)
     module_dir = install_connector(cache_dir() / "vllm-connector")
     args = server_args(engine_layer_ids(aux_ids, spec.num_layers), settings)
     return (f"env PYTHONPATH={shlex.quote(str(module_dir))} vllm serve {shlex.quote(str(model_dir))} "
