@@ -243,7 +243,7 @@ def add_parser(sub) -> None:
                            "examples:\n"
                            "  draftsmith capture --conversations runs/demo/conversations.jsonl --out runs/demo/store\n"
                            "  draftsmith capture --target ./Llama-3.1-8B --conversations conv.jsonl --out store --aux-ids 2,16,29\n"
-                           "  draftsmith capture --engine vllm --conversations conv.jsonl --out store --tp 2   # through vLLM\n"
+                           "  draftsmith capture --engine vllm --target ./Llama-3.1-8B --conversations conv.jsonl --out store --tp 2\n"
                            "  draftsmith capture --print-server-args --target ./Kimi-K2.5 --hs-dir /dev/shm/hs --tp 8\n"
                            "A killed capture resumes when the same command is run again."))
     p.add_argument("--target", default="smollm2")
@@ -279,13 +279,13 @@ def run_capture(args) -> int:
         n, samples = store.verify(), check_store(store)
         print(f"capture: {n} shards verified, {samples} samples sane in {args.out}")
         return 0
+    if args.out is None and not args.print_server_args:
+        raise DraftsmithError("capture needs --out", got="no --out", expected="a feature store directory",
+                              fix="pass --out DIR")
     if args.engine == "vllm" or args.print_server_args:
         from draftsmith.engine_capture import run_engine_capture
 
         return run_engine_capture(args)
-    if args.out is None:
-        raise DraftsmithError("capture needs --out", got="no --out", expected="a feature store directory",
-                              fix="pass --out DIR")
     s = capture(args.conversations, args.out, args.target, parse_ids(args.aux_ids), args.max_length,
                 args.batch_tokens, args.shard_tokens, args.dtype, args.device)
     print_summary(s, args.out)

@@ -364,9 +364,6 @@ def run_engine_capture(args) -> int:
     if args.print_server_args:
         print(print_server_args(args.target, parse_ids(args.aux_ids), settings))
         return 0
-    if args.out is None:
-        raise DraftsmithError("capture needs --out", got="no --out", expected="a feature store directory",
-                              fix="pass --out DIR")
     s = engine_capture(args.conversations, args.out, settings, args.target, parse_ids(args.aux_ids), args.max_length,
                        args.shard_tokens, args.endpoint, args.dtype)
     print_summary(s, args.out)
