@@ -157,6 +157,38 @@ class CaptureSummary:
     bytes_per_token: int
 
 
+def require_conversations(conversations: Path | None) -> None:
+    if conversations is None or not Path(conversations).is_file():
+        raise DraftsmithError("conversations file not found", got=str(conversations),
+                              expected="a JSONL written by `draftsmith regenerate` (--conversations)",
+                              fix="run regenerate first")
+
+
+def capture_identity(model_dir: Path, target: str, aux_ids: tuple[int, ...], spec, max_length: int,
+                     conversations: Path) -> dict:
+    """What a store is tied to; the same for the in-process and the engine capture, so either resumes either."""
+    return {"target": target_identity(model_dir, target), "aux_layer_ids": list(aux_ids),
+            "aux_id_convention": AUX_CONVENTION, "hidden_size": spec.hidden_size, "dtype": "bfloat16",
+            "max_length": max_length, "conversations_sha256": sha256_file(conversations), "chat_template": "target"}
+
+
+def supervised_counts(samples: list[TokenizedSample], vocab_size: int) -> torch.Tensor:
+    """How often each target token is supervised, over every sample (those a killed run stored included)."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for s in samples:
+        ids = torch.tensor(s.input_ids)
+        counts += torch.bincount(ids[torch.tensor(s.loss_mask, dtype=torch.bool)], minlength=vocab_size)
+    return counts
+
+
+def finish_store(writer: StoreWriter, counts: torch.Tensor, embed: torch.Tensor, head: torch.Tensor,
+                 hidden_size: int) -> None:
+    """Last shard, token counts and the frozen target head (bf16); marks the store complete."""
+    writer.finish(counts, {"embed_tokens": embed.detach().to(torch.bfloat16).clone(),
+                           "lm_head": head.detach().to(torch.bfloat16).clone()},
+                  {"bytes_per_token": bytes_per_token(hidden_size), "token_counts_total": int(counts.sum())})
+
+
 def capture(conversations: Path, out: Path, target: str = "smollm2", aux_ids: tuple[int, ...] | None = None,
             max_length: int = DEFAULT_MAX_LENGTH, batch_tokens: int = 4096, shard_tokens: int = 1 << 16,
             dtype: str = "float32", device: str = "cpu") -> CaptureSummary:
@@ -164,24 +196,16 @@ def capture(conversations: Path, out: Path, target: str = "smollm2", aux_ids: tu
     model_dir = resolve_target(target)
     spec = describe_target(read_config(model_dir))
     aux_ids = validate_aux_ids(tuple(aux_ids or spec.default_aux_ids), spec.num_layers)
-    if not Path(conversations).is_file():
-        raise DraftsmithError("conversations file not found", got=str(conversations),
-                              expected="a JSONL written by `draftsmith regenerate`", fix="run regenerate first")
-    identity = {"target": target_identity(model_dir, target), "aux_layer_ids": list(aux_ids),
-                "aux_id_convention": AUX_CONVENTION, "hidden_size": spec.hidden_size, "dtype": "bfloat16",
-                "max_length": max_length, "conversations_sha256": sha256_file(Path(conversations)),
-                "chat_template": "target"}
-    writer = StoreWriter(out, identity, shard_tokens)
+    require_conversations(conversations)
+    writer = StoreWriter(out, capture_identity(model_dir, target, aux_ids, spec, max_length, Path(conversations)),
+                         shard_tokens)
     if writer.manifest.get("complete"):
         m = writer.manifest
         return CaptureSummary(m["num_samples"], m["num_samples"], m["num_tokens"], 0.0, bytes_per_token(spec.hidden_size))
     model, tokenizer = load_target(model_dir, dtype=dtype, device=device)
     samples = [s for _, s in tokenized_conversations(Path(conversations), tokenizer, max_length)]
     skip = writer.samples_done
-    counts = torch.zeros(spec.vocab_size, dtype=torch.int64)
-    for s in samples:  # counts cover every sample, including those already stored by a killed run
-        ids = torch.tensor(s.input_ids)
-        counts += torch.bincount(ids[torch.tensor(s.loss_mask, dtype=torch.bool)], minlength=spec.vocab_size)
+    counts = supervised_counts(samples, spec.vocab_size)
     todo = samples[skip:]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     start, tokens = time.perf_counter(), 0
@@ -196,11 +220,8 @@ def capture(conversations: Path, out: Path, target: str = "smollm2", aux_ids: tu
                 writer.add(Sample(ids[b, :n], loss[b, :n], aux[b, :n], last[b, :n], feats.target_argmax[b, :n].cpu()))
                 tokens += n
             bar.advance(len(batch), tokens=tokens)
-    head = model.get_output_embeddings().weight
-    embed = model.get_input_embeddings().weight
-    writer.finish(counts, {"embed_tokens": embed.detach().to(torch.bfloat16).clone(),
-                           "lm_head": head.detach().to(torch.bfloat16).clone()},
-                  {"bytes_per_token": bytes_per_token(spec.hidden_size), "token_counts_total": int(counts.sum())})
+    finish_store(writer, counts, model.get_input_embeddings().weight, model.get_output_embeddings().weight,
+                 spec.hidden_size)
     return CaptureSummary(len(todo), skip, tokens, time.perf_counter() - start, bytes_per_token(spec.hidden_size))
 
 
@@ -222,30 +243,56 @@ def add_parser(sub) -> None:
                            "examples:\n"
                            "  draftsmith capture --conversations runs/demo/conversations.jsonl --out runs/demo/store\n"
                            "  draftsmith capture --target ./Llama-3.1-8B --conversations conv.jsonl --out store --aux-ids 2,16,29\n"
+                           "  draftsmith capture --engine vllm --target ./Llama-3.1-8B --conversations conv.jsonl --out store --tp 2\n"
+                           "  draftsmith capture --print-server-args --target ./Kimi-K2.5 --hs-dir /dev/shm/hs --tp 8\n"
                            "A killed capture resumes when the same command is run again."))
     p.add_argument("--target", default="smollm2")
-    p.add_argument("--conversations", type=Path, required=True)
-    p.add_argument("--out", type=Path, required=True, help="feature store directory")
+    p.add_argument("--conversations", type=Path, help="JSONL written by `draftsmith regenerate` (required to capture)")
+    p.add_argument("--out", type=Path, help="feature store directory (required to capture)")
     p.add_argument("--aux-ids", default=None, help="boundary indices (default: 2,N//2,N-3)")
     p.add_argument("--max-length", type=int, default=DEFAULT_MAX_LENGTH)
     p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per target forward")
     p.add_argument("--shard-tokens", type=int, default=1 << 16, help="tokens per shard file")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="target compute dtype")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--verify", action="store_true", help="only verify an existing store's shards")
+    p.add_argument("--verify", action="store_true", help="only verify an existing store's shards (sha256 and "
+                   "degenerate states)")
+    p.add_argument("--engine", default="transformers", choices=("transformers", "vllm"),
+                   help="run the target here (transformers) or capture through a vLLM server (engine_capture)")
+    p.add_argument("--endpoint", help="with --engine vllm: a running capture server (else one is started)")
+    p.add_argument("--hs-dir", type=Path, help="with --engine vllm: the connector's folder (default OUT/engine/hs)")
+    p.add_argument("--hs-max-bytes", type=int, default=1 << 30, help="with --engine vllm: the folder's budget")
+    p.add_argument("--tp", type=int, default=1, help="with --engine vllm: tensor-parallel size of the server")
+    p.add_argument("--concurrency", type=int, default=4, help="with --engine vllm: requests in flight")
+    p.add_argument("--print-server-args", action="store_true", help="print the `vllm serve` command for --endpoint")
     p.set_defaults(func=run_capture)
 
 
 def run_capture(args) -> int:
+    if args.verify and args.out is None:
+        raise DraftsmithError("--verify needs --out", got="no --out", expected="the store to verify", fix="pass --out DIR")
     if args.verify:
+        from draftsmith.sanity import check_store
         from draftsmith.store import FeatureStore
 
-        n = FeatureStore(args.out).verify()
-        print(f"capture: {n} shards verified in {args.out}")
+        store = FeatureStore(args.out)
+        n, samples = store.verify(), check_store(store)
+        print(f"capture: {n} shards verified, {samples} samples sane in {args.out}")
         return 0
+    if args.out is None and not args.print_server_args:
+        raise DraftsmithError("capture needs --out", got="no --out", expected="a feature store directory",
+                              fix="pass --out DIR")
+    if args.engine == "vllm" or args.print_server_args:
+        from draftsmith.engine_capture import run_engine_capture
+
+        return run_engine_capture(args)
     s = capture(args.conversations, args.out, args.target, parse_ids(args.aux_ids), args.max_length,
                 args.batch_tokens, args.shard_tokens, args.dtype, args.device)
+    print_summary(s, args.out)
+    return 0
+
+
+def print_summary(s: CaptureSummary, out: Path) -> None:
     rate = s.tokens / max(s.seconds, 1e-9)
     print(f"capture: {s.samples} samples ({s.skipped_done} already stored), {s.tokens} tokens in {s.seconds:.1f} s "
-          f"({rate:,.0f} tok/s); {s.bytes_per_token} bytes/token -> {args.out}")
-    return 0
+          f"({rate:,.0f} tok/s); {s.bytes_per_token} bytes/token -> {out}")
