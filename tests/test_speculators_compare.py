@@ -3,7 +3,6 @@ the argv, the convert of speculators' checkpoint folders, and the message when s
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import sys
@@ -20,7 +19,7 @@ from public_layouts import write_speculators_trained
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import speculators_compare as cmp  # noqa: E402
 
-TRAIN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+TRAIN_DEFAULTS = {name: f.default for name, f in TrainConfig.model_fields.items()}
 
 
 def flags(argv: list[str]) -> dict[str, list[str]]:
