@@ -185,7 +185,10 @@ def decide(doc: dict) -> dict:
             # bench alone cannot tell a misread drafter from a weak one; the reference decoder reads it as trained,
             # so an engine tau this close to the reference's rules the wiring fault out.
             why = [r for r in why if "reads wrong" not in r]
-            weak = "" if v["decision"] == "go" else "; the drafter itself accepts little"
+            speedups = [lv.get("speedup") for lv in doc["bench"].get("levels", [])]
+            # a drafter that pays off at some level is not weak: the no-go comes from the load, not from acceptance
+            weak = "" if v["decision"] == "go" or any((x or 0) > 1 for x in speedups) \
+                else "; the drafter itself accepts little"
             why.insert(0, f"engine tau {p['engine_tau']:.2f} matches the reference decoder's {p['reference_tau']:.2f} "
                           f"at k={p['k']}: the engine reads the drafter as trained{weak}")
         return {"decision": v["decision"], "source": "bench: vLLM with and without the drafter",

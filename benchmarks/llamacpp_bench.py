@@ -1,0 +1,85 @@
+"""Speed-up of a drafter in llama.cpp's `llama-server` at batch 1: one plain server, one speculative server per k,
+each measured by `draftsmith bench` on the same prompts (f32 GGUFs of target and drafter, greedy, this CPU).
+
+Starts engines: run it under the shared lock, on a quiet machine (the ratio is what it reports).
+
+    flock /tmp/draftsmith-engine.lock .venv/bin/python benchmarks/llamacpp_bench.py --drafter smollm2 --k 2,3
+
+Writes benchmarks/results/llamacpp_bench_embedded.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from draftsmith import llamacpp
+
+OUT = Path(__file__).parent / "results" / "llamacpp_bench_embedded.json"
+
+
+def bench(endpoint: str, args, k: int | None) -> dict:
+    cmd = [sys.executable, "-m", "draftsmith", "bench", "--endpoint", endpoint, "--prompts", args.prompt_set,
+           "--num-prompts", str(args.prompts), "--concurrency", "1", "--max-tokens", str(args.max_tokens),
+           "--warmup", "1", "--json"]
+    if k is not None:
+        cmd += ["--num-speculative-tokens", str(k)]
+    done = subprocess.run(cmd, capture_output=True, text=True)  # exit 1 is bench's no-go / inconclusive verdict
+    try:
+        return json.loads(done.stdout)
+    except json.JSONDecodeError:
+        raise SystemExit(f"bench failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--drafter", default="smollm2", help="draftsmith checkpoint directory or shipped short name")
+    ap.add_argument("--target", default="smollm2")
+    ap.add_argument("--k", default="2,3", help="draft lengths, a comma list")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prompt-set", default="chat-eval")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args()
+    from draftsmith.checkpoint import drafter_path
+    from draftsmith.export import export
+    from draftsmith.target import resolve_target
+
+    ks = [int(k) for k in args.k.split(",")]
+    target = resolve_target(args.target)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        gguf = export(drafter_path(args.drafter), tmp / "llamacpp", "llamacpp", "float32", ks[0], str(target))
+        manifest = json.loads((gguf / "llamacpp.json").read_text())
+        target_gguf, drafter_gguf = Path(manifest["target_gguf"]), gguf / manifest["drafter_gguf"]
+        with llamacpp.serve(llamacpp.LlamaServe(target_gguf), tmp / "plain.log") as base:
+            plain = bench(base, args, None)
+        runs = {}
+        for k in ks:
+            with llamacpp.serve(llamacpp.LlamaServe(target_gguf, drafter_gguf, k=k), tmp / f"spec{k}.log") as base:
+                spec = bench(base, args, k)
+            s, p = spec["levels"][0], plain["levels"][0]
+            runs[str(k)] = {"tau": spec.get("tau"), "per_position": spec.get("per_position"),
+                            "output_tokens_per_s": s["output_tokens_per_s"],
+                            "baseline_output_tokens_per_s": p["output_tokens_per_s"],
+                            "speedup": s["output_tokens_per_s"] / p["output_tokens_per_s"]}
+            print(f"k={k}: {s['output_tokens_per_s']:.1f} vs {p['output_tokens_per_s']:.1f} tok/s = "
+                  f"{runs[str(k)]['speedup']:.2f}x, tau {spec.get('tau')}", flush=True)
+    result = {"what": f"llama-server (f32 target + f32 EAGLE-3 drafter GGUF of {args.drafter}) with and without the "
+                      f"drafter, batch 1, {args.prompts} {args.prompt_set} prompts, {args.max_tokens} tokens",
+              "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}",
+              "command": "flock /tmp/draftsmith-engine.lock .venv/bin/python benchmarks/llamacpp_bench.py "
+                         + " ".join(sys.argv[1:]),
+              "plain": plain["levels"][0], "runs": runs}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
