@@ -58,9 +58,10 @@ class DecodeSettings:
     """Padded prompt tokens per prefill call."""
     cuda_graphs: bool = True
     """Capture the decode step as CUDA graphs (CUDA only)."""
-    attention: str = "sdpa"
-    """Decode attention over the cache: `sdpa` (one fused kernel per layer: a row's query group is the
-    kernel's query length, so GQA needs no repeat) or `matmul` (explicit scores in fp32; the reference)."""
+    attention: str = "matmul"
+    """Decode attention over the cache: `matmul` (explicit scores in fp32: the path the benchmark measured) or
+    `sdpa` (one fused kernel per layer: a kv head's query group is the kernel's query length, so GQA needs no
+    repeat; equal outputs, but not faster in the one build that used it: docs/regenerate.md)."""
 
     def __post_init__(self):
         if self.attention not in ATTENTION:
