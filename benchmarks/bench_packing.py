@@ -74,6 +74,23 @@ def build_histogram(args) -> None:
           f"{len(bins)} bins -> {args.out}")
 
 
+def load_histogram(path: Path, scale_max: int = 0) -> dict:
+    """A histogram with `bins` (lo, hi, count), from this script's format or the `counts` format of
+    scripts/conversation_stats.py (bin start -> count, `bin_tokens` wide); scale_max > 0 scales the lengths so
+    that the longest bin ends there."""
+    h = json.loads(Path(path).read_text())
+    if "bins" not in h:
+        width = h["bin_tokens"]
+        h = dict(h, bins=[{"lo": int(lo) + 1, "hi": int(lo) + width, "count": c} for lo, c in
+                          sorted(h["counts"].items(), key=lambda kv: int(kv[0]))])
+    if scale_max:
+        scale = scale_max / max(b["hi"] for b in h["bins"])
+        h = dict(h, scale=h.get("scale", 1.0) * scale, bins=[
+            {"lo": max(1, round(b["lo"] * scale)), "hi": max(1, round(b["hi"] * scale)), "count": b["count"]}
+            for b in h["bins"]])
+    return h
+
+
 def draw_lengths(histogram: dict, n: int, seed: int) -> list[int]:
     """n lengths: a bin by its count, then a length uniform within it."""
     g = torch.Generator().manual_seed(seed)
@@ -177,7 +194,7 @@ def measure(args, lengths: list[int], pack: bool) -> dict:
 
 
 def run(args) -> None:
-    histogram = json.loads(Path(args.histogram).read_text())
+    histogram = load_histogram(Path(args.histogram))
     lengths = [min(n, args.row_tokens or args.batch_tokens) for n in draw_lengths(histogram, args.samples, args.seed)]
     modes = [measure(args, lengths, pack) for pack in (True, False)]
     packed, unpacked = modes

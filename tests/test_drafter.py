@@ -243,6 +243,58 @@ def test_lse_merge_attention_matches_dense_mask_values_and_gradients(steps):
         assert torch.allclose(g, r, atol=1e-10)
 
 
+def test_mlp_recomputing_its_gated_product_matches_the_plain_swiglu_in_values_and_gradients():
+    """MLP.forward keeps only the gate and up projections for the backward (kernels.SwiGLUDown); the output
+    and the gradients of the input and of all three weights equal autograd through the plain expression."""
+    import torch.nn.functional as F
+
+    from draftsmith.drafter import MLP
+    from draftsmith.kernels import SwiGLUDown
+
+    torch.manual_seed(0)
+    mlp = MLP(DrafterConfig(hidden_size=16, intermediate_size=40, num_heads=2, num_kv_heads=1, head_dim=8,
+                            vocab_size=32, draft_vocab_size=8, target_hidden_size=16, target_num_layers=4,
+                            aux_layer_ids=(1, 2, 3))).double()
+    x = torch.randn(2, 5, 16, dtype=torch.float64, requires_grad=True)
+    leaves = [x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+    ours = mlp(x)
+    plain = mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+    assert torch.allclose(ours, plain, atol=1e-13)
+    up = torch.randn_like(plain)
+    for g, r in zip(torch.autograd.grad((ours * up).sum(), leaves), torch.autograd.grad((plain * up).sum(), leaves)):
+        assert torch.allclose(g, r, atol=1e-12)
+    assert torch.autograd.gradcheck(SwiGLUDown.apply, (torch.randn(3, 6, dtype=torch.float64, requires_grad=True),
+                                                       torch.randn(3, 6, dtype=torch.float64, requires_grad=True),
+                                                       torch.randn(4, 6, dtype=torch.float64, requires_grad=True)))
+
+
+def test_step_0_keys_repeated_once_per_unroll_give_the_same_values_and_gradients():
+    """The unroll repeats step 0's K/V to the query heads once (StepCache.repeated_causal_kv) instead of once per
+    step: the same attention and the same gradients into k0 / v0 as repeating inside every call, float64."""
+    from draftsmith.drafter import StepCache
+    from draftsmith.kernels import causal_attention_lse_reference, ttt_attention_lse
+
+    q, k0, v0, dk, dv = random_qkv(3)
+    assert q.shape[1] > k0.shape[1]  # grouped: the repeat is real
+    leaves = [q, k0, v0, *dk, *dv]
+    for t in leaves:
+        t.requires_grad_(True)
+    cache = StepCache(keys=[k0, *dk], values=[v0, *dv])
+    groups = q.shape[1] // k0.shape[1]
+    shared = cache.repeated_causal_kv(groups)
+    assert cache.repeated_causal_kv(groups) is shared  # made once
+    outs = [ttt_attention_lse(q, k0, v0, dk[:i], dv[:i], causal=causal_attention_lse_reference, causal_kv=shared)
+            for i in (1, 2, 3)]
+    refs = [ttt_attention_lse(q, k0, v0, dk[:i], dv[:i], causal=causal_attention_lse_reference) for i in (1, 2, 3)]
+    up = [torch.randn_like(r) for r in refs]
+    for o, r in zip(outs, refs):
+        assert torch.allclose(o, r, atol=1e-12)
+    ours = torch.autograd.grad(sum((o * u).sum() for o, u in zip(outs, up)), leaves)
+    theirs = torch.autograd.grad(sum((r * u).sum() for r, u in zip(refs, up)), leaves)
+    for g, r in zip(ours, theirs):
+        assert torch.allclose(g, r, atol=1e-10)
+
+
 def test_ttt_output_is_a_pytree_so_fsdp2_can_hook_its_backward():
     """FSDP2 finds forward outputs by pytree traversal; an opaque TTTOutput let ranks step on unreduced
     gradients on CUDA (docs/gpu.md). The loss must be among the leaves it sees."""

@@ -38,8 +38,8 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
 
-from draftsmith.kernels import (DraftHeadLoss, document_block_mask, document_mask, document_positions, soft_ce_rows,
-                                ttt_attention, ttt_attention_lse)
+from draftsmith.kernels import (DraftHeadLoss, document_block_mask, document_mask, document_positions, is_block_mask,
+                                repeat_kv, soft_ce_rows, SwiGLUDown, ttt_attention, ttt_attention_lse)
 from draftsmith.target import TargetSpec
 
 
@@ -159,7 +159,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        # = down_proj(silu(gate_proj(x)) * up_proj(x)), with the product recomputed in the backward
+        return SwiGLUDown.apply(self.gate_proj(x), self.up_proj(x), self.down_proj.weight)
 
 
 class MidLayer(nn.Module):
@@ -192,6 +193,13 @@ class StepCache:
 
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
+    causal_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+    """Step 0's keys and values repeated to the query heads, made once per unroll where the kernel needs them."""
+
+    def repeated_causal_kv(self, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.causal_kv is None:
+            self.causal_kv = (repeat_kv(self.keys[0], groups), repeat_kv(self.values[0], groups))
+        return self.causal_kv
 
 
 class Eagle3Drafter(nn.Module):
@@ -238,16 +246,19 @@ class Eagle3Drafter(nn.Module):
             cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, hd): per-row positions, broadcast over heads
         q, k, v = attn_mod.heads(*qkv.split([nq, nk, nk], dim=-1), cos.to(qkv.dtype), sin.to(qkv.dtype))
         if first:
-            cache.keys, cache.values = [k], [v]
+            cache.keys, cache.values, cache.causal_kv = [k], [v], None
         else:
             cache.keys.append(k)
             cache.values.append(v)
         # The same math; each the faster where it runs (flash kernels take half precision only; packed rows on
         # CUDA go through FlexAttention's block mask, any dtype).
         lse = q.is_cuda and (mask is not None or q.dtype in (torch.bfloat16, torch.float16))
+        extra = {}
+        if lse and not first and not is_block_mask(mask):  # the flash kernel reads K/V at the query heads
+            extra["causal_kv"] = cache.repeated_causal_kv(attn_mod.nh // attn_mod.nkv)
         attention = ttt_attention_lse if lse else ttt_attention
         attn = attention(q, cache.keys[0], cache.values[0], cache.keys[1:], cache.values[1:],
-                         mask=mask)  # (B, nh, T, hd)
+                         mask=mask, **extra)  # (B, nh, T, hd)
         attn = attn_mod.o_proj(attn.transpose(1, 2).reshape(B, T, -1))  # (B, T, H)
         h_out = mid.finish(attn, residual)
         return self.norm(h_out).to(h_out.dtype), h_out
@@ -399,6 +410,12 @@ def compile_for_training(drafter: Eagle3Drafter) -> None:
     norm, and the loss's pass over the logits (GPU runs, where it pays back the compile time; a new
     sequence length recompiles once, then runs with dynamic shapes: packed rows (`TrainConfig.pack`) keep
     one shape, so the first step compiles and no later one does)."""
+    import torch._dynamo.config as dynamo_config
+
+    # ttt_step compiles one graph per step index (the cache it reads grows), static at the first length and
+    # dynamic after it: 2 x K graphs for unpacked micro-batches of varying length. torch's default limit (8)
+    # would send the later steps back to eager without a word.
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 4 * TTT_STEPS)
     drafter.ttt_step = torch.compile(drafter.ttt_step)
     drafter.soft_ce_rows = torch.compile(soft_ce_rows)
 

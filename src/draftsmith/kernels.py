@@ -208,8 +208,14 @@ def is_block_mask(mask) -> bool:
     return mask is not None and not isinstance(mask, torch.Tensor)
 
 
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """(B, nkv, T, hd) -> (B, nkv * groups, T, hd): each KV head repeated for its query heads."""
+    return x if groups == 1 else x.repeat_interleave(groups, 1)
+
+
 def ttt_attention_lse(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag_k: list[torch.Tensor],
-                      diag_v: list[torch.Tensor], causal=None, mask=None) -> torch.Tensor:
+                      diag_v: list[torch.Tensor], causal=None, mask=None,
+                      causal_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`ttt_attention` by merging log-sum-exps: the causal part at the plain head dim, the diagonal added after.
 
     out = w o0 + (1 - w) od, with o0, lse0 the causal attention over step 0's keys, od the softmax-weighted
@@ -219,8 +225,10 @@ def ttt_attention_lse(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag_
 
     Args: as `ttt_attention`; causal: (q, k, v, scale) -> (out, lse) with k/v at nh heads; defaults to
         `CausalAttentionLSE` on CUDA and the plain reference elsewhere, or, for packed rows, to FlexAttention
-        under `mask` when it is a `BlockMask` (`document_block_mask`) and the reference under `mask` when it
-        is a dense (B, 1, T, T) mask (`document_mask`).
+        under `mask` when it is a `BlockMask` (`document_block_mask`; K/V stay at nkv heads, the kernel
+        groups them) and the reference under `mask` when it is a dense (B, 1, T, T) mask (`document_mask`);
+        causal_kv: k0, v0 already repeated to nh heads (`repeat_kv`): the unroll repeats them once for all
+        its steps (one copy kept for the backward instead of one per step).
     Returns: (B, nh, T, hd).
     """
     scale = 1.0 / math.sqrt(q.shape[-1])
@@ -230,14 +238,15 @@ def ttt_attention_lse(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag_
         return ttt_attention(q, k0, v0, diag_k, diag_v, mask)
     B, nh, T, hd = q.shape
     groups = nh // k0.shape[1]
-    if causal is None:
-        if is_block_mask(mask):
-            causal = lambda q_, k_, v_, s_: flex(q_, k_, v_, mask, s_, lse=True)  # noqa: E731
-        elif mask is not None:
+    if causal is None and is_block_mask(mask):
+        out0, lse0 = flex(q, k0, v0, mask, scale, lse=True)  # (B, nh, T, hd), (B, nh, T)
+    else:
+        if causal is None and mask is not None:
             causal = lambda q_, k_, v_, s_: causal_attention_lse_reference(q_, k_, v_, s_, mask)  # noqa: E731
-        else:
+        elif causal is None:
             causal = CausalAttentionLSE.apply if q.is_cuda else causal_attention_lse_reference
-    out0, lse0 = causal(q, k0.repeat_interleave(groups, 1), v0.repeat_interleave(groups, 1), scale)
+        k_rep, v_rep = causal_kv or (repeat_kv(k0, groups), repeat_kv(v0, groups))
+        out0, lse0 = causal(q, k_rep, v_rep, scale)
     d, dv = diagonal_scores(q, diag_k, diag_v, scale)  # (B, nkv, g, T, i), (B, nkv, T, i, hd)
     acc = d.dtype
     lse0 = lse0.reshape(B, nh, T).to(acc)
@@ -317,8 +326,11 @@ class DraftHeadLoss(torch.autograd.Function):
             if need_x:
                 gx[i0:i0 + n] = G @ W  # (n, B, T, H)
             if need_w:
-                part = (G.view(-1, Vd).T @ x[i0:i0 + n].reshape(-1, H)).to(acc)  # (Vd, H)
-                gw = part if gw is None else gw + part
+                part = G.view(-1, Vd).T @ x[i0:i0 + n].reshape(-1, H)  # (Vd, H) in x's dtype
+                if gw is None:
+                    gw = part.to(acc)
+                else:  # in place: no third (Vd, H) buffer at the loss's memory peak
+                    gw.add_(part)
             del G
         ce, top = torch.stack(ce), torch.stack(top)
         ctx.save_for_backward(gx, gw)
@@ -331,3 +343,36 @@ class DraftHeadLoss(torch.autograd.Function):
         gx, gw = ctx.saved_tensors
         return (gx * grad if gx is not None else None,
                 (gw * grad).to(ctx.weight_dtype) if gw is not None else None, None, None, None)
+
+
+# --- The MLP's gated product, recomputed in the backward ---------------------------------------------------
+
+
+class SwiGLUDown(torch.autograd.Function):
+    """y = down(silu(g) * u) from the gate and up projections g, u (..., I), keeping only g and u for the
+    backward: the product a = silu(g) * u (input of the down projection's weight gradient) and silu(g) are
+    recomputed there instead of saved. Autograd through the plain expression keeps g, silu(g), u and a, four
+    (T x I) tensors per TTT step (I = 14,336 at Llama-3.1-8B: 117 MB each at T = 4096 in bf16); this keeps two.
+
+    Args: g, u (..., I) in the compute dtype; weight (H, I) the down projection (cast to g's dtype).
+    Returns: y (..., H) in g's dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, g, u, weight):
+        w = weight.to(g.dtype)
+        ctx.save_for_backward(g, u, w)
+        ctx.weight_dtype = weight.dtype
+        return F.linear(F.silu(g) * u, w)
+
+    @staticmethod
+    def backward(ctx, dy):
+        g, u, w = ctx.saved_tensors
+        dy = dy.to(g.dtype)
+        sig = torch.sigmoid(g)
+        silu = g * sig
+        da = dy @ w  # (..., I)
+        dw = dy.reshape(-1, dy.shape[-1]).T @ (silu * u).reshape(-1, g.shape[-1])  # (H, I)
+        dg = da * u * (sig * (1 + g * (1 - sig)))
+        du = da * silu
+        return dg, du, dw.to(ctx.weight_dtype)

@@ -310,11 +310,13 @@ class Trainer:
                 document_pieces(idx, self.data.lengths, self.row_tokens, cfg.pack_long, self.data.loss_mask)
                 for idx in (self.train_idx, self.eval_idx))
         self.drafter = self.build_drafter().to(self.device)
+        self.fsdp = self.world > 1 and cfg.parallel == "fsdp"
+        if not self.fsdp:  # the frozen embedding is a lookup: in the features' dtype (FSDP2 wants one dtype)
+            self.drafter.embed_tokens.to(feature_dtype(self.device))
         # In the features' dtype (bf16 on GPU: ttt_forward computes in it anyway; half the memory of fp32).
         self.target_head = self.data.target_head().to(self.device, feature_dtype(self.device))
         if cfg.compile:
             compile_for_training(self.drafter)
-        self.fsdp = self.world > 1 and cfg.parallel == "fsdp"
         self.model = self.drafter
         if self.fsdp:  # shards the drafter's parameters in place; the optimizer then holds only this rank's shard
             from torch.distributed.fsdp import fully_shard

@@ -1,0 +1,150 @@
+"""draftsmith's Trainer beside SpecForge's training step on one GPU, in one run (issue 21's side-by-side).
+
+Four measurements, each in a fresh process, at Llama-3.1-8B drafter shapes, TTT 7, bf16:
+1. SpecForge (the anchor driver, ../shared/anchors/specforge-bench, set up under anchors/specforge as its
+   RUN.md says) at batch 1, its default, on a grid of sequence lengths (4096 included): step time and peak
+   memory per length.
+2. draftsmith's Trainer at a fixed 4096 tokens per step (gpu_train.py --trainer --compile), grad-accum 1:
+   the fixed-length ratio and the memory beside SpecForge's 4096 figures.
+3. draftsmith's Trainer on lengths drawn from a real length histogram (bench_packing.py run: packed rows of
+   4096 with document masks, and unpacked micro-batches of at most 4096 tokens padded to their longest).
+4. SpecForge on the same drawn lengths: batch 1 per conversation, each one's step time read off the grid
+   (linear between grid points; a floor where each length takes the grid point at or below it, which can
+   only flatter SpecForge). Useful tokens/s = the conversations' tokens / the summed step times.
+
+Run (on the GPU machine; carry `anchors`):
+    python3 benchmarks/specforge_compare.py --out $OUT/specforge_compare.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import datetime
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+GRID = (256, 512, 1024, 2048, 3072, 4096)
+
+
+def json_lines(text: str) -> list[dict]:
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return out
+
+
+def run(cmd: list[str], cwd: Path, timeout: int, log: Path) -> tuple[list[dict], float]:
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+        stdout, stderr = p.stdout, p.stderr
+    except subprocess.TimeoutExpired as exc:
+        stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        stderr = f"timed out after {timeout} s\n" + (exc.stderr.decode() if isinstance(exc.stderr, bytes)
+                                                     else (exc.stderr or ""))
+    log.write_text(f"$ {' '.join(cmd)}\n--- stdout\n{stdout}\n--- stderr\n{stderr[-20000:]}\n")
+    return json_lines(stdout), time.perf_counter() - t0
+
+
+def step_seconds(grid: dict[int, float], n: int, floor: bool) -> float:
+    """SpecForge's step time at length n from its grid: linear between the points around n (floor: the point at
+    or below n). Below the first point, proportional to n (either way, the lowest time it could be)."""
+    xs = sorted(grid)
+    i = bisect.bisect_right(xs, n)  # xs[i-1] <= n < xs[i]
+    if i == 0:
+        return grid[xs[0]] * n / xs[0]
+    if floor or i == len(xs):
+        return grid[xs[i - 1]]
+    x0, x1 = xs[i - 1], xs[i]
+    return grid[x0] + (grid[x1] - grid[x0]) * (n - x0) / (x1 - x0)
+
+
+def main() -> None:
+    from bench_packing import draw_lengths, load_histogram
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--histogram", type=Path, default=ROOT / "benchmarks/results/length_histogram_smollm2_self.json")
+    ap.add_argument("--scale-max", type=int, default=4096)
+    ap.add_argument("--samples", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=10, help="draftsmith: timed steps per mode")
+    ap.add_argument("--grid", default=",".join(map(str, GRID)))
+    ap.add_argument("--anchor", type=Path, default=ROOT / "anchors" / "specforge")
+    ap.add_argument("--specforge-budget-s", type=int, default=400, help="SpecForge skips lengths after this long")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: specforge, fixed, real")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    logs = args.out.parent / "specforge_compare_logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    py = sys.executable
+    result: dict = {"what": __doc__.splitlines()[0], "command": " ".join(sys.argv), "date": str(datetime.date.today())}
+
+    sf_grid: dict[int, dict] = {}
+    if "specforge" not in skip:
+        lines, secs = run([py, "bench.py", "--device", "cuda", "--seqs", args.grid, "--backends", "flex_attention",
+                           "--budget-s", str(args.specforge_budget_s)], args.anchor, args.specforge_budget_s + 150,
+                          logs / "specforge.log")
+        result["specforge_env"] = next((r for r in lines if r.get("kind") == "env"), None)
+        sf_grid = {r["seq"]: r for r in lines if r.get("impl") == "specforge" and r.get("status") == "ok"}
+        result["specforge"] = {"wall_s": secs, "per_length": [r for r in lines if r.get("impl") == "specforge"]}
+    if "fixed" not in skip:
+        lines, secs = run([py, "benchmarks/gpu_train.py", "--trainer", "--compile", "--seq", "4096", "--steps",
+                           str(args.steps + 3)], ROOT, 300, logs / "draftsmith_fixed.log")
+        fixed = next((r for r in lines if r.get("mode") == "trainer"), None)
+        result["draftsmith_fixed_4096"] = {"wall_s": secs, **(fixed or {"error": "no result; see the log"})}
+        sf = sf_grid.get(4096)
+        if fixed and sf:
+            result["fixed_4096"] = {
+                "draftsmith_tokens_per_s": fixed["tokens_per_s"], "specforge_tokens_per_s": sf["tokens_per_s"],
+                "ratio": fixed["tokens_per_s"] / sf["tokens_per_s"], "goal_ratio": 1.5,
+                "draftsmith_peak_gb": fixed["peak_gb_rank0"], "specforge_peak_gb": sf["peak_mem_gb"],
+                "memory_goal": "draftsmith <= SpecForge"}
+    if "real" not in skip:
+        hist = load_histogram(args.histogram, args.scale_max)
+        lengths = [min(n, 4096) for n in draw_lengths(hist, args.samples, 0)]
+        with tempfile.TemporaryDirectory() as tmp:
+            packing_out = Path(tmp) / "packing.json"
+            scaled = Path(tmp) / "histogram.json"
+            scaled.write_text(json.dumps(hist))
+            run([py, "benchmarks/bench_packing.py", "run", "--histogram", str(scaled), "--device", "cuda", "--compile",
+                 "--samples", str(args.samples), "--seed", "0", "--steps", str(args.steps), "--out", str(packing_out)],
+                ROOT, 420, logs / "draftsmith_real.log")
+            packing = json.loads(packing_out.read_text()) if packing_out.exists() else None
+        real = {"histogram": str(args.histogram.relative_to(ROOT)), "scale_max": args.scale_max,
+                "samples": args.samples, "mean_length": sum(lengths) / len(lengths)}
+        if packing:
+            for mode in ("packed", "unpacked"):
+                packing[mode].pop("losses", None)
+            real["draftsmith"] = packing
+        if len(sf_grid) >= 2:
+            grid_s = {n: r["step_ms"] / 1000 for n, r in sf_grid.items()}
+            for name, floor in (("interpolated", False), ("floor", True)):
+                seconds = sum(step_seconds(grid_s, n, floor) for n in lengths)
+                real[f"specforge_{name}_tokens_per_s"] = sum(lengths) / seconds
+        if packing and "specforge_interpolated_tokens_per_s" in real:
+            packed = packing["packed"]["useful_tokens_per_s"]
+            real["ratios"] = {
+                "packed_over_specforge": packed / real["specforge_interpolated_tokens_per_s"],
+                "packed_over_specforge_floor": packed / real["specforge_floor_tokens_per_s"],
+                "packed_over_unpacked": packing["packed_over_unpacked"], "goal_packed_over_specforge": 2.5}
+        result["real_lengths"] = real
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: result.get(k) for k in ("fixed_4096",)}), flush=True)
+    print(json.dumps(result.get("real_lengths", {}).get("ratios")), flush=True)
+
+
+if __name__ == "__main__":
+    main()
