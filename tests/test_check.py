@@ -518,3 +518,24 @@ def test_real_startup_matches_the_prediction_for_a_config_time_failure(tmp_path)
     actual = builder.start_vllm(target, drafter, sc.spec, tmp_path / "vllm.log", timeout_s=600)
     assert predicted["predicts_start"] is False and actual["started"] is False
     assert "`num_speculative_tokens` was not provided" in (tmp_path / "vllm.log").read_text()
+
+
+# ---------------------------------------------------------------- head_dim the engine builds vs the weights
+
+@pytest.mark.parametrize("engine, version", [("vllm", "0.33.0"), ("sglang", "0.5.23")])
+def test_q_proj_rows_that_the_built_head_dim_cannot_hold_fail_at_start(tmp_path, smol_target, engine, version):
+    """AngelSlim/Qwen3-4B_eagle3 (EAGLE#284/#315): trained with head_dim 128, config without head_dim, so the
+    engines build hidden/heads; the header's q_proj rows settle it."""
+    config = builder.drafter_config()
+    del config["head_dim"]
+    config["num_attention_heads"] = 6  # built head_dim 576 // 6 = 96: 576 q rows, the weights hold 9 x 64 = 576
+    findings, facts = run(smol_target, smol_drafter(tmp_path, config=config), engine=engine, version=version)
+    assert (facts["q_rows"], facts["expected_q_rows"]) == (576, 576)
+    assert f"{engine}.drafter-head-dim" not in errors(findings)
+    tensors = builder.drafter_tensors()
+    tensors["midlayer.self_attn.q_proj.weight"] = ("float32", (6 * 128, 2 * 576))  # trained with head_dim 128
+    findings, facts = run(smol_target, smol_drafter(tmp_path, "d2", config=config, tensors=tensors), engine=engine,
+                          version=version)
+    bad = next(f for f in findings if f.rule == f"{engine}.drafter-head-dim")
+    assert (bad.severity, bad.kind) == ("error", "start") and "768 rows" in bad.message
+    assert f"{engine}.drafter-head-dim-unset" not in warnings(findings)  # the weights were read: no guess

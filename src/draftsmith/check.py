@@ -570,6 +570,7 @@ def target_facts(path: Path, book: RuleBook, version: str, rf: dict[str, Any]) -
         "target_is_mla": spec.is_mla, "target_has_vision": spec.has_vision, "target_probe_attr": probe,
         "target_probe_missing": bool(probe) and not probe_present,
         "target_max_position": spec.max_position_embeddings, "target_dtype": spec.torch_dtype,
+        "target_head_dim": None if spec.is_mla else spec.head_dim,
         "target_missing_shards": tensors.missing_files or None, "target_shards": len(tensors.files),
         "target_has_tokenizer": any((path / f).is_file() for f in TOKENIZER_FILES),
         "default_aux": list(default_aux_ids(spec.num_layers)),
@@ -605,11 +606,23 @@ def drafter_facts(path: Path, hidden: int, vocab: int) -> dict[str, Any]:
         "expected_fc_in": 3 * fc_width if fc_width else None,
         "expected_fc_in_target": 3 * hidden,
         "qkv_in": shape(f"{prefix}.self_attn.q_proj.weight", 1) if prefix else None,
+        **head_dim_facts(raw.get("transformer_layer_config") or raw,
+                         shape(f"{prefix}.self_attn.q_proj.weight", 0) if prefix else None),
         "expected_qkv_in": 2 * d.hidden_size if d.hidden_size else None,
         "lm_head_rows": shape("lm_head.weight", 0), "d2t_len": shape("d2t", 0), "t2d_len": shape("t2d", 0),
         "has_input_norm_tensor": "input_norm.weight" in t, "has_fc_norm_tensor": any(n.startswith("fc_norm.") for n in t),
         "draftsmith": d.draftsmith,
     }
+
+
+def head_dim_facts(layer: dict[str, Any], q_rows: int | None) -> dict[str, Any]:
+    """The head_dim the engines build the drafter's attention with: the config's `head_dim`, else hidden // heads
+    (vLLM and SGLang llama.py: `getattr(config, "head_dim", hidden_size // num_heads)`), and the q_proj rows the
+    weights hold (None without a safetensors header)."""
+    heads, hidden, explicit = layer.get("num_attention_heads"), layer.get("hidden_size"), layer.get("head_dim")
+    built = explicit or (hidden // heads if heads and hidden else None)
+    return {"drafter_head_dim_explicit": explicit, "drafter_head_dim": built, "q_rows": q_rows,
+            "expected_q_rows": heads * built if heads and built else None}
 
 
 def aux_facts(f: dict[str, Any], engine: str, version: str, drafter_config: dict[str, Any]) -> dict[str, Any]:
