@@ -8,7 +8,8 @@ kind of its first error finding (start before serve before accept), else `fine`.
 The split into `development` and `held-back` is fixed by the SHA-256 of the case's source URL (README.md in the
 corpus folder); rules are tuned on the development half only.
 
-Run: `.venv/bin/python scripts/check_corpus.py` -> benchmarks/results/check_corpus.json (and a summary).
+Run: `PYTHONPATH=src .venv/bin/python scripts/check_corpus.py` -> benchmarks/results/check_corpus.json (the
+command, the per-half scores of the result it replaces under `previous`, and a summary).
 """
 
 from __future__ import annotations
@@ -91,10 +92,22 @@ def score(cases: list[dict]) -> dict:
     return {"summary": summary, "cases": rows}
 
 
+COMMAND = "PYTHONPATH=src .venv/bin/python scripts/check_corpus.py"
+
+
+def previous_halves() -> dict:
+    """The per-half scores of the committed result this run replaces ({} when there is none)."""
+    try:
+        summary = json.loads(RESULT.read_text())["summary"]
+    except (OSError, ValueError, KeyError):
+        return {}
+    return {half_: summary[half_] for half_ in ("development", "held-back") if half_ in summary}
+
+
 def main() -> int:
     cases = load_cases()
     (CORPUS / "split.json").write_text(json.dumps(split_table(cases), indent=1) + "\n")
-    result = score(cases)
+    result = {"command": COMMAND, "previous": previous_halves(), **score(cases)}
     RESULT.parent.mkdir(parents=True, exist_ok=True)
     RESULT.write_text(json.dumps(result, indent=1) + "\n")
     for key, row in result["summary"].items():

@@ -143,12 +143,13 @@ def test_sglang_deepseek_wrapper_follows_its_language_model_file(tmp_path):
         assert facts["aux_engine_reads"] == reads
 
 
-def test_rope_cache_shorter_than_the_context_is_an_error_where_the_release_keeps_it(tmp_path):
+def test_rope_cache_shorter_than_the_context_is_a_serve_warning_where_the_release_keeps_it(tmp_path):
     drafter = llama_drafter(tmp_path, max_position_embeddings=2048)
     keeps = next(v for v, f in sorted(check.facts_table()["vllm"].items(), key=lambda kv: Version(kv[0]))
                  if Version(v) >= Version("0.18.0") and not f["draft_max_position_override"])
     findings, _ = run(TARGETS / "llama-3.1-8b", drafter, version=keeps)
-    assert "vllm.max-position" in errors(findings, "serve")
+    rope = next(f for f in findings if f.rule == "vllm.max-position")
+    assert (rope.severity, rope.kind) == ("warning", "serve") and "vllm.max-position" not in errors(findings)
     raised = next(v for v, f in check.facts_table()["vllm"].items() if f["draft_max_position_override"])
     findings, _ = run(TARGETS / "llama-3.1-8b", drafter, version=raised)
     assert "vllm.max-position" not in errors(findings)
@@ -224,3 +225,25 @@ def test_a_config_that_is_not_json_is_a_clear_error(tmp_path):
     (target / "config.json").write_text("[1, 2]")
     with pytest.raises(DraftsmithError, match="not a JSON object"):
         run(target, llama_drafter(tmp_path / "2"))
+
+
+QWEN3_4B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 2560, "num_hidden_layers": 36,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 9728,
+            "vocab_size": 151936, "max_position_embeddings": 40960, "torch_dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_drafter_without_head_dim_on_a_target_whose_head_dim_differs_is_a_start_warning(tmp_path, engine):
+    """Qwen3-4B: 2560 / 32 = 80, the target uses 128 (AngelSlim Qwen3-4B fails to load, Qwen3-32B loads)."""
+    target = write(tmp_path / "qwen3-4b", QWEN3_4B)
+    version = check.load_rules(engine).default_version
+    shape = {"hidden_size": 2560, "num_attention_heads": 32, "vocab_size": 151936}
+    findings, facts = run(target, llama_drafter(tmp_path / "a", **shape), engine=engine, version=version)
+    hint = next(f for f in findings if f.rule == f"{engine}.drafter-head-dim-unset")
+    assert (hint.severity, hint.kind) == ("warning", "start") and "80" in hint.message and "128" in hint.message
+    findings, _ = run(target, llama_drafter(tmp_path / "b", head_dim=128, **shape), engine=engine, version=version)
+    assert f"{engine}.drafter-head-dim-unset" not in {f.rule for f in findings}
+    target8b = write(tmp_path / "qwen3-8b", QWEN3_4B | {"hidden_size": 4096})  # 4096 / 32 = 128: nothing to guess
+    findings, _ = run(target8b, llama_drafter(tmp_path / "c", hidden_size=4096, vocab_size=151936), engine=engine,
+                      version=version)
+    assert f"{engine}.drafter-head-dim-unset" not in {f.rule for f in findings}

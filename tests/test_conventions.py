@@ -8,10 +8,11 @@ in conventions.py, not from the code under test.
 from __future__ import annotations
 
 import pytest
+from packaging.version import Version
 
 from draftsmith.conventions import (
     AUX_KEY,
-    AUX_READINGS,
+    ENGINES,
     FORMAT_READER,
     TRAINER_CONVENTIONS,
     aux_ids_for_format,
@@ -19,6 +20,7 @@ from draftsmith.conventions import (
     default_aux_ids,
     engine_aux_ids,
     engine_reads,
+    facts_table,
     find_aux_ids,
     infer_boundary,
     to_boundary,
@@ -51,16 +53,23 @@ WRITTEN = {
 
 # (producer, engine, version, boundary indices the engine captures)
 READINGS = [
-    # vLLM >= 0.8.5: top level, then eagle_config, as boundary indices
-    ("specforge", "vllm", "0.17.0", (2, 9, 19)),  # one layer early: the SpecForge-on-vLLM misread
+    # vLLM, as boundary indices, where the facts table says the release reads them: nowhere before 0.11.1,
+    # the top level only 0.11.1-0.21.0 (0.18.0 gpu_model_runner.py `hasattr(hf_config, ...)`), then eagle_config
+    ("specforge", "vllm", "0.22.0", (2, 9, 19)),  # one layer early: the SpecForge-on-vLLM misread
+    ("specforge", "vllm", "0.17.0", DEFAULT),  # nested ids not read: vLLM's default is captured
     ("modelopt", "vllm", "0.33.0", (2, 9, 19)),
     ("speculators", "vllm", "0.33.0", TRAINED),
-    ("export-vllm", "vllm", "0.9.2", TRAINED),
+    ("speculators", "vllm", "0.18.0", TRAINED),  # top-level ids are read from 0.11.1
+    ("speculators", "vllm", "0.11.0", DEFAULT),  # and by no release before it
+    ("export-vllm", "vllm", "0.9.2", DEFAULT),
+    ("export-vllm", "vllm", "0.18.0", DEFAULT),  # draftsmith's vllm export nests them: 0.18.0 ignores them
+    ("export-vllm", "vllm", "0.22.0", TRAINED),
     ("export-sglang", "vllm", "0.33.0", (2, 9, 19)),
     ("export-llamacpp", "vllm", "0.33.0", TRAINED),
-    # SGLang >= 0.4.6: eagle_config only, +1 (layer outputs)
+    # SGLang: eagle_config only, +1 (layer outputs), from 0.4.9 (facts table); nothing before
     ("specforge", "sglang", "0.5.23", TRAINED),
-    ("modelopt", "sglang", "0.4.6.post5", TRAINED),
+    ("modelopt", "sglang", "0.4.9", TRAINED),
+    ("modelopt", "sglang", "0.4.6.post5", DEFAULT),
     ("speculators", "sglang", "0.5.23", DEFAULT),  # top-level ids are not read: the default is captured
     ("export-vllm", "sglang", "0.5.23", (4, 11, 21)),  # one layer late
     ("export-sglang", "sglang", "0.5.14", TRAINED),
@@ -93,14 +102,33 @@ def test_vllm_prefers_the_top_level_ids():
 
 
 def test_every_engine_row_covers_the_versions_draftsmith_checks():
-    assert {r.engine for r in AUX_READINGS} == {"vllm", "sglang", "llamacpp"}
+    assert set(ENGINES) == {"vllm", "sglang", "llamacpp"}
     for engine, version in (("vllm", "0.8.5"), ("vllm", "0.33.0"), ("sglang", "0.4.6.post5"), ("sglang", "0.5.23"),
                             ("llamacpp", "0.3.36")):
         assert aux_reading(engine, version).engine == engine
-    with pytest.raises(DraftsmithError, match="no known aux-id reading for vllm 0.8.0"):
-        aux_reading("vllm", "0.8.0")  # before EAGLE-3 existed in vLLM
+    with pytest.raises(DraftsmithError, match="no known aux-id reading for vllm 0.7.3"):
+        aux_reading("vllm", "0.7.3")  # older than every release in the facts table
     with pytest.raises(DraftsmithError, match="unknown engine"):
         aux_reading("tgi")
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_table_engines_read_ids_exactly_where_the_facts_table_says(engine):
+    """One home: every release's reading is the table's aux_ids_read / aux_ids_from_eagle_config."""
+    for release, row in facts_table()[engine].items():
+        reading = aux_reading(engine, release)
+        assert bool(reading.locations) == row["aux_ids_read"], release
+        assert ("eagle_config" in reading.locations) == (row["aux_ids_read"] and row["aux_ids_from_eagle_config"])
+        assert release in reading.source
+    assert aux_reading("vllm", "0.10.2").locations == ()
+    assert aux_reading("vllm", "0.18.0").locations == ("top-level",)
+    assert aux_reading("vllm").locations == ("top-level", "eagle_config")  # the newest release
+
+
+def test_a_release_between_table_rows_reads_like_the_one_before_it():
+    assert aux_reading("vllm", "0.13.1").versions == "==0.13.0"
+    assert aux_reading("sglang", "0.5.6").versions == "==0.5.6.post2"  # a post release counts for its release
+    assert aux_reading("vllm", "99.0.0").versions == f"=={max(facts_table()['vllm'], key=Version)}"
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMAT_READER))

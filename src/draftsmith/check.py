@@ -37,8 +37,10 @@ from draftsmith.conventions import (
     aux_reading,
     default_aux_ids,
     engine_reads,
+    facts_table,
     find_aux_ids,
     infer_boundary,
+    table_release,
 )
 from draftsmith.target import describe_target, resolve_target
 
@@ -416,7 +418,6 @@ def read_dir_config(path: Path) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- the engine facts table
 
-FACTS_TABLE = RULES_DIR / "engine_facts.json"
 """Facts read out of every released wheel by scripts/engine_facts.py (per engine, per release)."""
 
 
@@ -433,24 +434,11 @@ class EngineRelease:
     newer_than_table: bool
 
 
-@functools.lru_cache(maxsize=1)
-def facts_table() -> dict[str, dict[str, dict[str, Any]]]:
-    try:
-        return json.loads(FACTS_TABLE.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise DraftsmithError("the engine facts table is unreadable", got=f"{FACTS_TABLE}: {exc}",
-                              expected="the JSON that scripts/engine_facts.py writes",
-                              fix="reinstall draftsmith, or re-run scripts/engine_facts.py") from exc
-
-
 def engine_release(engine: str, version: str) -> EngineRelease:
     """The facts of the newest release in the table at or before `version` (newest known if `version` is newer)."""
     rows = facts_table().get(engine, {})
-    want = Version(version)
-    known = sorted(rows, key=Version)
-    older = [v for v in known if Version(v) <= want or (Version(v).is_postrelease and Version(v).release == want.release)]
-    read = version if version in rows else older[-1] if older else None
-    newer = bool(known) and want.release > Version(known[-1]).release
+    read = table_release(engine, version)
+    newer = bool(rows) and Version(version).release > Version(max(rows, key=Version)).release
     return EngineRelease(engine, version, read, rows.get(read, {}) if read else {}, newer)
 
 
@@ -582,6 +570,7 @@ def target_facts(path: Path, book: RuleBook, version: str, rf: dict[str, Any]) -
         "target_is_mla": spec.is_mla, "target_has_vision": spec.has_vision, "target_probe_attr": probe,
         "target_probe_missing": bool(probe) and not probe_present,
         "target_max_position": spec.max_position_embeddings, "target_dtype": spec.torch_dtype,
+        "target_head_dim": None if spec.is_mla else spec.head_dim,
         "target_missing_shards": tensors.missing_files or None, "target_shards": len(tensors.files),
         "target_has_tokenizer": any((path / f).is_file() for f in TOKENIZER_FILES),
         "default_aux": list(default_aux_ids(spec.num_layers)),
@@ -617,11 +606,23 @@ def drafter_facts(path: Path, hidden: int, vocab: int) -> dict[str, Any]:
         "expected_fc_in": 3 * fc_width if fc_width else None,
         "expected_fc_in_target": 3 * hidden,
         "qkv_in": shape(f"{prefix}.self_attn.q_proj.weight", 1) if prefix else None,
+        **head_dim_facts(raw.get("transformer_layer_config") or raw,
+                         shape(f"{prefix}.self_attn.q_proj.weight", 0) if prefix else None),
         "expected_qkv_in": 2 * d.hidden_size if d.hidden_size else None,
         "lm_head_rows": shape("lm_head.weight", 0), "d2t_len": shape("d2t", 0), "t2d_len": shape("t2d", 0),
         "has_input_norm_tensor": "input_norm.weight" in t, "has_fc_norm_tensor": any(n.startswith("fc_norm.") for n in t),
         "draftsmith": d.draftsmith,
     }
+
+
+def head_dim_facts(layer: dict[str, Any], q_rows: int | None) -> dict[str, Any]:
+    """The head_dim the engines build the drafter's attention with: the config's `head_dim`, else hidden // heads
+    (vLLM and SGLang llama.py: `getattr(config, "head_dim", hidden_size // num_heads)`), and the q_proj rows the
+    weights hold (None without a safetensors header)."""
+    heads, hidden, explicit = layer.get("num_attention_heads"), layer.get("hidden_size"), layer.get("head_dim")
+    built = explicit or (hidden // heads if heads and hidden else None)
+    return {"drafter_head_dim_explicit": explicit, "drafter_head_dim": built, "q_rows": q_rows,
+            "expected_q_rows": heads * built if heads and built else None}
 
 
 def aux_facts(f: dict[str, Any], engine: str, version: str, drafter_config: dict[str, Any]) -> dict[str, Any]:
@@ -641,16 +642,21 @@ def aux_facts(f: dict[str, Any], engine: str, version: str, drafter_config: dict
         reads = f["llamacpp_aux_reads"]
     elif ids and f["engine_reads_explicit_aux"] is False:  # this release captures its default, ids or not
         reads = list(default_aux_ids(n))
-    elif engine == "sglang":  # read from eagle_config only, then shifted the way the target's model file does
-        written, _ = find_aux_ids(drafter_config, aux_reading("sglang").locations)
-        reads = sglang_capture(written, n, sglang_shift_of(f)) if written else list(default_aux_ids(n))
     elif f["facts_release"] is None and engine in ("vllm", "sglang"):  # older than any release read
         reads = list(default_aux_ids(n))
-    else:
-        reads = list(engine_reads(drafter_config, n, engine, version))
+    elif engine == "sglang":  # where this release reads them, then shifted the way the target's model file does
+        written, _ = find_aux_ids(drafter_config, aux_reading("sglang", f["facts_release"]).locations)
+        reads = sglang_capture(written, n, sglang_shift_of(f)) if written else list(default_aux_ids(n))
+    else:  # vLLM: where the release's runner reads them (conventions.aux_reading, from the facts table)
+        reads = list(engine_reads(drafter_config, n, engine, f["facts_release"] or version))
     return {
         "aux_trained": trained, "aux_basis": basis, "aux_engine_reads": reads,
         "aux_mismatch": None if trained is None else reads != trained,
+        # Certain only when the training ids are known (a draftsmith record, a speculators config); ids that merely
+        # match a default form may have been written in either convention (`aux_mismatch_inferred`).
+        "aux_mismatch_certain": None if trained is None or (basis == "inferred" and reads != trained)
+        else reads != trained,
+        "aux_mismatch_inferred": basis == "inferred" and reads != trained,
         "aux_out_of_range": any(not 0 <= i <= n for i in reads),
         "aux_sglang_ids_if_boundary": aux_ids_for_format(trained, "sglang") if trained and min(trained) >= 1
         else None,

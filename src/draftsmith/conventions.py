@@ -7,22 +7,23 @@ stream entering decoder layer b (0 = the embeddings, N = the last layer's output
 id o names the output of decoder layer o, which is boundary o + 1. EAGLE-3's default is the boundary
 triple (2, N//2, N-3), and it is what every engine captures when a drafter names no ids.
 
-How the engines read a drafter's explicit ids (`AUX_READINGS`, one row per engine and version range):
+How the engines read a drafter's explicit ids (`aux_reading`). For vLLM and SGLang, *whether* a release reads
+them and *where* comes from the engine facts table (`rules/engine_facts.json`, written from the released wheels
+by scripts/engine_facts.py: `aux_ids_read`, `aux_ids_from_eagle_config`); only the convention is written here:
 
-| engine   | versions  | where (in order)                 | read as      | source                                          |
-|----------|-----------|----------------------------------|--------------|-------------------------------------------------|
-| vllm     | >= 0.8.5  | top level, then `eagle_config`   | boundary     | vllm 0.13.0 gpu_model_runner.py:3633-3643;      |
-|          |           |                                  |              | 0.33.0 v1/worker/gpu/spec_decode/eagle/         |
-|          |           |                                  |              | eagle3_utils.py:113-143                         |
-| sglang   | >= 0.4.6  | `eagle_config` only              | layer output | srt/models/llama.py set_eagle3_layers_to_capture|
-|          |           |                                  | (+1)         | ("we plus 1 here"; 0.5.23 :929-941); the ids    |
-|          |           |                                  |              | come from `eagle_config[...]` in model_runner.py|
-| llamacpp | == 0.3.36 | top level only (the converter)   | boundary     | llama-cpp-python 0.3.36 vendor/llama.cpp        |
-|          |           |                                  |              | conversion/llama.py:74-82, src/models/llama.cpp |
-|          |           |                                  |              | :127                                            |
+| engine   | read as             | where, when the release reads ids      | releases (facts table)                       |
+|----------|---------------------|----------------------------------------|----------------------------------------------|
+| vllm     | boundary            | top level; `eagle_config` where the    | none before 0.11.1 (the default is captured);|
+|          |                     | table says the runner reads it         | top level only 0.11.1-0.21.0 (0.18.0         |
+|          |                     |                                        | gpu_model_runner.py:4646-4652 `hasattr`);    |
+|          |                     |                                        | top level, then `eagle_config` from 0.22.0   |
+| sglang   | layer output (+1)   | `eagle_config` only                    | from 0.4.9 (srt/models/llama.py              |
+|          |                     |                                        | set_eagle3_layers_to_capture, "we plus 1")   |
+| llamacpp | boundary            | top level only (the converter)         | 0.3.36, hand-read (not in the table):        |
+|          |                     |                                        | conversion/llama.py:74-82                    |
 
-SGLang's +1 becomes conditional (only when the first id is 1) with sgl-project/sglang#25454 (merged
-2026-05-16, in no release draftsmith has verified); add a row here once a release carries it.
+SGLang's +1 is applied per model file (some add it only when the first id is 1); `check` reads that per-file
+shift from the table too (`aux_shift`). A version older than every release the table holds has no reading.
 
 How the trainers write them (`TRAINER_CONVENTIONS`, `trainer_default`): EAGLE (SafeAILab
 traineagle3/modeling_llama_kv.py) and speculators capture boundaries; SpecForge
@@ -36,7 +37,10 @@ and `IMAGE_TOKEN_FIELDS`, each with its source below.
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from packaging.specifiers import SpecifierSet
@@ -113,21 +117,68 @@ class AuxReading:
     source: str
 
 
+FACTS_TABLE = Path(__file__).parent / "rules" / "engine_facts.json"
+# Engines whose reading comes from the facts table: the convention, and where they look when they read at all.
+TABLE_READINGS: dict[str, tuple[Convention, tuple[Location, ...]]] = {
+    "vllm": ("boundary", ("top-level", "eagle_config")),
+    "sglang": ("layer-output", ("eagle_config",)),
+}
+# Engines the table does not cover, one row per version range.
 AUX_READINGS: tuple[AuxReading, ...] = (
-    AuxReading("vllm", ">=0.8.5", ("top-level", "eagle_config"), "boundary",
-               "vllm 0.13.0 gpu_model_runner.py:3633-3643; 0.33.0 spec_decode/eagle/eagle3_utils.py:113-143"),
-    AuxReading("sglang", ">=0.4.6", ("eagle_config",), "layer-output",
-               "sglang srt/models/llama.py set_eagle3_layers_to_capture (+1); model_runner.py eagle_config[ids]"),
     AuxReading("llamacpp", "==0.3.36", ("top-level",), "boundary",
                "llama-cpp-python 0.3.36 conversion/llama.py:74-82; src/models/llama.cpp:127"),
 )
-ENGINES = tuple(dict.fromkeys(r.engine for r in AUX_READINGS))
+ENGINES = (*TABLE_READINGS, *dict.fromkeys(r.engine for r in AUX_READINGS))
 # Export formats read by an engine above: speculators configs are vLLM's to read (top level, boundary).
 FORMAT_READER = {"vllm": "vllm", "sglang": "sglang", "llamacpp": "llamacpp", "speculators": "vllm"}
 
 
+@functools.lru_cache(maxsize=1)
+def facts_table() -> dict[str, dict[str, dict[str, Any]]]:
+    """The engine facts table: {engine: {release: facts}} (scripts/engine_facts.py writes it from the wheels)."""
+    try:
+        return json.loads(FACTS_TABLE.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise DraftsmithError("the engine facts table is unreadable", got=f"{FACTS_TABLE}: {exc}",
+                              expected="the JSON that scripts/engine_facts.py writes",
+                              fix="reinstall draftsmith, or re-run scripts/engine_facts.py") from exc
+
+
+def table_release(engine: str, version: str | None) -> str | None:
+    """The table's release that stands for `version`: itself, else the newest one at or before it (a post
+    release counts for its release); the newest release for None; None when `version` is older than all."""
+    rows = facts_table().get(engine, {})
+    known = sorted(rows, key=Version)
+    if version is None:
+        return known[-1] if known else None
+    if version in rows:
+        return version
+    want = Version(version)
+    older = [v for v in known if Version(v) <= want or (Version(v).is_postrelease and Version(v).release == want.release)]
+    return older[-1] if older else None
+
+
+def _table_reading(engine: str, version: str | None) -> AuxReading:
+    convention, where = TABLE_READINGS[engine]
+    release = table_release(engine, version)
+    if release is None:
+        raise DraftsmithError(f"no known aux-id reading for {engine} {version}", got=str(version),
+                              expected=f"a release the facts table holds (from {min(facts_table()[engine], key=Version)})",
+                              fix="check a supported engine version, or re-run scripts/engine_facts.py")
+    row = facts_table()[engine][release]
+    reads, nested = bool(row.get("aux_ids_read")), bool(row.get("aux_ids_from_eagle_config"))
+    locations = tuple(w for w in where if reads and (w != "eagle_config" or nested))
+    files = ", ".join((row.get("sources") or {}).get("aux_ids") or []) or "no file reads the ids"
+    return AuxReading(engine, f"=={release}", locations, convention,
+                      f"engine_facts.json {engine} {release}: aux_ids_read={reads}, "
+                      f"aux_ids_from_eagle_config={nested} ({files})")
+
+
 def aux_reading(engine: str, version: str | None = None) -> AuxReading:
-    """The reading of `engine` at `version` (None: its newest range)."""
+    """The reading of `engine` at `version` (None: its newest release). `locations` is empty for a release that
+    reads no explicit ids (it captures its default whatever the config says)."""
+    if engine in TABLE_READINGS:
+        return _table_reading(engine, version)
     rows = [r for r in AUX_READINGS if r.engine == engine]
     if not rows:
         raise DraftsmithError("unknown engine for aux ids", got=repr(engine), expected=" | ".join(ENGINES),
