@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,12 +54,44 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write `data` to `path` through `*.tmp`, fsync and rename.
+
+    Raises:
+        DraftsmithError: the disk is full or unwritable (`disk_error`; the partial file is removed).
+    """
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise disk_error(path, exc, len(data)) from exc
+
+
+def atomic_save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """`safetensors.save_file` through `*.tmp`, fsync and rename; a full disk raises `disk_error`."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except (OSError, SafetensorError) as exc:  # safetensors reports ENOSPC / EFBIG as SafetensorError
+        tmp.unlink(missing_ok=True)
+        raise disk_error(path, exc, sum(t.numel() * t.element_size() for t in tensors.values())) from exc
+
+
+def disk_error(path: Path, exc: Exception, nbytes: int) -> DraftsmithError:
+    """The one report of a store file that could not be written (full disk, file-size limit, read-only)."""
+    free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
+    return DraftsmithError(f"could not write {path.name} in {path.parent}",
+                           got=f"{type(exc).__name__}: {exc} ({free:,} bytes free)",
+                           expected=f"about {nbytes:,} bytes free for {path.name}",
+                           fix="free space (or pick another --out) and rerun the same command: it resumes after "
+                           "the last complete shard")
 
 
 def bytes_per_token(hidden_size: int) -> int:
@@ -92,18 +125,8 @@ def write_shard_file(path: Path, samples: list[Sample]) -> tuple[str, int]:
         "target_argmax": torch.cat([s.target_argmax for s in samples]).to(torch.int32),
         "offsets": torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
     }
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        save_file(tensors, str(tmp))
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        digest = sha256_file(tmp)
-        os.replace(tmp, path)
-    except (OSError, SafetensorError) as exc:  # safetensors reports ENOSPC / EFBIG as SafetensorError
-        tmp.unlink(missing_ok=True)
-        raise DraftsmithError(f"could not write shard {path.name}", got=f"{type(exc).__name__}: {exc}",
-                              expected="free disk space for the shard", fix="free space (or pick another --out) "
-                              "and rerun the same command: it resumes after the last complete shard") from exc
+    atomic_save_tensors(path, tensors)
+    digest = sha256_file(path)
     return digest, int(lengths.sum())
 
 
@@ -163,9 +186,7 @@ class StoreWriter:
         """Write the last shard, the token counts and the target head, and mark the store complete."""
         self.flush()
         for name, tensors in ((TOKEN_COUNTS, {"counts": token_counts.to(torch.int64)}), (TARGET_HEAD, target_tensors)):
-            tmp = self.root / (name + ".tmp")
-            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
-            os.replace(tmp, self.root / name)
+            atomic_save_tensors(self.root / name, tensors)
             self.manifest[name.split(".")[0] + "_sha256"] = sha256_file(self.root / name)
         self.manifest.update(extra, complete=True)
         self.save_manifest()
