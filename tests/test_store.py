@@ -105,11 +105,12 @@ def test_kill_minus_9_mid_capture_then_rerun_completes_identically(captured, tin
 
 
 def test_full_disk_leaves_nothing_half_written_and_rerun_completes(captured, tiny_target, tmp_path):
-    """A real write failure: the OS refuses to grow files past RLIMIT_FSIZE (EFBIG), like a full disk."""
+    """A real write failure: the OS refuses to grow files past RLIMIT_FSIZE (EFBIG), like a full disk. The limit
+    (150 kB) lets the target head (~77 kB, published first) through and stops the first shard (~210 kB)."""
     _, conv = captured
     out = tmp_path / "store"
     code = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
-            "resource.setrlimit(resource.RLIMIT_FSIZE, (60000, 60000)); from draftsmith.cli import main; "
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (150000, 150000)); from draftsmith.cli import main; "
             f"sys.exit(main({[ 'capture', '--target', str(tiny_target), '--conversations', str(conv), '--out', str(out), '--shard-tokens', '400']!r}))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 2, r.stderr

@@ -42,7 +42,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from draftsmith.capture import (CaptureSummary, capture_identity, finish_store, require_conversations,
+from draftsmith.capture import (CaptureSummary, capture_identity, finish_store, head_tensors, require_conversations,
                                supervised_counts, tokenized_conversations)
 from draftsmith.chat import TokenizedSample
 from draftsmith.conventions import aux_ids_for_format, validate_aux_ids
@@ -329,6 +329,8 @@ def engine_capture(conversations: Path, out: Path, settings: EngineSettings, tar
     skip = writer.samples_done
     todo = samples[skip:]
     head = load_target_head(model_dir)
+    counts = supervised_counts(samples, spec.vocab_size)
+    writer.publish(counts, head_tensors(head.embed, head.head))  # a follower can start now (train --follow)
     if endpoint is None:
         clear_folder(settings.hs_dir)
     start = time.perf_counter()
@@ -337,7 +339,7 @@ def engine_capture(conversations: Path, out: Path, settings: EngineSettings, tar
           capture_server(model_dir, layer_ids, settings, Path(out) / "engine" / "vllm.log",
                          max(len(s.input_ids) for s in samples) + 8, dtype)) as base:
         tokens = capture_from_engine(base, todo, writer, head, tokenizer, settings.concurrency)
-    finish_store(writer, supervised_counts(samples, spec.vocab_size), head.embed, head.head, spec.hidden_size)
+    finish_store(writer, counts, head.embed, head.head, spec.hidden_size)
     return CaptureSummary(len(todo), skip, tokens, time.perf_counter() - start, bytes_per_token(spec.hidden_size))
 
 
