@@ -69,6 +69,8 @@ class EngineSettings:
     tensor_parallel: int = 1
     space_wait_s: float = 600.0
     concurrency: int = 4
+    python: Path | None = None
+    """The vLLM interpreter that starts the server (None: engine.engine_python)."""
 
 
 def engine_layer_ids(aux_ids: tuple[int, ...], num_layers: int) -> list[int]:
@@ -296,7 +298,7 @@ def capture_server(model_dir: Path, layer_ids: list[int], s: EngineSettings, log
                      extra_args=tuple(server_args(layer_ids, s)))
     path = os.pathsep.join([str(module_dir)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
     env = {**os.environ, **VLLM_CPU_ENV, "PYTHONPATH": path}
-    with serve_process(spec.command(engine_python("vllm")), spec.port, log, 900.0, env) as base:
+    with serve_process(spec.command(s.python or engine_python("vllm")), spec.port, log, 900.0, env) as base:
         yield base
 
 
