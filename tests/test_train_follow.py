@@ -45,10 +45,10 @@ def replay(reference: FeatureStore, root: Path, delay_s: float) -> threading.Thr
 
 
 def follow_config(store: Path, out: Path, max_steps: int, **kw) -> TrainConfig:
-    # --no-pack with a 1-token budget: one sample per micro-batch, so a step is a sample
-    return TrainConfig(out=str(out), store=str(store), follow=True, max_steps=max_steps, pack=False, batch_tokens=1,
-                       eval_fraction=0.34, draft_vocab_size=128, ttt_steps=3, lr=3e-3, eval_every=10**6,
-                       save_every=10**6, log_every=10**6, **{"follow_timeout_s": 60, **kw})
+    # by default --no-pack with a 1-token budget: one sample per micro-batch, so a step is a sample
+    settings = {"pack": False, "batch_tokens": 1, "eval_fraction": 0.34, "draft_vocab_size": 128, "ttt_steps": 3,
+                "lr": 3e-3, "eval_every": 10**6, "save_every": 10**6, "log_every": 10**6, "follow_timeout_s": 60}
+    return TrainConfig(out=str(out), store=str(store), follow=True, max_steps=max_steps, **{**settings, **kw})
 
 
 def test_epoch_0_follows_the_writer_and_trains_on_every_sample_once(reference, tmp_path):
@@ -77,6 +77,22 @@ def test_epoch_0_follows_the_writer_and_trains_on_every_sample_once(reference, t
     assert later == [[mb] for mb in trainer.plan(train=True, epoch=1)[:2]], "epoch 1 is the whole-store shuffle"
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r and "eval" not in r] == list(range(1, n_train + 3))
+    # the plan depends on the shards, not on when they landed: a run resumed later (or started on the complete
+    # store) has the same epoch 0, which is what makes a resume exact
+    again = Trainer(follow_config(tmp_path / "store", tmp_path / "again", max_steps=n_train + 2))
+    assert (again.epoch0, again.train_idx, again.eval_idx) == (trainer.epoch0, trainer.train_idx, trainer.eval_idx)
+
+
+def test_packed_epoch_0_places_every_training_piece_once_in_micro_batches_of_one_shape(reference, tmp_path):
+    replay(reference, tmp_path / "store", delay_s=0.0).join()
+    trainer = Trainer(follow_config(tmp_path / "store", tmp_path / "run", max_steps=1, pack=True, batch_tokens=256,
+                                    row_tokens=64))
+    placed = [piece for mb in trainer.epoch0 for row in mb for piece in row]
+    assert sorted(placed) == sorted(trainer.train_pieces) and len(set(placed)) == len(placed), \
+        "every training piece of every shard exactly once in epoch 0"
+    assert {k for k, _, _ in placed} == set(trainer.train_idx)
+    assert all(len(mb) == trainer.rows_per_batch == 4 for mb in trainer.epoch0), "one micro-batch shape"
+    assert all(sum(b - a for _, a, b in row) <= 64 for mb in trainer.epoch0 for row in mb)
 
 
 def test_follow_needs_a_step_budget_and_a_store(tmp_path):
@@ -87,3 +103,20 @@ def test_follow_needs_a_step_budget_and_a_store(tmp_path):
 def test_a_store_that_never_appears_is_named(tmp_path):
     with pytest.raises(DraftsmithError, match="no feature store to follow"):
         Trainer(follow_config(tmp_path / "nothing", tmp_path / "run", max_steps=5, follow_timeout_s=0.5))
+
+
+def test_a_writer_that_stops_and_a_zeroed_shard_stop_training_with_the_reason(reference, tmp_path):
+    w = StoreWriter(tmp_path / "stalled", reference.identity, shard_tokens=10**9)
+    w.publish(reference.token_counts(), reference.target_tensors())
+    for k in range(2 * PER_SHARD):
+        w.add(reference.sample(k))
+    w.flush()  # one shard, then the writer goes quiet without marking the store complete
+    trainer = Trainer(follow_config(tmp_path / "stalled", tmp_path / "run", max_steps=50, follow_timeout_s=1))
+    with pytest.raises(DraftsmithError, match="stopped growing before it was complete"):
+        trainer.run(progress=False)
+
+    bad = reference.sample(0)
+    w.add(type(bad)(bad.input_ids, bad.loss_mask, bad.aux * 0, bad.last, bad.target_argmax))
+    w.flush()  # a second shard whose aux states are all zero (vllm#46301's failure)
+    with pytest.raises(DraftsmithError, match="all zero"):
+        Trainer(follow_config(tmp_path / "stalled", tmp_path / "run2", max_steps=50, follow_timeout_s=1))
