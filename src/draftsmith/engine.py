@@ -143,8 +143,9 @@ def spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subpr
     require_linux()
     log.parent.mkdir(parents=True, exist_ok=True)
     env = {**UNBUFFERED_ENV, **(os.environ if env is None else env)}
+    log.write_bytes(b"")
     try:
-        with open(log, "wb") as out:
+        with open(log, "ab") as out:  # O_APPEND: the guard's lines and the engine's never overwrite each other
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env, start_new_session=True)
     except OSError as err:
