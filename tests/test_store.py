@@ -105,15 +105,16 @@ def test_kill_minus_9_mid_capture_then_rerun_completes_identically(captured, tin
 
 
 def test_full_disk_leaves_nothing_half_written_and_rerun_completes(captured, tiny_target, tmp_path):
-    """A real write failure: the OS refuses to grow files past RLIMIT_FSIZE (EFBIG), like a full disk."""
+    """A real write failure: the OS refuses to grow files past RLIMIT_FSIZE (EFBIG), like a full disk. The limit
+    (150 kB) lets the target head (~77 kB, published first) through and stops the first shard (~210 kB)."""
     _, conv = captured
     out = tmp_path / "store"
     code = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
-            "resource.setrlimit(resource.RLIMIT_FSIZE, (60000, 60000)); from draftsmith.cli import main; "
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (150000, 150000)); from draftsmith.cli import main; "
             f"sys.exit(main({[ 'capture', '--target', str(tiny_target), '--conversations', str(conv), '--out', str(out), '--shard-tokens', '400']!r}))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 2, r.stderr
-    assert "could not write shard" in r.stderr and "fix:" in r.stderr
+    assert "could not write shard-" in r.stderr and "fix:" in r.stderr
     assert not list(out.glob("*.tmp"))
     path = out / "manifest.json"
     manifest = json.loads(path.read_text()) if path.exists() else {"complete": False, "shards": []}
@@ -122,6 +123,44 @@ def test_full_disk_leaves_nothing_half_written_and_rerun_completes(captured, tin
     r = run_cli("capture", "--target", tiny_target, "--conversations", conv, "--out", out, "--shard-tokens", "400")
     assert r.returncode == 0, r.stderr
     assert FeatureStore(out).verify() > 0
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A real filesystem of 256 KiB (tmpfs), remountable larger; skipped where `mount` is not allowed."""
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_real_full_disk_enospc_names_what_got_expected_fix_and_the_store_resumes(captured, tiny_target,
+                                                                                   small_tmpfs):
+    """ENOSPC from the kernel itself (no monkeypatching): the store lives on a 256 KiB tmpfs that fills
+    mid-capture; remounted at 64 MiB, the same command resumes and completes."""
+    root, conv = captured
+    out = small_tmpfs / "store"
+    args = ["capture", "--target", tiny_target, "--conversations", conv, "--out", out, "--shard-tokens", "100"]
+    r = run_cli(*args)
+    assert r.returncode == 2, r.stderr
+    assert "No space left on device" in r.stderr, r.stderr  # got: the OS's own words
+    for part in ("could not write shard-", "bytes free)", "expected: about", "bytes free for shard-", "fix:",
+                 "rerun the same command"):
+        assert part in r.stderr, f"{part!r} missing from the error:\n{r.stderr}"
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert not manifest["complete"] and manifest["shards"], "the disk filled before any shard; the test proves nothing"
+    assert not list(out.glob("*.tmp")), "a partial file was left on the full disk"
+    assert {p.name for p in out.glob("shard-*")} == {e["file"] for e in manifest["shards"]}  # only whole shards
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_tmpfs)], check=True)
+    r = run_cli(*args)
+    assert r.returncode == 0, r.stderr
+    resumed, reference = FeatureStore(out), FeatureStore(root / "store")
+    assert resumed.verify() == len(resumed.manifest["shards"]) > len(manifest["shards"])
+    assert resumed.manifest["num_tokens"] == reference.manifest["num_tokens"]
+    assert all(torch.equal(resumed.sample(k).input_ids, reference.sample(k).input_ids) for k in range(len(reference)))
 
 
 def test_bad_inputs_exit_2_with_what_and_fix(tiny_target, tmp_path):

@@ -181,11 +181,15 @@ def supervised_counts(samples: list[TokenizedSample], vocab_size: int) -> torch.
     return counts
 
 
+def head_tensors(embed: torch.Tensor, head: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The frozen target tensors a store keeps (bf16)."""
+    return {"embed_tokens": embed.detach().to(torch.bfloat16).clone(), "lm_head": head.detach().to(torch.bfloat16).clone()}
+
+
 def finish_store(writer: StoreWriter, counts: torch.Tensor, embed: torch.Tensor, head: torch.Tensor,
                  hidden_size: int) -> None:
     """Last shard, token counts and the frozen target head (bf16); marks the store complete."""
-    writer.finish(counts, {"embed_tokens": embed.detach().to(torch.bfloat16).clone(),
-                           "lm_head": head.detach().to(torch.bfloat16).clone()},
+    writer.finish(counts, head_tensors(embed, head),
                   {"bytes_per_token": bytes_per_token(hidden_size), "token_counts_total": int(counts.sum())})
 
 
@@ -206,6 +210,7 @@ def capture(conversations: Path, out: Path, target: str = "smollm2", aux_ids: tu
     samples = [s for _, s in tokenized_conversations(Path(conversations), tokenizer, max_length)]
     skip = writer.samples_done
     counts = supervised_counts(samples, spec.vocab_size)
+    writer.publish(counts, head_tensors(model.get_input_embeddings().weight, model.get_output_embeddings().weight))
     todo = samples[skip:]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     start, tokens = time.perf_counter(), 0

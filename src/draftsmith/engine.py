@@ -5,10 +5,19 @@ virtualenv (by default `<cache>/venvs/<engine>`, made by `make engine-venv`), an
 Python as a subprocess and talks to it over HTTP on 127.0.0.1.
 
 The one home of engine processes, used by `launch`, `run`, `llamacpp.serve` and the tests: `spawn`
-(own session, unbuffered output to a log), `probe_ready` (`/health` and `/v1/models` both answer 200),
-`wait_ready` and `stop_tree` (SIGTERM then SIGKILL to the process group and to every descendant PID).
-`serve(...)` is a context manager that starts `vllm`'s OpenAI server, waits until it is ready, yields
-the base URL and stops the whole process tree on exit.
+(own session, unbuffered output to a log, a guard against orphans), `probe_ready` (`/health` and
+`/v1/models` both answer 200), `wait_ready` and `stop_tree` (SIGTERM then SIGKILL to the process group
+and to every descendant PID). `serve(...)` is a context manager that starts `vllm`'s OpenAI server,
+waits until it is ready, yields the base URL and stops the whole process tree on exit.
+
+No orphans: a `finally` never runs when draftsmith is SIGKILLed (or OOM-killed), and the server lives
+in its own session, so nothing else would stop it. `spawn` therefore starts a guard beside each server
+(`python -m draftsmith.engine --guard SERVER_PID PARENT_PID`, its own session, stdlib only) that polls
+`getppid()` and stops the server's tree the same way `stop_tree` does once its parent is gone; it
+exits by itself when the server's process group is gone. A guard rather than prctl(PR_SET_PDEATHSIG):
+that signal fires when the *thread* that forked exits, so a server spawned from a worker thread would
+die with the thread, and it reaches only the direct child, not the engine's workers. `release(proc)`
+lets a server outlive draftsmith on purpose (`launch --detach`). Linux only (the tree walk reads /proc).
 """
 
 from __future__ import annotations
@@ -20,9 +29,10 @@ import shlex
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,20 +132,93 @@ UNBUFFERED_ENV = {"PYTHONUNBUFFERED": "1"}
 
 
 def spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start `cmd` (an argument list, no shell) in a new session, stdout and stderr into `log`.
+    """Start `cmd` (an argument list, no shell) in a new session, stdout and stderr into `log`, with a
+    guard that stops its tree if this process dies without doing so (module docstring).
 
     The child's Python output is unbuffered (UNBUFFERED_ENV) unless `env` says otherwise.
+
+    Raises:
+        DraftsmithError: not Linux, or the command cannot be started.
     """
+    require_linux()
     log.parent.mkdir(parents=True, exist_ok=True)
     env = {**UNBUFFERED_ENV, **(os.environ if env is None else env)}
+    log.write_bytes(b"")
     try:
-        with open(log, "wb") as out:
-            return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        with open(log, "ab") as out:  # O_APPEND: the guard's lines and the engine's never overwrite each other
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env, start_new_session=True)
     except OSError as err:
         raise DraftsmithError("could not start the engine command", got=f"{shlex.join(cmd)}: {err}",
                               expected="an executable argument list after `--`",
                               fix="check the program name and PATH, e.g. `-- python -m vllm.entrypoints...`") from err
+    _GUARDS[proc.pid] = start_guard(proc.pid, log)
+    return proc
+
+
+def require_linux() -> None:
+    if not sys.platform.startswith("linux"):
+        raise DraftsmithError("engine processes are supervised on Linux only", got=f"platform {sys.platform}",
+                              expected="linux (the process-tree walk and the orphan guard read /proc)",
+                              fix="run draftsmith's engine commands on a Linux host or container")
+
+
+GUARD_POLL_S = 0.2  # how often a guard looks at its parent: the orphan outlives draftsmith by about this
+# server pid -> its guard process, reaped by stop_tree / release
+_GUARDS: dict[int, subprocess.Popen] = {}
+
+
+def start_guard(pid: int, log: Path) -> subprocess.Popen:
+    """Start the orphan guard of server `pid` (its messages go to the server's log)."""
+    package_root = str(Path(__file__).resolve().parents[1])  # draftsmith importable however it is installed
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    with open(log, "ab") as out:
+        return subprocess.Popen([sys.executable, "-m", "draftsmith.engine", "--guard", str(pid), str(os.getpid())],
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)  # own session: a Ctrl-C or SIGHUP meant for us skips it
+
+
+def group_exists(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def guard(pid: int, parent: int) -> None:
+    """The guard's loop: while server `pid`'s process group exists, stop its tree once `parent` is gone.
+
+    The guard is `parent`'s child, so `getppid()` changes (to init or a subreaper) when `parent` dies,
+    however it dies; a parent already dead when the guard starts is caught the same way.
+    """
+    while group_exists(pid):
+        if os.getppid() != parent:
+            print(f"draftsmith guard: parent {parent} is gone; stopping server {pid}", flush=True)
+            stop_pid_tree(pid, exited=lambda: not alive(pid))
+            return
+        time.sleep(GUARD_POLL_S)
+
+
+def _reap_guard(pid: int) -> None:
+    guard_proc = _GUARDS.pop(pid, None)
+    if guard_proc is None:
+        return
+    try:
+        guard_proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        guard_proc.kill()
+        guard_proc.wait()
+
+
+def release(proc: subprocess.Popen) -> None:
+    """Let `proc` outlive this process on purpose: stop its orphan guard (`launch --detach`)."""
+    guard_proc = _GUARDS.pop(proc.pid, None)
+    if guard_proc is not None:
+        guard_proc.kill()
+        guard_proc.wait()
 
 
 def descendants(pid: int) -> list[int]:
@@ -171,25 +254,32 @@ def _signal_tree(group: int, pids: list[int], sig: int) -> None:
 
 
 def stop_tree(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """Stop the engine and every process below it: SIGTERM, then SIGKILL after `grace_s`.
+    """Stop the engine and every process below it: SIGTERM, then SIGKILL after `grace_s`; then its guard."""
+    stop_pid_tree(proc.pid, grace_s, exited=lambda: proc.poll() is not None)
+    proc.wait()
+    _reap_guard(proc.pid)
+
+
+def stop_pid_tree(pid: int, grace_s: float = 10.0, exited: Callable[[], bool] | None = None) -> None:
+    """SIGTERM, then SIGKILL after `grace_s`, to `pid`'s process group and every descendant.
 
     Signals go to the engine's process group (its PGID is its PID: `spawn` starts a new session) and,
     by PID, to every descendant found in /proc before and during the wait, so a worker that moved to
-    its own session is stopped too.
+    its own session is stopped too. `exited` says whether `pid` itself is done (its parent reaps it).
     """
-    tree = set(descendants(proc.pid))
-    _signal_tree(proc.pid, sorted(tree), signal.SIGTERM)
+    exited = exited or (lambda: not alive(pid))
+    tree = set(descendants(pid))
+    _signal_tree(pid, sorted(tree), signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
-        if proc.poll() is None:
-            tree |= set(descendants(proc.pid))
-        if proc.poll() is not None and not any(alive(pid) for pid in tree):
+        if not exited():
+            tree |= set(descendants(pid))
+        if exited() and not any(alive(p) for p in tree):
             return
         time.sleep(0.05)
-    _signal_tree(proc.pid, sorted(pid for pid in tree if alive(pid)), signal.SIGKILL)
-    proc.wait()
+    _signal_tree(pid, sorted(p for p in tree if alive(p)) + ([pid] if alive(pid) else []), signal.SIGKILL)
     for _ in range(100):  # SIGKILL is asynchronous: wait (up to 5 s) until the tree is gone
-        if not any(alive(pid) for pid in tree):
+        if exited() and not any(alive(p) for p in tree):
             return
         time.sleep(0.05)
 
@@ -216,3 +306,7 @@ def serve_process(cmd: list[str], port: int, log: Path, timeout_s: float, env: d
         yield base
     finally:
         stop_tree(proc)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--guard"]:
+    guard(int(sys.argv[2]), int(sys.argv[3]))

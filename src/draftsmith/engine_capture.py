@@ -42,7 +42,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from draftsmith.capture import (CaptureSummary, capture_identity, finish_store, require_conversations,
+from draftsmith.capture import (CaptureSummary, capture_identity, finish_store, head_tensors, require_conversations,
                                supervised_counts, tokenized_conversations)
 from draftsmith.chat import TokenizedSample
 from draftsmith.conventions import aux_ids_for_format, validate_aux_ids
@@ -69,6 +69,8 @@ class EngineSettings:
     tensor_parallel: int = 1
     space_wait_s: float = 600.0
     concurrency: int = 4
+    python: Path | None = None
+    """The vLLM interpreter that starts the server (None: engine.engine_python)."""
 
 
 def engine_layer_ids(aux_ids: tuple[int, ...], num_layers: int) -> list[int]:
@@ -296,7 +298,7 @@ def capture_server(model_dir: Path, layer_ids: list[int], s: EngineSettings, log
                      extra_args=tuple(server_args(layer_ids, s)))
     path = os.pathsep.join([str(module_dir)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
     env = {**os.environ, **VLLM_CPU_ENV, "PYTHONPATH": path}
-    with serve_process(spec.command(engine_python("vllm")), spec.port, log, 900.0, env) as base:
+    with serve_process(spec.command(s.python or engine_python("vllm")), spec.port, log, 900.0, env) as base:
         yield base
 
 
@@ -329,6 +331,8 @@ def engine_capture(conversations: Path, out: Path, settings: EngineSettings, tar
     skip = writer.samples_done
     todo = samples[skip:]
     head = load_target_head(model_dir)
+    counts = supervised_counts(samples, spec.vocab_size)
+    writer.publish(counts, head_tensors(head.embed, head.head))  # a follower can start now (train --follow)
     if endpoint is None:
         clear_folder(settings.hs_dir)
     start = time.perf_counter()
@@ -337,7 +341,7 @@ def engine_capture(conversations: Path, out: Path, settings: EngineSettings, tar
           capture_server(model_dir, layer_ids, settings, Path(out) / "engine" / "vllm.log",
                          max(len(s.input_ids) for s in samples) + 8, dtype)) as base:
         tokens = capture_from_engine(base, todo, writer, head, tokenizer, settings.concurrency)
-    finish_store(writer, supervised_counts(samples, spec.vocab_size), head.embed, head.head, spec.hidden_size)
+    finish_store(writer, counts, head.embed, head.head, spec.hidden_size)
     return CaptureSummary(len(todo), skip, tokens, time.perf_counter() - start, bytes_per_token(spec.hidden_size))
 
 

@@ -91,16 +91,24 @@ def feature_dtype(device: torch.device) -> torch.dtype:
 class StoreSource:
     """Offline features from a verified, memory-mapped feature store."""
 
-    def __init__(self, root: Path):
-        self.store = FeatureStore(root)
+    def __init__(self, root: Path, follow: bool = False):
+        """`follow`: the store may still be written (`train --follow`): `refresh()` adds the shards that land."""
+        self.store = FeatureStore(root, follow=follow)
         ident = self.store.identity
         spec = dict(ident["target"]["spec"])
         spec["architectures"] = tuple(spec["architectures"])
         self.target_spec = TargetSpec(**spec)
         self.target_name = ident["target"]["name"]
         self.aux_ids = tuple(ident["aux_layer_ids"])
-        self.lengths = [self.store.sample_length(k) for k in range(len(self.store))]
+        self.lengths = ([n for e in self.store.manifest["shards"] for n in e["lengths"]] if follow else
+                        [self.store.sample_length(k) for k in range(len(self.store))])
         self._tensors = self.store.target_tensors()
+
+    def refresh(self) -> list[dict]:
+        """Follow mode: the manifest entries of the shards that landed since the last call."""
+        new = self.store.refresh()
+        self.lengths += [n for e in new for n in e["lengths"]]
+        return new
 
     def __len__(self) -> int:
         return len(self.store)

@@ -42,10 +42,30 @@ def verified_shard(root: Path, entry: dict, first_sample: int) -> list[Sample]:
     if sha256_file(path) != entry["sha256"]:
         raise DraftsmithError(f"corrupt feature-store shard {entry['file']}", got="sha256 mismatch",
                               expected=f"sha256 {entry['sha256'][:16]}...", fix="recapture into a new store")
-    samples = shard_samples(path)
+    return sane_shard(root, entry, first_sample)
+
+
+def sane_shard(root: Path, entry: dict, first_sample: int) -> list[Sample]:
+    """The shard's samples after `sanity.check_states` (all-zero, constant, non-finite states stop here)."""
+    samples = shard_samples(root / entry["file"])
     for j, s in enumerate(samples):
         check_states(s, first_sample + j, where=entry["file"])
     return samples
+
+
+def wait_published(root: Path, timeout_s: float, poll_s: float = 1.0) -> None:
+    """Wait until a writer has published the store's manifest and target head (`StoreWriter.publish`).
+
+    Raises:
+        DraftsmithError: nothing was published within `timeout_s`.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not ((m := read_manifest(Path(root))) and "target_head_sha256" in m):
+        if time.monotonic() > deadline:
+            raise DraftsmithError("no feature store to follow", got=f"{root}: no published manifest and target head "
+                                  f"after {timeout_s:.0f} s", expected="a `draftsmith capture --out` writing there",
+                                  fix="start the capture first (or together), or check --store")
+        time.sleep(poll_s)
 
 
 def follow_shards(root: Path, start: int = 0, poll_s: float = 1.0, idle_timeout_s: float = 3600.0,

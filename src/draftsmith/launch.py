@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
-from draftsmith.engine import probe_ready, spawn, stop_tree
+from draftsmith.engine import probe_ready, release, spawn, stop_tree
 from draftsmith.errors import DraftsmithError
 from draftsmith.diagnose import (
     LoadStatus,
@@ -288,7 +288,9 @@ def run_launch(args) -> int:
             return EXIT_CODES["crashed"]
         return res.exit_code
     finally:
-        if proc and not (args.detach and res is not None and res.status == "ready"):
+        if proc and args.detach and res is not None and res.status == "ready":
+            release(proc)  # detached on purpose: its orphan guard must not stop it when launch exits
+        elif proc:
             stop_tree(proc)
         for sig, handler in previous.items():
             signal.signal(sig, handler)

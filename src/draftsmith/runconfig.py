@@ -15,6 +15,7 @@ import yaml
 from pydantic import model_validator
 
 from draftsmith.config import Settings, from_mapping, override, with_defaults
+from draftsmith.engine_capture import DEFAULT_MAX_BYTES
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval import EvalSettings
 from draftsmith.train import TrainSettings
@@ -63,13 +64,29 @@ class RegenerateStage(Settings):
 
 
 class CaptureStage(Settings):
+    engine: str = "transformers"
+    """transformers: the target runs in run's own process (device, batch_tokens); vllm: capture through a vLLM
+    server with `extract_hidden_states` (`draftsmith capture --engine vllm`), started from engine_python with
+    tensor_parallel, or the one already serving at endpoint."""
     max_length: int = 1024
     """Truncate conversations to this many tokens (also used by online training)."""
     dtype: str = "bfloat16"
-    """Target compute dtype while capturing."""
+    """Target compute dtype while capturing (engine vllm: the server's --dtype)."""
     device: str = "cpu"
+    """engine transformers: where the target runs."""
     batch_tokens: int = 4096
-    """Padded tokens per target forward."""
+    """engine transformers: padded tokens per target forward."""
+    endpoint: str | None = None
+    """engine vllm: a capture server started with the flags `draftsmith capture --print-server-args` prints
+    (null: run starts one and stops it after the stage)."""
+    tensor_parallel: int = 1
+    """engine vllm: tensor-parallel size of the server run starts."""
+    hs_dir: str | None = None
+    """engine vllm: the connector's folder (null: OUT/store/engine/hs); a fast local disk or /dev/shm."""
+    hs_max_bytes: int = DEFAULT_MAX_BYTES
+    """engine vllm: bytes the connector folder may hold (in flight: about concurrency x bytes per request)."""
+    concurrency: int = 4
+    """engine vllm: requests in flight."""
 
 
 class TrainSection(TrainSettings):
@@ -168,6 +185,7 @@ class RunConfig(Settings):
             problems.append("export.formats: eval, launch and bench use the vllm export; add vllm or skip them")
         if self.train.mode not in ("offline", "online"):
             problems.append(f"train.mode: {self.train.mode!r} is not offline or online")
+        problems += capture_problems(self.capture, self.train.mode)
         if self.regenerate.reasoning not in ("keep", "drop"):
             problems.append(f"regenerate.reasoning: {self.regenerate.reasoning!r} is not keep or drop")
         if problems:
@@ -176,6 +194,18 @@ class RunConfig(Settings):
         return self
 
 
+
+
+def capture_problems(c: CaptureStage, train_mode: str) -> list[str]:
+    if c.engine not in ("transformers", "vllm"):
+        return [f"capture.engine: {c.engine!r} is not transformers or vllm"]
+    if c.engine == "transformers":
+        return [f"capture.{k}: only with capture.engine: vllm" for k in ("endpoint", "tensor_parallel", "hs_dir")
+                if getattr(c, k) != CaptureStage.model_fields[k].default]
+    if train_mode == "online":
+        return ["capture.engine: vllm captures a feature store, but train.mode online skips the capture stage; "
+                "set train.mode: offline"]
+    return []
 
 
 def load_config(path: str | Path) -> RunConfig:

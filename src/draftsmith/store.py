@@ -14,7 +14,9 @@ distribution (over any draft vocabulary chosen later) at a quarter of the aux co
 V logits per token.
 
 Writes are atomic: a shard goes to `*.tmp`, is fsynced and renamed, then the manifest is rewritten the
-same way. A writer resumes after the last shard the manifest lists. A reader checks each shard's
+same way. A writer resumes after the last shard the manifest lists. The token counts and the target
+head are published before the first shard, and each shard's entry lists its samples' lengths and
+supervised counts, so a trainer can plan from the manifest while the store is written (`train --follow`). A reader checks each shard's
 size on open and its sha256 on `verify()` or on first read (`verify_on_read`).
 """
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,12 +56,44 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write `data` to `path` through `*.tmp`, fsync and rename.
+
+    Raises:
+        DraftsmithError: the disk is full or unwritable (`disk_error`; the partial file is removed).
+    """
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise disk_error(path, exc, len(data)) from exc
+
+
+def atomic_save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """`safetensors.save_file` through `*.tmp`, fsync and rename; a full disk raises `disk_error`."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except (OSError, SafetensorError) as exc:  # safetensors reports ENOSPC / EFBIG as SafetensorError
+        tmp.unlink(missing_ok=True)
+        raise disk_error(path, exc, sum(t.numel() * t.element_size() for t in tensors.values())) from exc
+
+
+def disk_error(path: Path, exc: Exception, nbytes: int) -> DraftsmithError:
+    """The one report of a store file that could not be written (full disk, file-size limit, read-only)."""
+    free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
+    return DraftsmithError(f"could not write {path.name} in {path.parent}",
+                           got=f"{type(exc).__name__}: {exc} ({free:,} bytes free)",
+                           expected=f"about {nbytes:,} bytes free for {path.name}",
+                           fix="free space (or pick another --out) and rerun the same command: it resumes after "
+                           "the last complete shard")
 
 
 def bytes_per_token(hidden_size: int) -> int:
@@ -92,18 +127,8 @@ def write_shard_file(path: Path, samples: list[Sample]) -> tuple[str, int]:
         "target_argmax": torch.cat([s.target_argmax for s in samples]).to(torch.int32),
         "offsets": torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
     }
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        save_file(tensors, str(tmp))
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        digest = sha256_file(tmp)
-        os.replace(tmp, path)
-    except (OSError, SafetensorError) as exc:  # safetensors reports ENOSPC / EFBIG as SafetensorError
-        tmp.unlink(missing_ok=True)
-        raise DraftsmithError(f"could not write shard {path.name}", got=f"{type(exc).__name__}: {exc}",
-                              expected="free disk space for the shard", fix="free space (or pick another --out) "
-                              "and rerun the same command: it resumes after the last complete shard") from exc
+    atomic_save_tensors(path, tensors)
+    digest = sha256_file(path)
     return digest, int(lengths.sum())
 
 
@@ -147,9 +172,13 @@ class StoreWriter:
         index = len(self.manifest["shards"])
         name = f"shard-{index:05d}.safetensors"
         digest, tokens = write_shard_file(self.root / name, self.pending)
-        supervised = int(sum(int(s.loss_mask.sum()) for s in self.pending))
+        per_sample = [int(s.loss_mask.sum()) for s in self.pending]
+        supervised = sum(per_sample)
+        # lengths / supervised per sample: what a trainer following the store plans with (train --follow)
         self.manifest["shards"].append({"file": name, "num_samples": len(self.pending), "num_tokens": tokens,
-                                        "num_supervised_tokens": supervised, "sha256": digest})
+                                        "num_supervised_tokens": supervised, "sha256": digest,
+                                        "lengths": [len(s.input_ids) for s in self.pending],
+                                        "supervised": per_sample})
         self.manifest["num_samples"] += len(self.pending)
         self.manifest["num_tokens"] += tokens
         self.manifest["num_supervised_tokens"] += supervised
@@ -159,14 +188,18 @@ class StoreWriter:
     def save_manifest(self) -> None:
         atomic_write_bytes(self.root / MANIFEST, (json.dumps(self.manifest, indent=2) + "\n").encode())
 
+    def publish(self, token_counts: torch.Tensor, target_tensors: dict[str, torch.Tensor]) -> None:
+        """Write the token counts and the target head now, before the shards, so that a trainer can follow
+        the store while it is written (`train --follow`); both captures know them before capturing."""
+        for name, tensors in ((TOKEN_COUNTS, {"counts": token_counts.to(torch.int64)}), (TARGET_HEAD, target_tensors)):
+            atomic_save_tensors(self.root / name, tensors)
+            self.manifest[name.split(".")[0] + "_sha256"] = sha256_file(self.root / name)
+        self.save_manifest()
+
     def finish(self, token_counts: torch.Tensor, target_tensors: dict[str, torch.Tensor], extra: dict) -> None:
         """Write the last shard, the token counts and the target head, and mark the store complete."""
         self.flush()
-        for name, tensors in ((TOKEN_COUNTS, {"counts": token_counts.to(torch.int64)}), (TARGET_HEAD, target_tensors)):
-            tmp = self.root / (name + ".tmp")
-            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
-            os.replace(tmp, self.root / name)
-            self.manifest[name.split(".")[0] + "_sha256"] = sha256_file(self.root / name)
+        self.publish(token_counts, target_tensors)
         self.manifest.update(extra, complete=True)
         self.save_manifest()
 
@@ -179,8 +212,9 @@ class FeatureStore:
         verify_on_read: check a shard's sha256 the first time it is opened.
     """
 
-    def __init__(self, root: Path, verify_on_read: bool = True):
+    def __init__(self, root: Path, verify_on_read: bool = True, follow: bool = False):
         self.root = Path(root)
+        self.follow = follow
         path = self.root / MANIFEST
         if not path.is_file():
             raise DraftsmithError("not a feature store", got=f"no {MANIFEST} in {self.root}",
@@ -191,7 +225,7 @@ class FeatureStore:
             raise DraftsmithError("feature store written by another draftsmith version",
                                   got=f"store version {self.manifest.get('version')}", expected=f"version {STORE_VERSION}",
                                   fix="recapture it with this version (`draftsmith capture` into a new --out)")
-        if not self.manifest.get("complete"):
+        if not (follow or self.manifest.get("complete")):
             raise DraftsmithError("the feature store is incomplete", got=f"{len(self.manifest['shards'])} shards, "
                                   "capture did not finish", expected="a complete store",
                                   fix="rerun the same `draftsmith capture` command: it resumes")
@@ -199,6 +233,19 @@ class FeatureStore:
         self._verified: set[str] = set()
         self._handles: dict[str, Any] = {}
         self.index = [(i, j) for i, s in enumerate(self.manifest["shards"]) for j in range(s["num_samples"])]
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.manifest.get("complete"))
+
+    def refresh(self) -> list[dict]:
+        """Follow mode: re-read the manifest; returns the entries of the shards that landed since."""
+        assert self.follow, "refresh() is for a store opened with follow=True"
+        old = len(self.manifest["shards"])
+        self.manifest = json.loads((self.root / MANIFEST).read_text())
+        new = self.manifest["shards"][old:]
+        self.index += [(old + i, j) for i, s in enumerate(new) for j in range(s["num_samples"])]
+        return new
 
     @property
     def identity(self) -> dict[str, Any]:

@@ -14,6 +14,10 @@ normalised by the supervised-token count of the whole global batch, so N process
 batch compute the same update as one process with gradient accumulation.
 
 Run: draftsmith train --store runs/demo/store --out runs/demo/train --epochs 2
+
+`--follow` trains on a store while a capture still writes it: epoch 0 is the landed shards' plans one after
+the other (each shard shuffled and packed on its own, from the lengths its manifest entry lists), it ends
+when the writer marks the store complete, and later epochs are the usual whole-store shuffles.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from draftsmith.drafter import (TTT_STEP_LOSS_DECAY, TTT_STEPS, DrafterConfig, E
                                simulated_acceptance)
 from draftsmith.errors import DraftsmithError
 from draftsmith.features import Batch, FeatureSource, OnlineSource, Segment, StoreSource, feature_dtype
+from draftsmith.follow import sane_shard, wait_published
 from draftsmith.target import pick_device
 from draftsmith.vocab import build_draft_vocab, default_draft_vocab_size
 
@@ -140,12 +145,24 @@ class TrainConfig(TrainSettings):
     max_length: int = 2048
     """Online only: truncate conversations to this many tokens."""
 
+    follow: bool = False
+    """Train on a store that is still being written (a capture running into --store): epoch 0 takes each shard
+    as it lands, in landing order, shuffled and packed within the shard, and ends when the writer marks the
+    store complete; later epochs shuffle over every sample. The eval split is made per shard. Needs --max-steps
+    (the store's size is not known at the start)."""
+    follow_timeout_s: float = 3600.0
+    """--follow: give up when the store has not grown for this long."""
+
     @model_validator(mode="after")
     def check_source(self) -> TrainConfig:
         if (self.store is None) == (self.conversations is None):
             raise DraftsmithError("train needs exactly one data source", got=f"store={self.store}, "
                                   f"conversations={self.conversations}", expected="--store DIR or --conversations FILE",
                                   fix="pass --store for offline training or --conversations for online training")
+        if self.follow and (self.store is None or self.max_steps is None):
+            raise DraftsmithError("--follow needs --store and --max-steps", got=f"store={self.store}, "
+                                  f"max_steps={self.max_steps}", expected="the store being captured, and a step budget "
+                                  "(its size is unknown when training starts)", fix="add --store DIR --max-steps N")
         return self
 
 
@@ -244,6 +261,11 @@ def pack_plan(pieces: list[Segment], row_tokens: int, rows_per_batch: int, seed:
     return plan
 
 
+FOLLOW_SHARD_EPOCH = 1_000_000
+"""--follow: shard i of epoch 0 is shuffled as `epoch` FOLLOW_SHARD_EPOCH + i of the seeded plans, apart from
+the whole-store epochs 1, 2, ..."""
+
+
 def packed_shape(lengths: list[int], train_idx: list[int], cfg: TrainConfig) -> tuple[int, int]:
     """(row tokens, rows per micro-batch): the one micro-batch shape of a packed run, fixed at its start.
 
@@ -296,19 +318,24 @@ class Trainer:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
         self.autocast = self.device.type == "cuda"  # bf16 autocast, fp32 master weights
-        self.data: FeatureSource = data or (StoreSource(Path(cfg.store)) if cfg.store else
+        if cfg.follow and data is None:
+            wait_published(Path(cfg.store), cfg.follow_timeout_s)
+        self.data: FeatureSource = data or (StoreSource(Path(cfg.store), cfg.follow) if cfg.store else
                                             OnlineSource(Path(cfg.conversations), cfg.target, cfg.aux_ids, cfg.max_length,
                                                          self.device))
-        self.train_idx, self.eval_idx = split_indices(len(self.data), cfg.eval_fraction)
-        if not self.train_idx:
-            raise DraftsmithError("nothing to train on", got=f"{len(self.data)} samples with supervised tokens",
-                                  expected="at least 2 (one is held back for evaluation)",
-                                  fix="regenerate more conversations (or check that they have assistant turns)")
-        if cfg.pack:
-            self.row_tokens, self.rows_per_batch = packed_shape(self.data.lengths, self.train_idx, cfg)
-            self.train_pieces, self.eval_pieces = (
-                document_pieces(idx, self.data.lengths, self.row_tokens, cfg.pack_long, self.data.loss_mask)
-                for idx in (self.train_idx, self.eval_idx))
+        if cfg.follow:
+            self.start_following()
+        else:
+            self.train_idx, self.eval_idx = split_indices(len(self.data), cfg.eval_fraction)
+            if not self.train_idx:
+                raise DraftsmithError("nothing to train on", got=f"{len(self.data)} samples with supervised tokens",
+                                      expected="at least 2 (one is held back for evaluation)",
+                                      fix="regenerate more conversations (or check that they have assistant turns)")
+            if cfg.pack:
+                self.row_tokens, self.rows_per_batch = packed_shape(self.data.lengths, self.train_idx, cfg)
+                self.train_pieces, self.eval_pieces = (
+                    document_pieces(idx, self.data.lengths, self.row_tokens, cfg.pack_long, self.data.loss_mask)
+                    for idx in (self.train_idx, self.eval_idx))
         self.drafter = self.build_drafter().to(self.device)
         self.fsdp = self.world > 1 and cfg.parallel == "fsdp"
         if not self.fsdp:  # the frozen embedding is a lookup: in the features' dtype (FSDP2 wants one dtype)
@@ -329,7 +356,8 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
                                            fused=self.device.type == "cuda")
         per_step = self.world * cfg.grad_accum
-        self.steps_per_epoch = max(1, len(self.plan(train=True, epoch=0)) // per_step)
+        if not cfg.follow:  # following: set once the store is complete (`land`)
+            self.steps_per_epoch = max(1, len(self.plan(train=True, epoch=0)) // per_step)
         self.total_steps = cfg.max_steps or max(1, int(cfg.epochs * self.steps_per_epoch))
         self.step = 0
         self.first_step_done = False  # the first step of this process compiles / warms up: logged apart
@@ -386,10 +414,86 @@ class Trainer:
         return sum(self.data.lengths[k] for k in micro_batch)
 
     def micro_batches_for(self, step: int) -> list[list]:
-        """This rank's micro-batches for global step `step` (a pure function of the step)."""
-        epoch, offset = divmod(step, self.steps_per_epoch)
+        """This rank's micro-batches for global step `step` (a pure function of the step and, following, of the
+        shards landed: epoch 0's micro-batches are the landed shards' plans, one after the other)."""
+        if self.cfg.follow:
+            self.await_micro_batches((step + 1) * self.world * self.cfg.grad_accum)
+            if step < self.epoch0_steps:
+                return rank_micro_batches(self.epoch0, step, self.world, self.cfg.grad_accum, self.rank)
+            epoch, offset = divmod(step - self.epoch0_steps, self.steps_per_epoch)
+            epoch += 1
+        else:
+            epoch, offset = divmod(step, self.steps_per_epoch)
         return rank_micro_batches(self.plan(train=True, epoch=epoch), offset, self.world, self.cfg.grad_accum,
                                   self.rank)
+
+    # -- following a store that is being written (--follow) --------------------------------------------
+
+    def start_following(self) -> None:
+        """Epoch 0 starts empty and grows by `land`; the packed shape is the configured one (no shrink)."""
+        self.train_idx, self.eval_idx, self.epoch0 = [], [], []
+        self.train_pieces, self.eval_pieces = [], []
+        self.landed, self.first_sample = 0, 0
+        self.epoch0_steps = self.steps_per_epoch = math.inf  # until the writer marks the store complete
+        if self.cfg.pack:
+            self.row_tokens = self.cfg.row_tokens or self.cfg.batch_tokens
+            self.rows_per_batch = self.cfg.batch_tokens // self.row_tokens
+        self.land()
+
+    def land(self) -> int:
+        """Take in the shards the writer committed since the last call: check them (sha256, `sanity`), split each
+        into train / eval, append its shuffled plan to epoch 0. Returns how many landed."""
+        self.data.refresh()
+        store = self.data.store
+        shards = store.manifest["shards"]
+        for i in range(self.landed, len(shards)):
+            store.verify_shard(i)
+            sane_shard(store.root, shards[i], self.first_sample)
+            tr, ev = split_indices(shards[i]["num_samples"], self.cfg.eval_fraction)
+            train, held = [self.first_sample + j for j in tr], [self.first_sample + j for j in ev]
+            self.train_idx += train
+            self.eval_idx += held
+            if self.cfg.pack:
+                pieces = document_pieces(train, self.data.lengths, self.row_tokens, self.cfg.pack_long,
+                                         self.data.loss_mask)
+                self.train_pieces += pieces
+                self.eval_pieces += document_pieces(held, self.data.lengths, self.row_tokens, self.cfg.pack_long,
+                                                    self.data.loss_mask)
+                self.epoch0 += pack_plan(pieces, self.row_tokens, self.rows_per_batch, self.cfg.seed,
+                                         FOLLOW_SHARD_EPOCH + i) if pieces else []
+            else:
+                self.epoch0 += micro_batches(train, self.data.lengths, self.cfg.batch_tokens, self.cfg.seed,
+                                             FOLLOW_SHARD_EPOCH + i)
+            self.first_sample += shards[i]["num_samples"]
+        new, self.landed = len(shards) - self.landed, len(shards)
+        if store.complete and self.epoch0_steps == math.inf:
+            self.finish_following()
+        return new
+
+    def finish_following(self) -> None:
+        per_step = self.world * self.cfg.grad_accum
+        if not self.epoch0:
+            raise DraftsmithError("nothing to train on", got=f"a complete store of {len(self.data)} samples",
+                                  expected="samples with supervised tokens", fix="check the capture's conversations")
+        self.epoch0_steps = -(-len(self.epoch0) // per_step)  # the last step wraps to the epoch's start
+        self.steps_per_epoch = max(1, len(self.plan(train=True, epoch=1)) // per_step)
+        if self.rank == 0:
+            print(f"train: the store is complete: epoch 0 was {self.epoch0_steps} steps over {len(self.train_idx)} "
+                  f"train samples; later epochs {self.steps_per_epoch} steps", flush=True)
+
+    def await_micro_batches(self, n: int, poll_s: float = 0.5) -> None:
+        """Block until epoch 0 holds `n` micro-batches or the store is complete."""
+        last_growth = time.monotonic()
+        while len(self.epoch0) < n and self.epoch0_steps == math.inf:
+            if self.land():
+                last_growth = time.monotonic()
+            elif time.monotonic() - last_growth > self.cfg.follow_timeout_s:
+                raise DraftsmithError("the feature store stopped growing before it was complete",
+                                      got=f"{self.landed} shards, no new one for {self.cfg.follow_timeout_s:.0f} s",
+                                      expected="new shards, or the writer's manifest marked complete",
+                                      fix="check the capture; rerun it (it resumes) and this same train command")
+            else:
+                time.sleep(poll_s)
 
     def train_step(self) -> dict:
         from draftsmith.drafter import step_masks
@@ -638,6 +742,7 @@ def add_parser(sub) -> None:
                            "  draftsmith train --conversations conv.jsonl --target smollm2 --out runs/online   # online\n"
                            "  torchrun --nproc-per-node 2 -m draftsmith train --store STORE --out OUT          # DDP\n"
                            "  torchrun --nproc-per-node 8 -m draftsmith train --store STORE --out OUT --parallel fsdp\n"
+                           "  draftsmith train --store STORE --follow --max-steps 20000 --out OUT  # while capture writes STORE\n"
                            "A killed run resumes from its last checkpoint when the same command is run again."))
     add_flags(p, TrainConfig, required=("out",),
               helps={"aux_ids": "online only: boundary aux ids, e.g. 2,15,27 (default 2,N//2,N-3)"})
