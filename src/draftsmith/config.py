@@ -201,7 +201,7 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
             continue
         must = name in required or field.is_required()
         if field.default not in (None, "", ()) and not must:
-            doc += f" (default {shown(field.default).strip('`')})"
+            doc += f" (default {on_command_line(field.default)})"
         convert = kind if kind in (int, float) else None
         parser.add_argument(flag, dest=name, type=convert, default=None if field.is_required() else field.default,
                             required=must, help=doc)
@@ -211,6 +211,11 @@ def from_flags(cls: type[Settings], args: argparse.Namespace, **fixed: Any) -> S
     """The model from parsed `add_flags` arguments."""
     return from_mapping(cls, {name: getattr(args, name) for name in cls.model_fields if hasattr(args, name)},
                         **fixed)
+
+
+def on_command_line(value: Any) -> str:
+    """A default as the flag takes it: `1,4,16` for a tuple."""
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
 def shown(value: Any) -> str:
