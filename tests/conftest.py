@@ -118,12 +118,12 @@ def checkpoint(tmp_path):
 def drafter_logits(drafter, seed=1):
     """First-step draft log-probabilities (1, 9, Vd) of `drafter` on fixed random aux states and tokens,
     causal (the decoder's drafter forward: every exported weight takes part)."""
-    from draftsmith.decoder import DrafterCache, draft_head, drafter_forward
+    from draftsmith.decoder import DrafterCache, draft_head
 
     g = torch.Generator().manual_seed(seed)
     aux, ids = torch.randn(1, 9, 120, generator=g), torch.randint(0, 96, (1, 9), generator=g)
     causal = torch.ones(9, 9, dtype=torch.bool).tril()[None]
-    return draft_head(drafter, drafter_forward(drafter, ids, drafter.fc(aux), torch.arange(9)[None], DrafterCache(), causal))
+    return draft_head(drafter, drafter.decode_step(ids, drafter.fc(aux), torch.arange(9)[None], DrafterCache(), causal))
 
 
 # --- the small SmolLM2 run and the real-engine helpers (e2e and engine tiers) ----------------------------

@@ -146,7 +146,8 @@ def test_open_and_closed_loops_send_every_request_and_respect_the_limit(monkeypa
         return RequestResult(True, 0.001, 0.01, 3, ())
 
     monkeypatch.setattr(bench, "send_request", fake_send)
-    s = bench.BenchSettings("eval", 6, (2,), (), 8, 0.0, 0, 0, "m", 60.0, None)
+    s = bench.BenchSettings(prompts="eval", num_prompts=6, concurrency=(2,), max_tokens=8, warmup=0, model="m",
+                            timeout_s=60.0)
     assert len(asyncio.run(bench.closed_loop(None, "m", [[]] * 6, s, 2))) == 6 and peak == 2
     assert len(asyncio.run(bench.open_loop(None, "m", [[]] * 6, s, 500.0))) == 6
 
@@ -189,7 +190,7 @@ def test_window_acceptance_differences_counters():
 def test_report_plots_are_written(tmp_path):
     lv = summarize_level("concurrency", 1, [RequestResult(True, 0.1, 1.0, 5, (0.2,) * 4)], 1.0, accepted(2.0))
     lv.baseline_output_tokens_per_s, lv.speedup = 4.0, 1.25
-    s = bench.BenchSettings("eval", 1, (1,), (), 8, 0.0, 0, 0, None, 60.0, None)
+    s = bench.BenchSettings(prompts="eval", num_prompts=1, concurrency=(1,), max_tokens=8, warmup=0, timeout_s=60.0)
     run = bench.EndpointResult("http://x", "target", [lv], accepted(2.0))
     report = bench.build_report(s, run, {"source": "nospec.json"}, decide(run.acceptance, [lv], True))
     paths = bench.write_plots(report, tmp_path)

@@ -60,3 +60,92 @@ def test_the_docs_key_table_is_the_generated_one():
 
     text = DOC.read_text()
     assert with_table(text) == text, "docs/run.md's key table is stale: run scripts/docs_keys.py"
+
+
+# ---------------------------------------------------------------- every verb: flags, defaults and run's section, one model
+
+from draftsmith.bench import BenchSettings  # noqa: E402
+from draftsmith.check import CheckSettings, EngineFlags  # noqa: E402
+from draftsmith.cli import build_parser, main  # noqa: E402
+from draftsmith.export import ExportSettings  # noqa: E402
+from draftsmith.launch import LaunchSettings  # noqa: E402
+from draftsmith.regenerate import RegenerateSettings  # noqa: E402
+
+# verb, its model, the arguments it requires, run's section (None: check, whose section lists engines)
+VERBS = [("regenerate", RegenerateSettings, ["--out", "c.jsonl"], "regenerate"),
+         ("bench", BenchSettings, ["--endpoint", "http://x"], "bench"),
+         ("launch", LaunchSettings, [], "launch"),
+         ("export", ExportSettings, ["src", "out"], "export"),
+         ("check", CheckSettings, ["--target", "t", "--drafter", "d", "--engine", "vllm"], None)]
+# a value each verb's model refuses, and a word of the fix it prints
+BAD = {"regenerate": (["--decoder", "fast"], "--decoder auto"), "bench": (["--concurrency", "one"], "concurrency="),
+       "launch": (["--timeout", "0"], "--timeout 1800"), "export": (["--format", "onnx"], "--format vllm,sglang"),
+       "check": (["--engine", "trt"], "--engine vllm")}
+
+
+def cli_settings(verb: str, model, argv: list[str]):
+    """The verb's settings as its own command line builds them."""
+    return from_flags(model, build_parser().parse_args([verb, *argv]))
+
+
+def as_flags(values: dict) -> list[str]:
+    argv = []
+    for key, value in values.items():
+        flag = {"timeout_s": "--timeout", "stall_timeout_s": "--stall-timeout", "formats": "--format"}.get(
+            key, "--" + key.replace("_", "-"))
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
+            argv += [flag, "none" if value is None else ",".join(map(str, value)) if isinstance(value, tuple)
+                     else str(value)]
+    return argv
+
+
+@pytest.mark.parametrize("verb,model,required,_", VERBS, ids=[v[0] for v in VERBS])
+def test_a_verbs_command_line_defaults_are_its_models_defaults(verb, model, required, _):
+    fixed = {"engine": "vllm"} if verb == "check" else {}
+    assert cli_settings(verb, model, required) == model(**fixed)
+
+
+@pytest.mark.parametrize("verb,model,required,section", [v for v in VERBS if v[3]], ids=[v[0] for v in VERBS if v[3]])
+def test_runs_section_is_the_verbs_model_and_the_same_values_on_the_command_line_give_the_same_settings(
+        verb, model, required, section):
+    run_section = getattr(RunConfig(), section)
+    assert isinstance(run_section, model)
+    changed = {k: getattr(run_section, k) for k in model.model_fields
+               if type(run_section).model_fields[k].default != model.model_fields[k].default}
+    assert changed, f"run's {section} section should differ from the verb somewhere (the CPU demo's sizes)"
+    as_verb = model(**run_section.model_dump(include=set(model.model_fields)))
+    assert cli_settings(verb, model, required + as_flags(changed)) == as_verb
+
+
+def test_runs_check_section_shares_the_check_verbs_engine_flags():
+    assert isinstance(RunConfig().check, EngineFlags) and issubclass(CheckSettings, EngineFlags)
+    run = RunConfig().check.model_copy(update={"engine_args": "--tensor-parallel-size 8"})
+    verb = cli_settings("check", CheckSettings, ["--target", "t", "--drafter", "d", "--engine", "vllm",
+                                                 "--engine-args", "--tensor-parallel-size 8"])
+    assert verb.engine_args == run.engine_args
+
+
+@pytest.mark.parametrize("verb,model,required,_", VERBS, ids=[v[0] for v in VERBS])
+def test_a_bad_value_on_a_verbs_command_line_is_a_what_got_expected_fix_error(verb, model, required, _, capsys):
+    bad, fix = BAD[verb]
+    assert main([verb, *required, *bad]) == 2
+    err = capsys.readouterr().err
+    assert all(part in err for part in ("got:", "expected:", "fix:", fix)), err
+
+
+def test_a_bad_value_in_runs_section_is_refused_by_the_verbs_model():
+    with pytest.raises(DraftsmithError, match="unknown --decoder"):
+        from_mapping(RunConfig, {"regenerate": {"decoder": "fast"}})
+    with pytest.raises(DraftsmithError, match="bad load levels"):
+        from_mapping(RunConfig, {"bench": {"concurrency": [0, 4]}})
+
+
+def test_a_verbs_help_shows_its_examples_and_its_fields_docs():
+    for verb, model, _, _ in VERBS:
+        subs = next(a for a in build_parser(verb)._actions if isinstance(a, argparse._SubParsersAction))
+        help_text = " ".join(subs.choices[verb].format_help().split())
+        assert f"draftsmith {verb} " in help_text.split("example", 1)[1], verb
+        for name, field in model.model_fields.items():
+            assert " ".join((field.description or "").split())[:30] in help_text, (verb, name)

@@ -198,8 +198,8 @@ def test_drafter_tree_mask_gives_each_node_its_own_path_context(target_and_draft
                 if depth + 1 < len(path):
                     n = fresh.drafter_cache.length
                     allowed = torch.cat([fresh.drafter_valid, torch.ones(1, n - committed + 1, dtype=torch.bool)], 1)
-                    h_out = decoder.drafter_forward(drafter, torch.tensor([[t]]), hh[None, None],
-                                                    fresh.root_pos[:, None] + depth, fresh.drafter_cache, allowed[:, None])
+                    h_out = drafter.decode_step(torch.tensor([[t]]), hh[None, None],
+                                                fresh.root_pos[:, None] + depth, fresh.drafter_cache, allowed[:, None])
                     hh = h_out[0, 0]
                     lp = decoder.draft_head(drafter, hh)
             fresh.drafter_cache.crop(committed)

@@ -443,3 +443,30 @@ def test_ttt_attention_under_a_document_mask_equals_each_document_alone(steps):
         o_ref, lse_ref = causal_attention_lse_reference(q, k0.repeat_interleave(2, 1), v0.repeat_interleave(2, 1), 0.25,
                                                         mask)
         assert torch.allclose(o, o_ref, atol=1e-12) and torch.allclose(lse, lse_ref, atol=1e-12)
+
+
+def test_the_trainers_first_ttt_step_and_the_decoders_step_are_the_same_layer():
+    """`ttt_step` (q/k/v split by linearity, TTT attention) and `decode_step` (a KV cache, a causal mask) both run
+    `Eagle3Drafter.step`: on the same tokens and hidden states, step 0 of the unroll is the decoder's causal
+    forward (float64, to rounding)."""
+    from conftest import CFG
+
+    from draftsmith.decoder import DrafterCache
+    from draftsmith.drafter import StepCache
+
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(CFG).double()
+    B, T, H = 2, 7, CFG.hidden_size
+    ids, h = torch.randint(0, CFG.vocab_size, (B, T)), torch.randn(B, T, H, dtype=torch.float64)
+    attn = drafter.midlayer.self_attn
+    w_qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+    e_qkv = torch.nn.functional.linear(drafter.midlayer.input_layernorm(drafter.embed_tokens(ids)), w_qkv[:, :H])
+    with torch.no_grad():
+        _, trained = drafter.ttt_step(e_qkv, h, w_qkv[:, H:], torch.arange(T), StepCache(), first=True)
+        causal = torch.ones(T, T, dtype=torch.bool).tril().expand(B, T, T)
+        decoded = drafter.decode_step(ids, h, torch.arange(T).expand(B, T), DrafterCache(), causal)
+    assert trained.shape == decoded.shape == (B, T, H)
+    torch.testing.assert_close(trained, decoded, rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(decoded[:, 1:], drafter.decode_step(ids, h, torch.arange(T).expand(B, T), DrafterCache(),
+                                                                  torch.eye(T, dtype=torch.bool).expand(B, T, T))[:, 1:]), \
+        "the mask must matter, or the comparison above says nothing"

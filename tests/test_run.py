@@ -44,6 +44,16 @@ def test_default_config_file_is_the_built_in_default():
     assert {p.name for p in CONFIGS.glob("*.yaml")} >= {"default.yaml", "llama-8b.yaml", "kimi-k2.5.yaml"}
 
 
+def test_default_config_file_lists_every_key():
+    import yaml
+
+    def keys(d: dict, prefix: str = "") -> set[str]:
+        return set().union(*({f"{prefix}{k}"} if not isinstance(v, dict) else keys(v, f"{prefix}{k}.")
+                             for k, v in d.items()))
+
+    assert keys(yaml.safe_load((CONFIGS / "default.yaml").read_text())) == keys(plain(RunConfig()))
+
+
 def test_the_saved_config_reloads_to_the_same_config(tmp_path):
     import yaml
 

@@ -21,7 +21,6 @@ How it measures (the gpt-fast habits of STYLE.md):
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import random
 import sys
@@ -32,6 +31,9 @@ from typing import Any
 
 import numpy as np
 
+from pydantic import model_validator
+
+from draftsmith.config import Settings, add_flags, from_flags
 from draftsmith.endpoints import api_key_from_env, normalize_base
 from draftsmith.errors import DraftsmithError
 from draftsmith.metrics import (
@@ -55,30 +57,36 @@ SETTLE_POLL_S = 0.25  # engines publish counters just after the last chunk; re-s
 SETTLE_MAX_S = 3.0
 
 
-@dataclass(frozen=True)
-class BenchSettings:
-    """What one bench run sends; printed first and saved with the results."""
+class BenchSettings(Settings):
+    """What one bench run sends: the bench verb's flags and `run`'s bench section; printed first and saved
+    with the results."""
 
-    prompts: str
-    """Prompt set: `train`, `eval`, or a JSONL of {"prompt"} / {"messages"} records."""
-    num_prompts: int
+    prompts: str = "eval"
+    """Prompt set: train, eval, chat-eval, or a JSONL of {"prompt"} / {"messages"} records."""
+    num_prompts: int = 32
     """Requests per level; each level takes the next prompts of the set, cycling when it runs out."""
-    concurrency: tuple[int, ...]
+    concurrency: tuple[int, ...] = (1, 4, 16)
     """Closed-loop levels: at most c requests in flight."""
-    request_rate: tuple[float, ...]
-    """Open-loop levels in requests/s (Poisson arrivals); replaces `concurrency` when given."""
-    max_tokens: int
-    temperature: float
-    warmup: int
+    request_rate: tuple[float, ...] = ()
+    """Open-loop levels in requests/s (Poisson arrivals); replaces concurrency when given."""
+    max_tokens: int = 128
+    """Cap on generated tokens per request."""
+    temperature: float = 0.0
+    """Sampling temperature of every request (0 = greedy)."""
+    warmup: int = 2
     """Unmeasured requests sent before the first level."""
-    seed: int
-    model: str | None
-    """Served model name; None = the first one `/v1/models` lists."""
-    timeout_s: float
-    num_speculative_tokens: int | None
-    """k, drafted tokens per step: only to derive SGLang's acceptance rate from its tau."""
+    seed: int = 0
+    """Seed of the open-loop arrival times."""
+    model: str | None = None
+    """Served model name; null: the first one /v1/models lists."""
+    timeout_s: float = 600.0
+    """Seconds allowed per request."""
+    num_speculative_tokens: int | None = None
+    """k, drafted tokens per step: only to turn SGLang's tau into an acceptance rate (run: null takes the
+    k the launch stage serves)."""
 
-    def __post_init__(self):
+    @model_validator(mode="after")
+    def check_sizes(self) -> BenchSettings:
         if self.num_prompts < 1 or self.max_tokens < 1 or self.warmup < 0:
             raise DraftsmithError("bad bench sizes", got=f"--num-prompts {self.num_prompts} --max-tokens "
                                   f"{self.max_tokens} --warmup {self.warmup}",
@@ -89,6 +97,7 @@ class BenchSettings:
                                   f"--request-rate {self.request_rate}",
                                   expected="concurrency levels >= 1 and request rates > 0",
                                   fix="for example --concurrency 1,4,16 or --request-rate 0.5,2")
+        return self
 
     def levels(self) -> list[tuple[str, float]]:
         """("rate", r) levels when rates are given, else ("concurrency", c)."""
@@ -473,7 +482,7 @@ def build_report(s: BenchSettings, run: EndpointResult, baseline: dict[str, Any]
     return {
         "endpoint": run.endpoint,
         "model": run.model,
-        "settings": asdict(s),
+        "settings": s.model_dump(mode="json"),
         "tau": acc.tau if acc else None,
         "acceptance_rate": acc.acceptance_rate if acc else None,
         "per_position": list(acc.per_position) if acc else [],
@@ -587,14 +596,6 @@ exit codes: 0 go (or inconclusive without a baseline), 1 no-go, 2 bad input.
 API key: $DRAFTSMITH_API_KEY or $OPENAI_API_KEY (never a flag)."""
 
 
-def parse_list(text: str, kind, flag: str) -> tuple:
-    try:
-        return tuple(kind(x) for x in text.split(",") if x.strip())
-    except ValueError as exc:
-        raise DraftsmithError(f"cannot parse {flag}", got=repr(text), expected="comma-separated numbers",
-                              fix=f"for example {flag} 1,4,16") from exc
-
-
 def add_parser(sub) -> None:
     from draftsmith.cli import example_help
 
@@ -604,30 +605,10 @@ def add_parser(sub) -> None:
     group = p.add_mutually_exclusive_group()
     group.add_argument("--baseline-endpoint", help="the same model served without speculation")
     group.add_argument("--baseline-json", type=Path, help="--json output of an earlier run without speculation")
-    p.add_argument("--model", help="served model name (default: the first in /v1/models)")
-    p.add_argument("--prompts", default="eval", help="train, eval, or a JSONL of {prompt} / {messages} (default eval)")
-    p.add_argument("--num-prompts", type=int, default=32, help="requests per level (default 32)")
-    p.add_argument("--concurrency", default="1,4,16", help="closed-loop levels (default 1,4,16)")
-    p.add_argument("--request-rate", default="", help="open-loop levels in req/s, replaces --concurrency")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--warmup", type=int, default=2, help="unmeasured requests first (default 2)")
-    p.add_argument("--num-speculative-tokens", type=int,
-                   help="k; only used to turn SGLang's tau into an acceptance rate")
-    p.add_argument("--seed", type=int, default=0, help="seed of the open-loop arrival times")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    add_flags(p, BenchSettings, flags={"timeout_s": "--timeout"})
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     p.add_argument("--out", type=Path, help="write bench.json, throughput.png, acceptance.png here")
     p.set_defaults(func=run_bench)
-
-
-def settings_from_args(args) -> BenchSettings:
-    return BenchSettings(
-        prompts=args.prompts, num_prompts=args.num_prompts,
-        concurrency=parse_list(args.concurrency, int, "--concurrency"),
-        request_rate=parse_list(args.request_rate, float, "--request-rate"),
-        max_tokens=args.max_tokens, temperature=args.temperature, warmup=args.warmup, seed=args.seed,
-        model=args.model, timeout_s=args.timeout, num_speculative_tokens=args.num_speculative_tokens)
 
 
 async def measure(s: BenchSettings, say, endpoint: str, baseline_endpoint: str | None = None,
@@ -644,7 +625,7 @@ async def measure(s: BenchSettings, say, endpoint: str, baseline_endpoint: str |
     baseline = None
     if baseline_endpoint:
         # the baseline may serve the model under another name: let it be discovered
-        ref = await bench_endpoint(baseline_endpoint, dataclasses.replace(s, model=None), warm, per_level,
+        ref = await bench_endpoint(baseline_endpoint, s.model_copy(update={"model": None}), warm, per_level,
                                    say)
         apply_baseline(run.levels, {lv.key(): lv.output_tokens_per_s for lv in ref.levels})
         baseline = {"source": ref.endpoint, "model": ref.model, "levels": [lv.to_dict() for lv in ref.levels]}
@@ -658,9 +639,9 @@ async def measure(s: BenchSettings, say, endpoint: str, baseline_endpoint: str |
 
 
 def run_bench(args) -> int:
-    s = settings_from_args(args)
+    s = from_flags(BenchSettings, args)
     log = (lambda m: print(m, file=sys.stderr)) if args.json else print
-    log(f"bench settings: {json.dumps(asdict(s))}")
+    log(f"bench settings: {json.dumps(s.model_dump(mode='json'))}")
     report = asyncio.run(measure(s, log, args.endpoint, args.baseline_endpoint, args.baseline_json))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

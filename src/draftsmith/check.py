@@ -27,6 +27,7 @@ from packaging.specifiers import SpecifierSet
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 from packaging.version import InvalidVersion, Version
 
+from draftsmith.config import Settings, add_flags, check_choices, from_flags
 from draftsmith.errors import DraftsmithError
 from draftsmith.safetensors_header import ModelTensors, read_model_tensors
 from draftsmith.conventions import (
@@ -952,6 +953,29 @@ def verdict(findings: list[Finding]) -> str:
     return f"verdict: {starts}; {accepts}; {len(errors)} error(s), {len(warn)} warning(s)"
 
 
+class EngineFlags(Settings):
+    """The engine flags a check reads: shared by the check verb and `run`'s check section."""
+
+    engine_args: str = ""
+    """Other engine flags as you will pass them, as one string, e.g. '--tensor-parallel-size 8 --max-model-len 32768'."""
+
+
+class CheckSettings(EngineFlags):
+    """What one `check` preflights against: the check verb's flags."""
+
+    engine: str
+    """The engine to check for: vllm | sglang | llamacpp."""
+    engine_version: str | None = None
+    """Engine version to check against, e.g. 0.17.0 (null: read from --engine-python, else the rule book's default)."""
+    speculative_config: str | None = None
+    """vLLM --speculative-config JSON as you will pass it."""
+
+    @model_validator(mode="after")
+    def check_engine(self) -> CheckSettings:
+        check_choices(("--engine", self.engine, ENGINES))
+        return self
+
+
 def add_parser(sub) -> None:
     from draftsmith.cli import example_help
 
@@ -966,21 +990,19 @@ def add_parser(sub) -> None:
                            "exit codes: 0 ok or warnings only, 1 an error finding, 2 bad usage"))
     p.add_argument("--target", required=True, help="target model directory, hub id, .gguf, or smollm2")
     p.add_argument("--drafter", required=True, help="drafter directory (config.json + model.safetensors) or hub id")
-    p.add_argument("--engine", required=True, choices=ENGINES)
-    p.add_argument("--engine-version", help="engine version to check against, e.g. 0.17.0")
+    add_flags(p, CheckSettings)
     p.add_argument("--engine-python", type=Path,
                    help="the engine's Python: reads its version and runs its own config validation")
-    p.add_argument("--speculative-config", help="vLLM --speculative-config JSON as you will pass it")
-    p.add_argument("--engine-args", default="", help="other engine flags as one string, e.g. '--tp 8 --max-model-len 32768'")
     p.add_argument("--json", action="store_true", help="print the findings as a JSON list")
     p.set_defaults(func=run_check)
 
 
 def run_check(args) -> int:
+    s = from_flags(CheckSettings, args)
     target = resolve_target(args.target)
     drafter = resolve_drafter(args.drafter)
-    findings, facts = run_checks(target, drafter, args.engine, args.engine_version, args.speculative_config,
-                                 args.engine_args, args.engine_python)
+    findings, facts = run_checks(target, drafter, s.engine, s.engine_version, s.speculative_config,
+                                 s.engine_args, args.engine_python)
     if args.json:
         print(json.dumps([asdict(f) for f in findings], indent=2))
     else:

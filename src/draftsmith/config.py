@@ -158,6 +158,14 @@ def is_section(field: FieldInfo) -> bool:
     return isinstance(nested, type) and issubclass(nested, Settings)
 
 
+def check_choices(*checks: tuple[str, Any, tuple]) -> None:
+    """Refuse the first value not among its choices, naming the flag: `("--dtype", "fp8", ("float32", ...))`."""
+    for flag, value, allowed in checks:
+        if value not in allowed:
+            raise DraftsmithError(f"unknown {flag}", got=str(value), expected=" | ".join(allowed),
+                                  fix=f"pass {flag} {allowed[0]}")
+
+
 def with_defaults(cls: type[Settings], name: str, doc: str, **defaults: Any) -> type[Settings]:
     """`cls` with other defaults for some fields (same keys, types and docs): for `run`'s sections where
     the pipeline's default differs from the verb's on purpose, written once, next to the reason."""
@@ -173,24 +181,29 @@ def doc_of(field: FieldInfo) -> str:
     return " ".join((field.description or "").split())
 
 
-def add_flags(parser: argparse.ArgumentParser, cls: type[Settings], *, skip: tuple[str, ...] = (),
-              required: tuple[str, ...] = (), helps: dict[str, str] | None = None) -> None:
+def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type[Settings], *,
+              skip: tuple[str, ...] = (), only: tuple[str, ...] | None = None, required: tuple[str, ...] = (),
+              helps: dict[str, str] | None = None, flags: dict[str, str] | None = None) -> None:
     """One `--flag` per field of `cls`, its docstring (and default) as help; bools get `--no-flag`.
 
-    Values stay as typed on the command line where the model converts them (`--aux-ids 2,15,27`)."""
+    Values stay as typed on the command line where the model converts them (`--aux-ids 2,15,27`).
+    `only` limits the fields (one argument group at a time); `flags` spells a field's flag otherwise
+    (`{"timeout_s": "--timeout"}`). A repeatable flag (`--endpoint A --endpoint B`) is not made here: skip
+    its field and add an `append` flag with `dest` the field's name and `help=doc_of(field)`."""
     for name, field in cls.model_fields.items():
-        if name in skip:
+        if name in skip or (only is not None and name not in only):
             continue
-        flag, doc = "--" + name.replace("_", "-"), (helps or {}).get(name, doc_of(field))
+        flag, doc = (flags or {}).get(name, "--" + name.replace("_", "-")), (helps or {}).get(name, doc_of(field))
         kind = base_type(field.annotation)
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=doc)
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=field.default,
+                                help=doc)
             continue
         must = name in required or field.is_required()
-        if field.default is not None and not must:
-            doc += f" (default {field.default})"
+        if field.default not in (None, "", ()) and not must:
+            doc += f" (default {on_command_line(field.default)})"
         convert = kind if kind in (int, float) else None
-        parser.add_argument(flag, type=convert, default=None if field.is_required() else field.default,
+        parser.add_argument(flag, dest=name, type=convert, default=None if field.is_required() else field.default,
                             required=must, help=doc)
 
 
@@ -198,6 +211,11 @@ def from_flags(cls: type[Settings], args: argparse.Namespace, **fixed: Any) -> S
     """The model from parsed `add_flags` arguments."""
     return from_mapping(cls, {name: getattr(args, name) for name in cls.model_fields if hasattr(args, name)},
                         **fixed)
+
+
+def on_command_line(value: Any) -> str:
+    """A default as the flag takes it: `1,4,16` for a tuple."""
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
 def shown(value: Any) -> str:

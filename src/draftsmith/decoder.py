@@ -40,9 +40,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
-from draftsmith.drafter import Eagle3Drafter, rope_cos_sin
+from draftsmith.drafter import Eagle3Drafter
 from draftsmith.errors import DraftsmithError
 from draftsmith.tree import AcceptedPath, Candidates, DraftTree, accept_path, chain_tree, select_tree
 
@@ -203,28 +202,6 @@ def target_forward(target, ids: torch.Tensor, pos: torch.Tensor, cache, allowed:
     return out.logits, aux
 
 
-def drafter_forward(drafter: Eagle3Drafter, ids: torch.Tensor, h: torch.Tensor, pos: torch.Tensor,
-                    cache: DrafterCache, allowed: torch.Tensor) -> torch.Tensor:
-    """Drafter layer over n new positions per row, appending their keys/values to its cache.
-
-    Args:
-        ids: (B, n) tokens fed; h: (B, n, H) hidden states fed (fc(aux) or the drafter's own output);
-        pos: (B, n) positions; allowed: (B, n, L+n) bool, cache slots (old and new) each query sees.
-    Returns:
-        h_out (B, n, H), pre-norm (apply `draft_head` for logits).
-    """
-    cfg = drafter.config
-    B, n = ids.shape
-    x, residual = drafter.midlayer.attention_input(drafter.embed_tokens(ids), h)  # (B, n, 2H)
-    cos, sin = rope_cos_sin(pos.reshape(-1), cfg.head_dim, cfg.rope_theta)  # (B*n, hd)
-    cos, sin = cos.view(B, 1, n, -1).to(x.dtype), sin.view(B, 1, n, -1).to(x.dtype)
-    q, k, v = drafter.midlayer.self_attn.project(x, cos, sin)  # (B, nh, n, hd), (B, nkv, n, hd) x2
-    keys, values = cache.append(k, v)  # (B, nkv, L+n, hd)
-    attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[:, None], enable_gqa=True)  # (B, nh, n, hd)
-    attn = drafter.midlayer.self_attn.o_proj(attn.transpose(1, 2).reshape(B, n, -1))
-    return drafter.midlayer.finish(attn, residual)
-
-
 def draft_head(drafter: Eagle3Drafter, h: torch.Tensor) -> torch.Tensor:
     """Draft-vocabulary log-probabilities (.., Vd) of pre-norm hidden states (.., H)."""
     return torch.log_softmax(drafter.lm_head(drafter.norm(h)).float(), dim=-1)
@@ -285,7 +262,7 @@ def catch_up(drafter: Eagle3Drafter, state: DecodeState) -> tuple[torch.Tensor, 
     allowed = block_mask(state.drafter_valid, causal & p.valid[:, None, :] | torch.eye(n, dtype=torch.bool,
                                                                                            device=p.ids.device))
     with timed(state.timings, "drafter", p.ids.device):
-        h = drafter_forward(drafter, p.ids, drafter.fc(p.aux), p.pos, state.drafter_cache, allowed)  # (B, n, H)
+        h = drafter.decode_step(p.ids, drafter.fc(p.aux), p.pos, state.drafter_cache, allowed)  # (B, n, H)
     state.drafter_valid = torch.cat([state.drafter_valid, p.valid], dim=1)
     last = n - 1 - p.valid.flip(-1).int().argmax(-1)  # (B,) index of each row's last valid entry
     h_last = h[torch.arange(B, device=h.device), last]  # (B, H)
@@ -315,7 +292,7 @@ def draft(drafter: Eagle3Drafter | None, state: DecodeState, settings: DecodeSet
     for depth in range(1, settings.k):
         pos = (state.root_pos + depth - 1)[:, None].expand(B, topk)
         with timed(state.timings, "drafter", device):
-            h_out = drafter_forward(drafter, tok, h, pos, state.drafter_cache, block_mask(state.drafter_valid, seen))
+            h_out = drafter.decode_step(tok, h, pos, state.drafter_cache, block_mask(state.drafter_valid, seen))
             logp = draft_head(drafter, h_out)  # (B, topk, Vd)
         child_score, child = logp.topk(topk, dim=-1)  # (B, topk, topk)
         child_score = (score[:, :, None] + child_score).flatten(1)  # cumulative path log-prob, (B, topk^2)

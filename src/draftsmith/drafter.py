@@ -218,6 +218,27 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
         self.soft_ce_rows = soft_ce_rows  # the loss's elementwise pass; `compile_for_training` swaps in a compiled copy
 
+    def step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor, attend) -> torch.Tensor:
+        """The decoder layer from the q/k/v projections on: heads and RoPE, `attend`, o_proj, residual and MLP.
+
+        Both forward paths call it: `ttt_step` (training: the TTT unroll's attention over earlier steps) and
+        `decode_step` (the reference decoder: a KV cache and a tree mask); they differ in how q/k/v are
+        projected and in `attend`, nothing else.
+
+        Args:
+            q: (B, T, nh hd), k and v: (B, T, nkv hd) projections of x = cat(input_layernorm(e), hidden_norm(h));
+            residual: (B, T, H); cos, sin: RoPE tables broadcastable to (B, nh, T, hd);
+            attend: (q (B, nh, T, hd), k, v (B, nkv, T, hd)) -> attention output (B, nh, T, hd).
+        Returns:
+            h_out (B, T, H), pre-norm.
+        """
+        attn_mod = self.midlayer.self_attn
+        B, T, _ = q.shape
+        q, k, v = attn_mod.heads(q, k, v, cos.to(q.dtype), sin.to(q.dtype))
+        attn = attn_mod.o_proj(attend(q, k, v).transpose(1, 2).reshape(B, T, -1))  # (B, T, H)
+        return self.midlayer.finish(attn, residual)
+
     def ttt_step(self, e_qkv: torch.Tensor, h: torch.Tensor, w_h: torch.Tensor, positions: torch.Tensor,
                  cache: StepCache, first: bool, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
         """One TTT step over the whole sequence, up to the final norm (the head runs in `DraftHeadLoss`).
@@ -239,29 +260,52 @@ class Eagle3Drafter(nn.Module):
         hn = mid.hidden_norm(h)
         residual = hn if mid.norm_before_residual else h
         qkv = e_qkv + F.linear(hn, w_h)  # (B, T, (nh + 2 nkv) hd)
-        B, T, _ = qkv.shape
         nq, nk = attn_mod.nh * attn_mod.hd, attn_mod.nkv * attn_mod.hd
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)  # (T, hd) or (B, T, hd)
         if cos.dim() == 3:
             cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, hd): per-row positions, broadcast over heads
-        q, k, v = attn_mod.heads(*qkv.split([nq, nk, nk], dim=-1), cos.to(qkv.dtype), sin.to(qkv.dtype))
-        if first:
-            cache.keys, cache.values, cache.causal_kv = [k], [v], None
-        else:
-            cache.keys.append(k)
-            cache.values.append(v)
-        # The same math; each the faster where it runs (flash kernels take half precision only; packed rows on
-        # CUDA go through FlexAttention's block mask, any dtype).
-        lse = q.is_cuda and (mask is not None or q.dtype in (torch.bfloat16, torch.float16))
-        extra = {}
-        if lse and not first and not is_block_mask(mask):  # the flash kernel reads K/V at the query heads
-            extra["causal_kv"] = cache.repeated_causal_kv(attn_mod.nh // attn_mod.nkv)
-        attention = ttt_attention_lse if lse else ttt_attention
-        attn = attention(q, cache.keys[0], cache.values[0], cache.keys[1:], cache.values[1:],
-                         mask=mask, **extra)  # (B, nh, T, hd)
-        attn = attn_mod.o_proj(attn.transpose(1, 2).reshape(B, T, -1))  # (B, T, H)
-        h_out = mid.finish(attn, residual)
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if first:
+                cache.keys, cache.values, cache.causal_kv = [k], [v], None
+            else:
+                cache.keys.append(k)
+                cache.values.append(v)
+            # The same math; each the faster where it runs (flash kernels take half precision only; packed rows on
+            # CUDA go through FlexAttention's block mask, any dtype).
+            lse = q.is_cuda and (mask is not None or q.dtype in (torch.bfloat16, torch.float16))
+            extra = {}
+            if lse and not first and not is_block_mask(mask):  # the flash kernel reads K/V at the query heads
+                extra["causal_kv"] = cache.repeated_causal_kv(attn_mod.nh // attn_mod.nkv)
+            attention = ttt_attention_lse if lse else ttt_attention
+            return attention(q, cache.keys[0], cache.values[0], cache.keys[1:], cache.values[1:],
+                             mask=mask, **extra)  # (B, nh, T, hd)
+
+        h_out = self.step(*qkv.split([nq, nk, nk], dim=-1), residual, cos, sin, attend)
         return self.norm(h_out).to(h_out.dtype), h_out
+
+    def decode_step(self, ids: torch.Tensor, h: torch.Tensor, pos: torch.Tensor, cache,
+                    allowed: torch.Tensor) -> torch.Tensor:
+        """The drafter layer over n new positions per row, appending their keys/values to `cache` (the reference
+        decoder's `decoder.DrafterCache`: `append(k, v)` returns every cached key and value).
+
+        Args:
+            ids: (B, n) tokens fed; h: (B, n, H) hidden states fed (fc(aux) or the drafter's own output);
+            pos: (B, n) positions; allowed: (B, n, L+n) bool, cache slots (old and new) each query sees.
+        Returns:
+            h_out (B, n, H), pre-norm (`decoder.draft_head` gives the logits).
+        """
+        B, n = ids.shape
+        attn_mod = self.midlayer.self_attn
+        x, residual = self.midlayer.attention_input(self.embed_tokens(ids), h)  # (B, n, 2H)
+        cos, sin = rope_cos_sin(pos.reshape(-1), self.config.head_dim, self.config.rope_theta)  # (B*n, hd)
+        cos, sin = cos.view(B, 1, n, -1), sin.view(B, 1, n, -1)
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            keys, values = cache.append(k, v)  # (B, nkv, L+n, hd)
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[:, None],
+                                                  enable_gqa=True)  # (B, nh, n, hd)
+
+        return self.step(attn_mod.q_proj(x), attn_mod.k_proj(x), attn_mod.v_proj(x), residual, cos, sin, attend)
 
     def forward(self, *args, **kwargs) -> TTTOutput:
         """The training forward: a TTT unroll (`ttt_forward`). DDP wraps this, so training calls the module."""

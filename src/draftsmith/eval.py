@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from pydantic import model_validator
 
-from draftsmith.config import Settings, add_flags, from_flags
+from draftsmith.config import Settings, add_flags, check_choices, from_flags
 from draftsmith.errors import DraftsmithError
 
 
@@ -131,11 +131,8 @@ class EvalSettings(Settings):
 
     @model_validator(mode="after")
     def check_choices(self) -> EvalSettings:
-        for flag, value, allowed in (("--engine", self.engine, ("trained", "vllm", "sglang")),
-                                     ("--dtype", self.dtype, ("float32", "bfloat16"))):
-            if value not in allowed:
-                raise DraftsmithError(f"unknown {flag}", got=value, expected=" | ".join(allowed),
-                                      fix=f"pass {flag} {allowed[0]}")
+        check_choices(("--engine", self.engine, ("trained", "vllm", "sglang")),
+                      ("--dtype", self.dtype, ("float32", "bfloat16")))
         return self
 
     def record(self) -> dict:

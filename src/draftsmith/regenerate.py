@@ -18,7 +18,9 @@ from typing import Any
 from pathlib import Path
 
 import torch
+from pydantic import model_validator
 
+from draftsmith.config import Settings, add_flags, check_choices, doc_of, from_flags
 from draftsmith.conversations import Conversation, ConversationWriter
 from draftsmith.endpoints import EndpointSettings, RegenerateSummary, parse_reply, regenerate_endpoints_sync
 from draftsmith.errors import DraftsmithError
@@ -286,6 +288,92 @@ def write_self_prompts(complete: Completer, tokenizer, out: Path, sp: SelfPrompt
     return flt.counts
 
 
+SELF_FIELDS = ("self_count", "self_temperature", "self_top_p", "self_seed", "multi_turn", "max_turn_tokens")
+ENDPOINT_FIELDS = ("model", "concurrency", "max_retries", "error_budget", "request_timeout_s")
+
+
+class RegenerateSettings(Settings):
+    """How `regenerate` answers prompts: the regenerate verb's flags and `run`'s regenerate section."""
+
+    prompts: str = "train"
+    """train | eval | humaneval | chat-eval | self (the target writes its own user turns) | a JSONL of
+    {"prompt"} / {"messages"} records."""
+    limit: int | None = None
+    """Use only the first N prompts (null: all)."""
+    max_new_tokens: int = LocalSettings.max_new_tokens
+    """Cap on generated tokens per assistant turn."""
+    batch_size: int = LocalSettings.batch_size
+    """Local backend: prompts decoded together (KV-cache rows for decoder rows; e.g. 1024 on a GPU)."""
+    decoder: str = LocalSettings.decoder
+    """Local backend: rows (static KV cache, rows refilled as they finish, CUDA graphs), generate (transformers),
+    auto: rows on CUDA, generate on CPU."""
+    max_length: int = LocalSettings.max_length
+    """Rows decoder: prompt + answer tokens per row."""
+    temperature: float | None = None
+    """0 = greedy; null: greedy on the local target, the server's own sampling defaults on endpoints."""
+    top_p: float | None = None
+    """Nucleus of answer sampling; null: 1.0 on the local target, the server's own on endpoints."""
+    seed: int = LocalSettings.seed
+    """Local backend: seed of sampled answers."""
+    dtype: str = "float32"
+    """Local backend: float32 | bfloat16."""
+    device: str = "cpu"
+    """Local backend: where the target runs (cpu, cuda, cuda:1, or auto: cuda when available)."""
+    reasoning: str = "keep"
+    """keep: store reasoning as `reasoning_content`; drop: the answer only."""
+    self_count: int = SelfPromptSettings.count
+    """prompts: self: user turns to sample before filtering (thousands for a real drafter)."""
+    self_temperature: float = SelfPromptSettings.temperature
+    """prompts: self: sampling temperature of user turns (Magpie: 1.0)."""
+    self_top_p: float = SelfPromptSettings.top_p
+    """prompts: self: nucleus of user-turn sampling."""
+    self_seed: int = SelfPromptSettings.seed
+    """prompts: self: seed of user-turn sampling (another seed: another prompt set)."""
+    multi_turn: float = SelfPromptSettings.multi_turn
+    """prompts: self: share of conversations that get a sampled follow-up turn and its answer."""
+    max_turn_tokens: int = SelfPromptSettings.max_turn_tokens
+    """prompts: self: cap on a user turn (a turn that reaches it is dropped as cut off)."""
+    endpoints: tuple[str, ...] = ()
+    """OpenAI-compatible servers (`URL[#concurrency]`, data parallel) that answer instead of the local target;
+    the command line repeats --endpoint URL[#N]."""
+    model: str | None = EndpointSettings.model
+    """Endpoints: served model name (null: the first one /models lists)."""
+    concurrency: int = EndpointSettings.concurrency
+    """Endpoints: requests in flight per endpoint."""
+    max_retries: int = EndpointSettings.max_retries
+    """Endpoints: retries per prompt."""
+    error_budget: float = EndpointSettings.error_budget
+    """Endpoints: fraction of prompts that may fail for good before the run stops."""
+    request_timeout_s: float = EndpointSettings.request_timeout_s
+    """Endpoints: seconds allowed for one chat completion."""
+
+    @model_validator(mode="after")
+    def check_choices(self) -> RegenerateSettings:
+        check_choices(("--decoder", self.decoder, ("auto", "rows", "generate")),
+                      ("--dtype", self.dtype, ("float32", "bfloat16")), ("--reasoning", self.reasoning, ("keep", "drop")))
+        return self
+
+    def local(self) -> LocalSettings:
+        """The local backend's generation settings."""
+        return LocalSettings(self.max_new_tokens, self.batch_size,
+                             LocalSettings.temperature if self.temperature is None else self.temperature,
+                             LocalSettings.top_p if self.top_p is None else self.top_p, self.seed, self.decoder,
+                             self.max_length)
+
+    def self_prompts(self) -> SelfPromptSettings:
+        """How `prompts: self` samples and filters user turns."""
+        return SelfPromptSettings(count=self.self_count, temperature=self.self_temperature, top_p=self.self_top_p,
+                                  seed=self.self_seed, multi_turn=self.multi_turn,
+                                  max_turn_tokens=self.max_turn_tokens)
+
+    def endpoint(self) -> EndpointSettings:
+        """How the endpoint backend talks to the servers."""
+        return EndpointSettings(model=self.model, concurrency=self.concurrency, max_tokens=self.max_new_tokens,
+                                temperature=self.temperature, top_p=self.top_p, reasoning=self.reasoning,
+                                max_retries=self.max_retries, error_budget=self.error_budget,
+                                request_timeout_s=self.request_timeout_s)
+
+
 def add_parser(sub) -> None:
     from draftsmith.cli import example_help
 
@@ -300,51 +388,18 @@ def add_parser(sub) -> None:
                            "      --endpoint http://gpu0:8000/v1 --endpoint http://gpu1:8000/v1#64 --concurrency 32\n"
                            "Rerunning the same command resumes: finished ids are skipped. See docs/regenerate.md."))
     p.add_argument("--target", default="smollm2", help="smollm2, a model directory, a .gguf file or a hub id")
-    p.add_argument("--prompts", default="train",
-                   help="train | eval | humaneval | chat-eval | self (the target writes its own user turns) | a JSONL file")
     p.add_argument("--out", type=Path, required=True, help="conversations JSONL to append to")
-    p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--backend", choices=("local", "endpoint"), default="local",
                    help="local: the target in transformers; endpoint: OpenAI-compatible servers (implied by --endpoint)")
-    p.add_argument("--max-new-tokens", type=int, default=LocalSettings.max_new_tokens)
-    p.add_argument("--batch-size", type=int, default=LocalSettings.batch_size,
-                   help="prompts decoded together (KV-cache rows for --decoder rows; e.g. 1024 on a GPU)")
-    p.add_argument("--decoder", choices=("auto", "rows", "generate"), default=LocalSettings.decoder,
-                   help="local backend: rows (static KV cache, rows refilled as they finish, CUDA graphs), generate "
-                        "(transformers), auto: rows on CUDA, generate on CPU")
-    p.add_argument("--max-length", type=int, default=LocalSettings.max_length,
-                   help="rows decoder: prompt + answer tokens per row")
-    p.add_argument("--temperature", type=float, default=None,
-                   help=f"local default {LocalSettings.temperature} (greedy); endpoint default: the server's own")
-    p.add_argument("--top-p", type=float, default=None,
-                   help=f"local default {LocalSettings.top_p}; endpoint default: the server's own")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    p.add_argument("--device", default="cpu", help="local backend: cpu, cuda, cuda:1, or auto (cuda when available)")
-    p.add_argument("--reasoning", choices=("keep", "drop"), default="keep",
-                   help="keep reasoning traces (as reasoning_content) or drop them from the data")
+    add_flags(p, RegenerateSettings, skip=(*SELF_FIELDS, *ENDPOINT_FIELDS, "endpoints"))
     sp = p.add_argument_group("self-written prompts (--prompts self; Magpie, arXiv 2406.08464)")
-    sp.add_argument("--self-count", type=int, default=SelfPromptSettings.count, help="user turns to sample (before filters)")
-    sp.add_argument("--self-temperature", type=float, default=SelfPromptSettings.temperature)
-    sp.add_argument("--self-top-p", type=float, default=SelfPromptSettings.top_p)
-    sp.add_argument("--self-seed", type=int, default=SelfPromptSettings.seed,
-                    help="seed of user-turn sampling (another seed: another prompt set)")
-    sp.add_argument("--multi-turn", type=float, default=SelfPromptSettings.multi_turn,
-                    help="share of conversations that get a sampled follow-up turn and its answer")
-    sp.add_argument("--max-turn-tokens", type=int, default=SelfPromptSettings.max_turn_tokens,
-                    help="cap on a user turn (a turn that reaches it is dropped as cut off)")
+    add_flags(sp, RegenerateSettings, only=SELF_FIELDS)
     sp.add_argument("--prompts-only", action="store_true",
                     help="write the filtered first user turns as a prompt JSONL ({id, prompt}) instead of conversations")
     e = p.add_argument_group("endpoint backend (API key from $DRAFTSMITH_API_KEY or $OPENAI_API_KEY)")
-    e.add_argument("--endpoint", action="append", default=[], metavar="URL[#N]",
-                   help="OpenAI-compatible base URL, repeatable (data parallel); #N sets that endpoint's concurrency")
-    e.add_argument("--model", default=None, help="served model name (default: the first one /models lists)")
-    e.add_argument("--concurrency", type=int, default=EndpointSettings.concurrency, help="requests in flight per endpoint")
-    e.add_argument("--max-retries", type=int, default=EndpointSettings.max_retries, help="retries per prompt")
-    e.add_argument("--error-budget", type=float, default=EndpointSettings.error_budget,
-                   help="fraction of prompts that may fail for good before the run stops")
-    e.add_argument("--request-timeout", type=float, default=EndpointSettings.request_timeout_s,
-                   help="seconds allowed for one chat completion")
+    e.add_argument("--endpoint", dest="endpoints", action="append", default=[], metavar="URL[#N]",
+                   help=doc_of(RegenerateSettings.model_fields["endpoints"]))
+    add_flags(e, RegenerateSettings, only=ENDPOINT_FIELDS, flags={"request_timeout_s": "--request-timeout"})
     e.add_argument("--json", action="store_true", help="print the run summary as JSON on stdout")
     p.set_defaults(func=run_regenerate)
 
@@ -352,81 +407,64 @@ def add_parser(sub) -> None:
 def run_regenerate(args) -> int:
     from draftsmith.target import load_target, resolve_target
 
-    if args.prompts == SELF:
-        return run_self(args)
-    prompts = load_prompts(args.prompts, args.limit)
+    s = from_flags(RegenerateSettings, args)
+    if s.prompts == SELF:
+        return run_self(args, s)
+    prompts = load_prompts(s.prompts, s.limit)
     if not prompts:
-        raise DraftsmithError("no prompts to answer", got=f"{args.prompts!r} is empty",
+        raise DraftsmithError("no prompts to answer", got=f"{s.prompts!r} is empty",
                               expected="at least one prompt", fix="check --prompts / --limit")
-    if args.endpoint or args.backend == "endpoint":
-        return run_endpoint_backend(args, prompts)
-    settings = local_settings(args)
+    if s.endpoints or args.backend == "endpoint":
+        return run_endpoint_backend(args, s, prompts)
+    settings = s.local()
     with ConversationWriter(args.out) as writer:
         if len(writer.done) >= len({p.id for p in prompts}) and all(p.id in writer.done for p in prompts):
             print(f"regenerate: all {len(prompts)} prompts already in {args.out}")
             return 0
-        model, tokenizer = load_target(resolve_target(args.target), dtype=args.dtype, device=args.device)
-        summary = regenerate_local(prompts, model, tokenizer, writer, settings, args.reasoning, args.target)
+        model, tokenizer = load_target(resolve_target(args.target), dtype=s.dtype, device=s.device)
+        summary = regenerate_local(prompts, model, tokenizer, writer, settings, s.reasoning, args.target)
     rate = summary.output_tokens / max(summary.seconds, 1e-9)
     print(f"regenerate: {summary.done} answered, {summary.skipped} already done, "
           f"{summary.output_tokens} tokens in {summary.seconds:.1f} s ({rate:.1f} tok/s) -> {args.out}")
     return 0
 
 
-def local_settings(args) -> LocalSettings:
-    return LocalSettings(args.max_new_tokens, args.batch_size,
-                         LocalSettings.temperature if args.temperature is None else args.temperature,
-                         LocalSettings.top_p if args.top_p is None else args.top_p, args.seed, args.decoder,
-                         args.max_length)
-
-
-def self_settings(args) -> SelfPromptSettings:
-    return SelfPromptSettings(count=args.self_count, temperature=args.self_temperature, top_p=args.self_top_p,
-                              seed=args.self_seed, multi_turn=args.multi_turn, max_turn_tokens=args.max_turn_tokens)
-
-
-def run_self(args) -> int:
+def run_self(args, s: RegenerateSettings) -> int:
     """`--prompts self`: the target writes its user turns and answers them, locally or on `--endpoint` servers
     (their completions API, with this target's chat template rendered here: --target names its tokenizer)."""
     from draftsmith.target import load_target, resolve_target
 
-    sp, settings = self_settings(args), local_settings(args)
-    if args.endpoint:
+    sp, settings = s.self_prompts(), s.local()
+    if s.endpoints:
         from transformers import AutoTokenizer
 
         from draftsmith.endpoints import EndpointCompleter
 
         tokenizer = AutoTokenizer.from_pretrained(resolve_target(args.target))
         _, closer = end_of_turn_stops(tokenizer)
-        complete: Completer = EndpointCompleter(args.endpoint, args.model, args.concurrency, (closer,), sp.seed,
-                                                args.max_retries, args.request_timeout)
+        complete: Completer = EndpointCompleter(list(s.endpoints), s.model, s.concurrency, (closer,), sp.seed,
+                                                s.max_retries, s.request_timeout_s)
         backend = "endpoint"
     else:
-        model, tokenizer = load_target(resolve_target(args.target), dtype=args.dtype, device=args.device)
+        model, tokenizer = load_target(resolve_target(args.target), dtype=s.dtype, device=s.device)
         complete, backend = LocalCompleter(model, tokenizer, settings, end_of_turn_stops(tokenizer)[0]), "local"
     if args.prompts_only:
         counts = write_self_prompts(complete, tokenizer, args.out, sp)
         print(json.dumps(counts.to_dict()) if args.json else f"regenerate --prompts self --prompts-only: "
               f"{counts.render()}\n-> {args.out}")
         return 0
-    if args.endpoint and args.temperature is None:
-        settings = replace(settings, temperature=LocalSettings.temperature)
     with ConversationWriter(args.out) as writer:
-        summary = regenerate_self(complete, tokenizer, writer, sp, settings, args.reasoning, args.target, backend=backend)
+        summary = regenerate_self(complete, tokenizer, writer, sp, settings, s.reasoning, args.target, backend=backend)
     print(json.dumps(asdict(summary), indent=2) if args.json else f"{summary.render()}\n-> {args.out}")
     return 0
 
 
-def run_endpoint_backend(args, prompts: list[Prompt]) -> int:
+def run_endpoint_backend(args, s: RegenerateSettings, prompts: list[Prompt]) -> int:
     """`--endpoint ...`: regenerate on OpenAI-compatible servers; exit 1 when any prompt is left undone."""
-    if not args.endpoint:
+    if not s.endpoints:
         raise DraftsmithError("--backend endpoint needs at least one --endpoint", got="no --endpoint",
                               expected="--endpoint URL", fix="e.g. --endpoint http://127.0.0.1:8000/v1")
-    settings = EndpointSettings(model=args.model, concurrency=args.concurrency, max_tokens=args.max_new_tokens,
-                                temperature=args.temperature, top_p=args.top_p, reasoning=args.reasoning,
-                                max_retries=args.max_retries, error_budget=args.error_budget,
-                                request_timeout_s=args.request_timeout)
     with ConversationWriter(args.out) as writer:
-        summary = regenerate_endpoints_sync(prompts, args.endpoint, writer, settings)
+        summary = regenerate_endpoints_sync(prompts, list(s.endpoints), writer, s.endpoint())
     print(json.dumps(summary.to_dict(), indent=2) if args.json else f"{summary.render()}\n-> {args.out}")
     return 0 if summary.ok else 1

