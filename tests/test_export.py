@@ -75,3 +75,21 @@ def test_round_trip_gives_identical_logits(checkpoint, tmp_path, fmt):
     back.load_state_dict(state)
     assert torch.equal(logits(back), logits(drafter))
     assert torch.equal(logits(load_drafter(ckpt, drafter.embed_tokens.weight)), logits(drafter))
+
+
+@pytest.mark.parametrize("version", ["0.11.1", "0.18.0", "0.21.0", "0.22.0", None])
+def test_vllm_export_is_read_as_trained_by_every_vllm_release_that_reads_ids(version):
+    """vLLM 0.11.1-0.21.0 reads aux ids only at the top level, later releases in eagle_config (engine facts
+    table): the vllm-layout config carries them in both, so each of those releases captures the trained layers
+    even when they are not the engine's default."""
+    from dataclasses import replace
+
+    from draftsmith.checkpoint import hf_config
+    from draftsmith.conventions import default_aux_ids, engine_reads
+
+    L = CFG.target_num_layers
+    trained = (1, 2, L - 1)
+    assert trained != default_aux_ids(L)
+    cfg = hf_config(replace(CFG, aux_layer_ids=trained), "vllm")
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert engine_reads(cfg, L, "vllm", version) == trained

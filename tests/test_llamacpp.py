@@ -66,13 +66,22 @@ def rules(findings, severity: str) -> set[str]:
 
 # ---------------------------------------------------------------- unit: where the ids go, what check sees
 
-def test_vllm_layout_ids_sit_where_the_converter_does_not_look_and_check_says_so(tmp_path, tiny_target):
+def test_the_vllm_layout_carries_top_level_ids_that_the_converter_reads_as_trained(tmp_path, tiny_target):
     drafter = tiny_drafter(tmp_path / "d", tiny_target)
     findings, facts = check.run_checks(tiny_target, drafter, "llamacpp", "0.3.36")
-    # conversion/llama.py:74-82 reads only the top-level ids; without them it writes [2, L//2, L-3]
-    assert facts["aux_engine_reads"] == [2, 4, 5] and facts["aux_trained"] == list(TRAINED)
+    # conversion/llama.py:74-82 reads only the top-level ids (without them it writes [2, L//2, L-3]); the vllm
+    # layout writes them there too (for vLLM 0.11.1-0.21.0), so the converter finds the trained layers
+    assert facts["aux_engine_reads"] == facts["aux_trained"] == list(TRAINED) != [2, 4, 5]
+    assert "llamacpp.aux-mismatch" in rules(findings, "ok")
+    assert "llamacpp.aux-eagle-config-only" not in rules(findings, "warning")
+    assert "llamacpp.no-gguf" in rules(findings, "warning")
+    config = json.loads((drafter / "config.json").read_text())
+    config.pop("eagle_aux_hidden_state_layer_ids")  # a vllm-layout drafter from before: eagle_config only
+    (drafter / "config.json").write_text(json.dumps(config))
+    findings, facts = check.run_checks(tiny_target, drafter, "llamacpp", "0.3.36")
+    assert facts["aux_engine_reads"] == [2, 4, 5]
     assert "llamacpp.aux-mismatch" in rules(findings, "error")
-    assert {"llamacpp.aux-eagle-config-only", "llamacpp.no-gguf"} <= rules(findings, "warning")
+    assert "llamacpp.aux-eagle-config-only" in rules(findings, "warning")
 
 
 def test_the_llamacpp_config_puts_the_trained_ids_on_top_and_check_passes(tmp_path, tiny_target):
@@ -159,9 +168,15 @@ def test_the_converter_writes_the_trained_layers_only_through_the_llamacpp_expor
     assert (meta.arch, meta.target_layers, meta.target_hidden_size) == ("eagle3", (1, 10, 20), 576)
     manifest = json.loads((out / "llamacpp.json").read_text())
     assert manifest["target_gguf_converted"] is False and manifest["target_layers"] == [1, 10, 20]
-    # the same drafter in the vLLM layout, converted as llama.cpp documents it: the ids are lost
+    # the same drafter in the vLLM layout, converted as llama.cpp documents it: the top-level ids keep the layers
     export(drafter, tmp_path / "vllm", "vllm", "float32", 3, str(target))
     plain = llamacpp.convert(tmp_path / "vllm", tmp_path / "plain.gguf", "f32", target)
+    assert llamacpp.read_gguf(plain).target_layers == (1, 10, 20)
+    # ... which a vLLM-layout config with the ids in eagle_config only (exports before 2026-12-01) loses
+    config = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    config.pop("eagle_aux_hidden_state_layer_ids")
+    (tmp_path / "vllm" / "config.json").write_text(json.dumps(config))
+    plain = llamacpp.convert(tmp_path / "vllm", tmp_path / "plain-old.gguf", "f32", target)
     assert llamacpp.read_gguf(plain).target_layers == (2, 15, 27)
 
 

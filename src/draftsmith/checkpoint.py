@@ -33,8 +33,10 @@ def hf_config(cfg: DrafterConfig, engine: str = "vllm", dtype: str = "float32",
               extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """config.json for the LlamaForCausalLMEagle3 layout, every flag explicit so no engine default applies.
 
-    The aux ids go in `eagle_config` (the place vLLM and SGLang both read) in `engine`'s convention.
+    The aux ids, in `engine`'s convention, go both at the top level and in `eagle_config`: vLLM 0.11.1-0.21.0
+    reads them only at the top level, later vLLM and SGLang in `eagle_config` (engine_facts.json).
     """
+    aux_ids = aux_ids_for_format(cfg.aux_layer_ids, engine)
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
@@ -60,8 +62,9 @@ def hf_config(cfg: DrafterConfig, engine: str = "vllm", dtype: str = "float32",
         "norm_before_fc": False,
         "fc_norm": False,
         "norm_output": False,
+        "eagle_aux_hidden_state_layer_ids": aux_ids,
         "eagle_config": {
-            "eagle_aux_hidden_state_layer_ids": aux_ids_for_format(cfg.aux_layer_ids, engine),
+            "eagle_aux_hidden_state_layer_ids": aux_ids,
             "use_aux_hidden_state": True,
             "norm_before_fc": False,
         },

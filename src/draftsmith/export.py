@@ -47,6 +47,7 @@ def speculators_config(cfg: DrafterConfig, dtype: str, target: str, k: int, extr
     layer = hf_config(cfg, "vllm", dtype)
     layer.pop("draftsmith")
     layer.pop("eagle_config")
+    layer.pop("eagle_aux_hidden_state_layer_ids")  # speculators keeps them at its own top level, below
     for key in ("draft_vocab_size", "target_hidden_size", "norm_before_residual", "norm_before_fc", "fc_norm",
                 "norm_output"):
         layer.pop(key)
