@@ -298,3 +298,20 @@ def test_a_no_go_from_load_alone_does_not_blame_the_drafter():
     assert not any("accepts little" in r for r in mixed["reasons"])
     slower = decide(doc([0.8, 0.7], "no-go"))
     assert any("accepts little" in r for r in slower["reasons"])
+
+
+def test_the_report_gives_training_speed_in_useful_tokens_not_padded_slots(tmp_path):
+    """train.jsonl records slot tokens/s (padding included) and real tokens/s; the report's average is the real
+    one, with the padded figure beside it; a log from before real tokens were recorded keeps the old line."""
+    from draftsmith.report import training_summary
+
+    log = tmp_path / "train.jsonl"
+    rows = [{"step": s, "loss": 2.0 / s, "acc": [0.5], "tok_per_s": 1000.0, "real_tok_per_s": 600.0 + s}
+            for s in (1, 2)]
+    log.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    summary = training_summary(log)
+    assert summary["useful_tokens_per_s"] == pytest.approx(601.5) and summary["tokens_per_s"] == 1000.0
+    for r in rows:
+        del r["real_tok_per_s"]
+    log.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert training_summary(log)["useful_tokens_per_s"] is None

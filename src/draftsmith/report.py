@@ -129,6 +129,9 @@ def training_summary(path: Path) -> dict | None:
             "acc": [steps[s]["acc"] for s in order], "first_loss": first["loss"], "final_loss": last["loss"],
             "first_acc": first["acc"], "final_acc": last["acc"],
             "tokens_per_s": sum(steps[s]["tok_per_s"] for s in order) / len(order),
+            # the conversations' own tokens (padding excluded); logs from before it was recorded have none
+            "useful_tokens_per_s": (sum(steps[s]["real_tok_per_s"] for s in order) / len(order)
+                                    if all("real_tok_per_s" in steps[s] for s in order) else None),
             "evals": [{"step": s, **evals[s]} for s in sorted(evals)]}
 
 
@@ -378,7 +381,9 @@ def blocks(doc: dict, images: list[str]) -> list[tuple]:
         out += [("h2", "Training"), ("p", f"Drafter {starting_drafter(doc['config'])}."),
                 ("p", f"{tr['steps']} optimizer steps, loss {tr['first_loss']:.3f} -> "
                  f"{tr['final_loss']:.3f}, per-step accuracy {fmt(tr['first_acc'])} -> {fmt(tr['final_acc'])}, "
-                 f"{tr['tokens_per_s']:,.0f} tokens/s on average.")]
+                 + (f"{tr['useful_tokens_per_s']:,.0f} useful tokens/s on average (padding excluded; "
+                    f"{tr['tokens_per_s']:,.0f} with it)." if tr.get("useful_tokens_per_s") is not None else
+                    f"{tr['tokens_per_s']:,.0f} tokens/s on average."))]
         if tr["evals"]:
             e = tr["evals"][-1]
             out.append(("p", f"Held-back samples at step {e['step']}: accuracy {fmt(e['acc'])}, simulated tau "
