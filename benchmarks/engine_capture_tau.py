@@ -25,13 +25,14 @@ from pathlib import Path
 from draftsmith.capture import capture
 from draftsmith.engine_capture import EngineSettings, capture_server, engine_capture, engine_layer_ids
 from draftsmith.runconfig import RUN_TRAIN_DEFAULTS
+from draftsmith.stages import starting_drafter
 from draftsmith.store import FeatureStore
 from draftsmith.target import describe_target, read_config, resolve_target
 from draftsmith.train import TrainConfig, Trainer
 
 
 def train_on(store: Path, out: Path, seed: int, init_from: str | None, epochs: float) -> dict:
-    settings = {**RUN_TRAIN_DEFAULTS, "init_from": init_from, "epochs": epochs, "eval_fraction": 0.2,
+    settings = {**RUN_TRAIN_DEFAULTS, "init_from": starting_drafter(init_from, "smollm2"), "epochs": epochs, "eval_fraction": 0.2,
                 "save_every": 10**9, "log_every": 1}
     trainer = Trainer(TrainConfig(out=str(out), store=str(store), seed=seed, device="cpu", **settings))
     t0 = time.perf_counter()
@@ -58,15 +59,17 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--epochs", type=float, default=2.0)
     ap.add_argument("--scratch-epochs", type=float, default=6.0)
+    ap.add_argument("--work", type=Path, default=None, help="keep the stores and runs here (resumes the captures)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/engine_capture_tau.json"))
     args = ap.parse_args()
     model_dir = resolve_target("smollm2")
     spec = describe_target(read_config(model_dir))
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
+        root = args.work or Path(tmp)
+        root.mkdir(parents=True, exist_ok=True)
         ref = capture(args.conversations, root / "ref", target="smollm2", max_length=args.max_length)
         settings = EngineSettings(root / "hs", concurrency=args.concurrency)
-        settings.hs_dir.mkdir()
+        settings.hs_dir.mkdir(exist_ok=True)
         with capture_server(model_dir, engine_layer_ids(spec.default_aux_ids, spec.num_layers), settings,
                             root / "vllm.log", max_model_len=args.max_length + 8, dtype="float32") as base:
             eng = engine_capture(args.conversations, root / "eng", settings, target="smollm2",
