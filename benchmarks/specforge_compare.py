@@ -30,19 +30,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from gpu import json_lines  # noqa: E402  (the suites' JSON-line reader)
 GRID = (256, 512, 1024, 2048, 3072, 4096)
-
-
-def json_lines(text: str) -> list[dict]:
-    out = []
-    for line in text.splitlines():
-        line = line.strip()
-        if line.startswith("{"):
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-    return out
 
 
 def run(cmd: list[str], cwd: Path, timeout: int, log: Path) -> tuple[list[dict], float]:
