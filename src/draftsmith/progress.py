@@ -1,4 +1,6 @@
-"""Progress for long work: a rich bar on a terminal, a plain line every few seconds in a log file."""
+"""Progress for long work: a rich bar on a terminal, a plain line every few seconds in a log file.
+
+Both go to stderr, so that a verb's stdout stays its result (`regenerate --json > summary.json` is JSON)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import sys
 import time
 from collections.abc import Iterator
 
+from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 LOG_EVERY_S = 15.0
@@ -33,15 +36,15 @@ class Bar:
             self.last_line = now
             eta = (self.total - self.done) * dt / self.done if self.total and self.done else 0
             print(f"{self.description}: {self.done}/{self.total or '?'} {self.unit} | {dt:.0f} s | eta {eta:.0f} s | {rate}",
-                  flush=True)
+                  file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
 def progress_bar(description: str, total: int | None, unit: str = "it") -> Iterator[Bar]:
-    if not sys.stdout.isatty():
+    if not sys.stderr.isatty():
         yield Bar(description, total, unit, None)
         return
     columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[rate]}"))
-    with Progress(*columns, transient=False) as progress:
+    with Progress(*columns, transient=False, console=Console(stderr=True)) as progress:
         yield Bar(description, total, unit, progress)
