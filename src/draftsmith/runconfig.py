@@ -132,9 +132,10 @@ class BenchSection(BenchSettings):
     """An already running server of the target without speculation; null: start one like launch does."""
 
 
-# run's bench defaults: cheap on a 2-core CPU (2 x 4 requests of 32 tokens per server)
+# run's bench defaults: cheap on a 2-core CPU (2 levels x 12 requests of 32 tokens per server: three waves at
+# concurrency 4, so one slow wave does not decide the verdict)
 BenchStage = with_defaults(BenchSection, "BenchStage", "run's bench section: BenchSettings with run's defaults.",
-                           prompts="chat-eval", num_prompts=4, concurrency=(1, 4), max_tokens=32, warmup=1)
+                           prompts="chat-eval", num_prompts=12, concurrency=(1, 4), max_tokens=32, warmup=1)
 
 
 class RunConfig(Settings):
