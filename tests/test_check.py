@@ -565,3 +565,22 @@ def test_sglang_tied_drafter_with_a_reduced_vocab_fails_at_capture_and_on_vllm_d
     assert "sglang.tied-lm-head-reduced-vocab" not in errors(found)
     found, _ = run(smol_target, drafter, engine="vllm", version="0.11.0")
     assert not any("tied" in rule for rule in errors(found))
+
+
+def test_norm_flag_fixes_name_the_first_release_that_reads_the_flag(tmp_path, smol_target):
+    """The fix texts come from engine_facts.json (norm_flags_read per release), not from a typed version."""
+    config = builder.drafter_config()
+    config.update(fc_norm=True, norm_before_fc=True)
+    drafter = smol_drafter(tmp_path, config=config)
+    table = check.facts_table()
+    first = {e: {flag: check.first_release_reading(table[e], flag) for flag in ("fc_norm", "norm_before_fc")}
+             for e in ("vllm", "sglang")}
+    found, _ = run(smol_target, drafter, engine="sglang", version="0.5.9",
+                   engine_args="--speculative-algorithm EAGLE3 --speculative-draft-model-path D")
+    fc = next(f for f in found if f.rule == "sglang.fc-norm")
+    assert fc.fix == f"serve with SGLang >= {first['sglang']['fc_norm']} or vLLM >= {first['vllm']['fc_norm']}"
+    assert "sglang.fc-norm" not in errors(run(smol_target, drafter, engine="sglang", version=first["sglang"]["fc_norm"],
+                                              engine_args="--speculative-algorithm EAGLE3 "
+                                                          "--speculative-draft-model-path D")[0])
+    found, _ = run(smol_target, drafter, engine="vllm", version="0.18.0")
+    assert next(f.fix for f in found if f.rule == "vllm.fc-norm").startswith(f"use vLLM >= {first['vllm']['fc_norm']} ")

@@ -690,6 +690,7 @@ def sglang_capture(ids: list[int], num_layers: int, shift: str) -> list[int]:
 def norm_facts(f: dict[str, Any], engine: str, book: RuleBook, version: str) -> dict[str, Any]:
     """Per norm flag: trained value (export record, else config), what the engine computes, mismatch."""
     out: dict[str, Any] = {}
+    table = facts_table()
     honoured = f["engine_norm_flags_read"]
     if honoured is None:  # an engine the facts table does not cover (llama.cpp): the rule file's table
         honoured = version_table(book.tables.get("norm_flags_read", []), version, "flags")
@@ -706,7 +707,15 @@ def norm_facts(f: dict[str, Any], engine: str, book: RuleBook, version: str) -> 
         out[f"{flag}_engine"] = engine_value
         out[f"{flag}_mismatch"] = None if trained is None else trained != engine_value
         out[f"{flag}_absent_defaulted"] = in_config is None and engine_value is True
+        for other in ("vllm", "sglang"):
+            out[f"{flag}_first_{other}"] = first_release_reading(table.get(other, {}), flag)
     return out
+
+
+def first_release_reading(rows: dict[str, dict[str, Any]], flag: str) -> str:
+    """The first release of one engine's facts-table rows whose EAGLE-3 drafter loader reads `flag`."""
+    reading = [v for v, facts in rows.items() if flag in (facts.get("norm_flags_read") or [])]
+    return min(reading, key=Version) if reading else "no release read so far"
 
 
 def spec_facts(engine: str, spec: dict, args: dict[str, str], f: dict[str, Any]) -> dict[str, Any]:
