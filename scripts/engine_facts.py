@@ -16,7 +16,9 @@ Facts per release (each names the file it came from in `sources`):
   SGLang eagle3_archs (EntryClass names whose class or a parent defines set_eagle3_layers_to_capture),
          arch_modules (EntryClass name -> model file), eagle3_modules with aux_shift per model file, draft_archs (EntryClass of the *eagle3* model files) (plus1 | plus1_if_first_is_1 | plus1_unless_last_boundary
          | as_is | delegates), aux_ids_read, norm_flags_read, mla_drafter (kimi_k25_eagle3.py),
-         capture_error (the ValueError text naming set_eagle3_layers_to_capture, when the release has one).
+         capture_error (the ValueError text naming set_eagle3_layers_to_capture, when the release has one),
+         draft_tied_lm_head (llama_eagle3.py makes lm_head the full-vocabulary embed_tokens when the drafter's
+         config sets tie_word_embeddings, whatever its draft_vocab_size).
 
 Run: `nice -n 10 .venv/bin/python scripts/engine_facts.py [--engine vllm|sglang] [--versions 0.18.0,...]`.
 Prints what changed against the committed table. Existing releases are kept unless re-read.
@@ -223,6 +225,10 @@ def sglang_shift(bodies: list[str]) -> str:
     return "plus1"
 
 
+# `if self.config.tie_word_embeddings: self.lm_head = self.model.embed_tokens` in llama_eagle3.py
+_TIED_LM_HEAD = re.compile(r"if (?:self\.)?config\.tie_word_embeddings:\s*\n\s*self\.lm_head = self\.model\.embed_tokens")
+
+
 def sglang_facts(wheel: Wheel) -> dict:
     shifts = {}
     for name in wheel.under("sglang/srt/models/"):
@@ -264,6 +270,7 @@ def sglang_facts(wheel: Wheel) -> dict:
         "loader_midlayer_map": "midlayer" in "".join(_def_bodies(eagle3, "load_weights")),
         "mla_drafter": "sglang/srt/models/kimi_k25_eagle3.py" in wheel.names,
         "capture_error": bool(capture_error),
+        "draft_tied_lm_head": bool(_TIED_LM_HEAD.search(eagle3)),
         "sources": {"drafter": eagle3_name, "aux_ids": readers, "capture_error": capture_error},
     }
 

@@ -539,3 +539,48 @@ def test_q_proj_rows_that_the_built_head_dim_cannot_hold_fail_at_start(tmp_path,
     bad = next(f for f in findings if f.rule == f"{engine}.drafter-head-dim")
     assert (bad.severity, bad.kind) == ("error", "start") and "768 rows" in bad.message
     assert f"{engine}.drafter-head-dim-unset" not in warnings(findings)  # the weights were read: no guess
+
+
+# ---------------------------------------------------------------- SGLang's tied draft lm_head
+
+def test_sglang_tied_drafter_with_a_reduced_vocab_fails_at_capture_and_on_vllm_does_not(tmp_path, smol_target):
+    """AngelSlim/Qwen3-1.7B_eagle3 (sglang#8230): tie_word_embeddings true with draft_vocab_size 32000. SGLang's
+    llama_eagle3.py then uses the full embedding as lm_head, and d2t cannot map its ids (engine_facts.json
+    draft_tied_lm_head); vLLM builds its lm_head from draft_vocab_size regardless."""
+    config = builder.drafter_config()
+    config["tie_word_embeddings"] = True
+    drafter = smol_drafter(tmp_path, config=config)
+    assert config["draft_vocab_size"] < 49152  # the builder's drafter has a reduced vocabulary
+    args = "--speculative-algorithm EAGLE3 --speculative-draft-model-path D"
+    found, _ = run(smol_target, drafter, engine="sglang", version="0.4.9", engine_args=args)
+    hit = next(f for f in found if f.rule == "sglang.tied-lm-head-reduced-vocab")
+    assert (hit.severity, hit.kind) == ("error", "start") and "index out of bounds" in hit.message
+    found, _ = run(smol_target, drafter, engine="sglang", version="0.4.9", engine_args=args + " --disable-cuda-graph")
+    assert next(f.kind for f in found if f.rule == "sglang.tied-lm-head-reduced-vocab") == "serve"
+    found, facts = run(smol_target, drafter, engine="sglang", version="0.4.3", engine_args=args)
+    assert facts["engine_ties_draft_lm_head"] is False and "sglang.tied-lm-head-reduced-vocab" not in errors(found)
+    config["draft_vocab_size"] = 49152  # a full vocabulary: the tied embedding is the right lm_head
+    found, _ = run(smol_target, smol_drafter(tmp_path, "full", config=config), engine="sglang", version="0.4.9",
+                   engine_args=args)
+    assert "sglang.tied-lm-head-reduced-vocab" not in errors(found)
+    found, _ = run(smol_target, drafter, engine="vllm", version="0.11.0")
+    assert not any("tied" in rule for rule in errors(found))
+
+
+def test_norm_flag_fixes_name_the_first_release_that_reads_the_flag(tmp_path, smol_target):
+    """The fix texts come from engine_facts.json (norm_flags_read per release), not from a typed version."""
+    config = builder.drafter_config()
+    config.update(fc_norm=True, norm_before_fc=True)
+    drafter = smol_drafter(tmp_path, config=config)
+    table = check.facts_table()
+    first = {e: {flag: check.first_release_reading(table[e], flag) for flag in ("fc_norm", "norm_before_fc")}
+             for e in ("vllm", "sglang")}
+    found, _ = run(smol_target, drafter, engine="sglang", version="0.5.9",
+                   engine_args="--speculative-algorithm EAGLE3 --speculative-draft-model-path D")
+    fc = next(f for f in found if f.rule == "sglang.fc-norm")
+    assert fc.fix == f"serve with SGLang >= {first['sglang']['fc_norm']} or vLLM >= {first['vllm']['fc_norm']}"
+    assert "sglang.fc-norm" not in errors(run(smol_target, drafter, engine="sglang", version=first["sglang"]["fc_norm"],
+                                              engine_args="--speculative-algorithm EAGLE3 "
+                                                          "--speculative-draft-model-path D")[0])
+    found, _ = run(smol_target, drafter, engine="vllm", version="0.18.0")
+    assert next(f.fix for f in found if f.rule == "vllm.fc-norm").startswith(f"use vLLM >= {first['vllm']['fc_norm']} ")

@@ -105,6 +105,12 @@ SAMPLES = {
     "vllm_worker_method_failed": lambda: fixture_line("vllm_gh14095_oom_workers.log", "processing method load_model."),
     "vllm_engine_core_fatal": lambda: corpus_line("vllm_gh19668_fatal_cut.log", "EngineCore encountered a fatal"),
     "vllm_serving_stats": lambda: corpus_line("vllm_gh2734_nccl_watchdog.log", "Avg prompt throughput"),
+    "nccl_heartbeat_timeout": lambda: fixture_line("vllm_gh9839_nccl_heartbeat.log", "Heartbeat monitor timed out"),
+    "nccl_heartbeat_stuck": "[rank0]:[F ProcessGroupNCCL.cpp:1169] [PG 2 Rank 0] [PG 2 Rank 0] ProcessGroupNCCL's "
+                            "watchdog got stuck for 600 seconds without making progress in monitoring enqueued "
+                            "collectives.",  # vllm-project/vllm#9839 (the record cuts the line after this sentence)
+    "vllm_mq_no_heartbeat": "ERROR 10-01 09:52:48 client.py:244] TimeoutError('No heartbeat received from "
+                            "MQLLMEngine')",  # logikon-ai/cot-eval#62
 }
 
 
@@ -418,3 +424,40 @@ def test_block_scan_counts_skipped_lines_and_keeps_edge_lines(tmp_path, monkeypa
     diag = analyze_file(log)
     assert diag == analyze(iter_log(log)) and diag.lines == 17  # as text.split("\n")
     assert diag.root_cause.line == 8
+
+
+def test_old_worker_line_names_the_exception_without_the_traceback_it_carries():
+    # vLLM <= 0.5 multiproc_worker_utils.py logs "Exception in worker %s while processing method %s: %s, %s" with
+    # the exception and traceback.format_exc(): the first line ends where the traceback begins.
+    head = ("(VllmWorkerProcess pid=12) ERROR 05-01 10:00:09 multiproc_worker_utils.py:120] Exception in worker "
+            "VllmWorkerProcess while processing method load_model: CUDA out of memory. Tried to allocate 1.88 GiB., "
+            "Traceback (most recent call last):")
+    event = parse_line(head)
+    assert (event.name, event.fields["method"], event.fields["msg"]) == (
+        "vllm_worker_method_error", "load_model", "CUDA out of memory. Tried to allocate 1.88 GiB.")
+    diag = analyze([head, "(VllmWorkerProcess pid=12) ERROR 05-01 10:00:09 multiproc_worker_utils.py:120]   File "
+                    '"/x/vllm/worker/worker.py", line 1, in load_model',
+                    "(VllmWorkerProcess pid=12) ERROR 05-01 10:00:09 multiproc_worker_utils.py:120] "
+                    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.88 GiB."])
+    assert (diag.root_cause.line, diag.root_cause.kind, diag.root_cause.hint_name) == (1, "error_line", "out_of_memory")
+
+
+def test_torch_rank_prefixed_exception_is_read_and_a_store_wait_timeout_is_a_hang():
+    # torch prefixes each Python line with "[rankN]: " (one space), C++ log lines with "[rankN]:" alone; the
+    # message is c10d's store timeout text (ProcessGroupNCCL broadcastUniqueNCCLID).
+    lines = ["[rank3]: Traceback (most recent call last):",
+             '[rank3]:   File "/x/torch/distributed/distributed_c10d.py", line 4, in barrier',
+             "[rank3]:     work = group.barrier(opts=opts)",
+             "[rank3]: torch.distributed.DistBackendError: [3] is setting up NCCL communicator and retrieving "
+             "ncclUniqueId from [0] via c10d key-value store by key '0', but store->get('0') got error: wait "
+             "timeout after 600000ms"]
+    assert split_line(lines[3]).text.startswith("torch.distributed.DistBackendError")
+    rc = analyze(lines).root_cause
+    assert (rc.line, rc.kind, rc.exception_type, rc.process, rc.hint_name) == (
+        4, "hang", "torch.distributed.DistBackendError", "rank3", "c10d_store_timeout")
+
+
+def test_nccl_heartbeat_report_is_a_hang_with_its_wait():
+    rc = analyze(["INFO 10-30 11:46:00 model_runner.py:1] Loading model weights took 12.0 GB",
+                  SAMPLES["nccl_heartbeat_stuck"]]).root_cause
+    assert (rc.kind, rc.line, rc.hint_name, rc.silence_s) == ("hang", 2, "nccl_heartbeat", 600.0)

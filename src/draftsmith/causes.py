@@ -73,6 +73,19 @@ HINTS: tuple[Hint, ...] = (
        "a collective on the NCCL process group did not finish within its timeout: one rank hung or died "
        "first. Find the first error in the other ranks' output, rerun with NCCL_DEBUG=INFO, and bisect "
        "the transport (NCCL_P2P_DISABLE=1, NCCL_IB_DISABLE=1); a longer timeout only hides a dead rank"),
+    _h("nccl_heartbeat", r"watchdog got stuck for \d+ seconds|Heartbeat monitor timed out",
+       "torch's NCCL watchdog thread itself was blocked (a CUDA or NCCL call hung, or another thread held the "
+       "GIL inside one), so no collective timeout could be reported: the hang is in the process that printed "
+       "this. Dump its stacks (py-spy dump --pid PID) before it is killed, rerun with NCCL_DEBUG=INFO, and "
+       "if a long step is healthy raise TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"),
+    _h("c10d_store_timeout", r"got error: wait timeout after|waiting for clients",
+       "a rank waited on the c10d key-value store for a peer that never arrived (rank 0 still loading, dead, "
+       "or unreachable): find the slowest or first failing rank's own error; check MASTER_ADDR / MASTER_PORT "
+       "reachability between nodes, and raise the distributed timeout only if rank 0 is just slow"),
+    _h("mq_engine_heartbeat", r"No heartbeat received from MQLLMEngine",
+       "the API server stopped hearing from its engine process: the engine is hung (often a worker stuck in "
+       "NCCL) or died. Read the engine and worker lines just before this one; raise VLLM_RPC_TIMEOUT only if "
+       "a slow step is healthy"),
     _h("shm_broadcast_hang", r"No available (?:shared memory broadcast )?block found|shm_broadcast|"
        r"RPC call to \w+ timed out",
        "vLLM's engine waited on its workers' shared-memory queue and no worker answered: a worker is hung "

@@ -457,6 +457,7 @@ def release_facts(rel: EngineRelease) -> dict[str, Any]:
         "engine_norm_flags_read": get("norm_flags_read"), "engine_aux_shift": get("aux_shift") or {},
         "engine_capture_error": get("capture_error"), "engine_draft_archs": get("draft_archs"),
         "engine_eagle3_archs": get("eagle3_archs"), "engine_arch_modules": get("arch_modules") or {},
+        "engine_ties_draft_lm_head": get("draft_tied_lm_head"),
     }
 
 
@@ -603,6 +604,7 @@ def drafter_facts(path: Path, hidden: int, vocab: int) -> dict[str, Any]:
         "drafter_has_lm_head": "lm_head.weight" in t if t else None,
         "drafter_has_d2t": "d2t" in t if t else None,
         "drafter_vocab_reduced": (d.draft_vocab_size or vocab) < vocab,
+        "drafter_ties_embeddings": bool((raw.get("transformer_layer_config") or raw).get("tie_word_embeddings")),
         "fc_in": shape("fc.weight", 1), "fc_out": shape("fc.weight", 0),
         "expected_fc_in": 3 * fc_width if fc_width else None,
         "expected_fc_in_target": 3 * hidden,
@@ -688,6 +690,7 @@ def sglang_capture(ids: list[int], num_layers: int, shift: str) -> list[int]:
 def norm_facts(f: dict[str, Any], engine: str, book: RuleBook, version: str) -> dict[str, Any]:
     """Per norm flag: trained value (export record, else config), what the engine computes, mismatch."""
     out: dict[str, Any] = {}
+    table = facts_table()
     honoured = f["engine_norm_flags_read"]
     if honoured is None:  # an engine the facts table does not cover (llama.cpp): the rule file's table
         honoured = version_table(book.tables.get("norm_flags_read", []), version, "flags")
@@ -704,7 +707,15 @@ def norm_facts(f: dict[str, Any], engine: str, book: RuleBook, version: str) -> 
         out[f"{flag}_engine"] = engine_value
         out[f"{flag}_mismatch"] = None if trained is None else trained != engine_value
         out[f"{flag}_absent_defaulted"] = in_config is None and engine_value is True
+        for other in ("vllm", "sglang"):
+            out[f"{flag}_first_{other}"] = first_release_reading(table.get(other, {}), flag)
     return out
+
+
+def first_release_reading(rows: dict[str, dict[str, Any]], flag: str) -> str:
+    """The first release of one engine's facts-table rows whose EAGLE-3 drafter loader reads `flag`."""
+    reading = [v for v, facts in rows.items() if flag in (facts.get("norm_flags_read") or [])]
+    return min(reading, key=Version) if reading else "no release read so far"
 
 
 def spec_facts(engine: str, spec: dict, args: dict[str, str], f: dict[str, Any]) -> dict[str, Any]:
@@ -742,6 +753,7 @@ def spec_facts(engine: str, spec: dict, args: dict[str, str], f: dict[str, Any])
         "sg_page_size": _int(args.get("page_size")) or 1,
         "sg_attention_backend": args.get("attention_backend"),
         "sg_draft_attention_backend": args.get("speculative_draft_attention_backend"),
+        "sg_cuda_graph": args.get("disable_cuda_graph", "false").lower() in ("false", "0"),
     })
     out["sg_partial_auto"] = steps is None and (topk is not None or out["sg_draft_tokens"] is not None)
     out["sg_topk1_tokens_off"] = topk == 1 and steps is not None and out["sg_draft_tokens"] not in (None, steps + 1)

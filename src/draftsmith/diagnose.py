@@ -238,7 +238,8 @@ class RootCause:
 
 _PROGRESS_KINDS = ("phase", "progress", "ready")
 # Exceptions that report a wait that ran out: the root cause is a hang, not a crash.
-_TIMEOUT_EXC = re.compile(r"(?:^|\.)TimeoutError\b|\btimed out\b", re.I)
+# torch's c10d store says `store->get('0') got error: wait timeout after 600000ms` (DistBackendError).
+_TIMEOUT_EXC = re.compile(r"(?:^|\.)TimeoutError\b|\btimed out\b|\bwait timeout after \d+ ?ms", re.I)
 
 
 def choose_root_cause(collector: TracebackCollector) -> RootCause | None:

@@ -25,8 +25,9 @@ _BARE_SGR = re.compile(r"(?:^|(?<= ))\[\d{1,2}(?:;\d{1,2})*m ?")
 # What collectors put in front of everything: a container ISO timestamp (runpod-workers/worker-vllm#276),
 # docker compose's `sglang-1  | ` (sgl-project/sglang#12076).
 _OUTER = re.compile(r"^(?:(?P<iso>\d{4}-(?P<iso_md>\d\d-\d\d)T(?P<iso_t>\d\d:\d\d:\d\d))[\d.]*Z?\s+|[\w.-]+-\d+ +\| )")
-# torch.distributed's per-rank prefix: `[rank0]:` (NVIDIA/nccl#1686).
-_RANK_PREFIX = re.compile(r"^\[rank(?P<rank>\d+)\]:")
+# torch.distributed's per-rank prefix: `[rank0]:` (NVIDIA/nccl#1686), followed by one space before a Python
+# line (`[rank3]: torch.distributed.DistBackendError: ...`) and by none before a C++ log line (`[rank0]:[E ...`).
+_RANK_PREFIX = re.compile(r"^\[rank(?P<rank>\d+)\]: ?")
 # vLLM child-process prefix: `(Worker_TP0 pid=12)`, `(VllmWorker rank=1 pid=3)`,
 # `(RayWorkerWrapper pid=5, ip=10.0.0.1)`; nested prefixes under Ray are kept as one name.
 _VLLM_PREFIX = re.compile(r"^((?:\([^()]*?pid=\d+[^()]*\) ?)+)")
@@ -228,8 +229,11 @@ PATTERNS: tuple[Pattern, ...] = (
        needles=('=SIG',)),
     # errors printed without a traceback of their own: the cause when nothing earlier explains it
     _p("pydantic_value_error", "error", None, r"^Value error, (?P<msg>.+?)(?: \[type=value_error|$)"),
+    # vLLM <= 0.5 logs `"... method %s: %s, %s", process_name, method, e, traceback.format_exc()`: the message
+    # ends where the formatted traceback begins (multiproc_worker_utils.py _run_worker_process)
     _p("vllm_worker_method_error", "error", None,
-       r"^Exception in worker (?P<worker>\S+) while processing method (?P<method>\w+): (?P<msg>.+)"),
+       r"^Exception in worker (?P<worker>\S+) while processing method (?P<method>\w+): "
+       r"(?P<msg>.+?)(?:, Traceback \(most recent call last\):)?$"),
     _p("cuda_device_assert", "error", None,
        r"block: \[[\d,]+\], thread: \[[\d,]+\] Assertion `(?P<assertion>.+)` failed",
        needles=('Assertion `',)),
@@ -237,6 +241,15 @@ PATTERNS: tuple[Pattern, ...] = (
     _p("nccl_watchdog_timeout", "hang", None,
        r"Watchdog caught collective operation timeout: WorkNCCL\((?P<work>.*?)\) ran for (?P<ms>\d+) milliseconds"),
     _p("vllm_shm_no_block", "hang", None, r"^No available (?:shared memory broadcast )?block found in (?P<secs>\d+) second"),
+    # torch ProcessGroupNCCL's heartbeat monitor (ProcessGroupNCCL.cpp; the same text for HCCL / XCCL forks):
+    # the watchdog thread itself is blocked, so no collective timeout is ever reported (vllm-project/vllm#9839)
+    _p("nccl_heartbeat_stuck", "hang", None,
+       r"ProcessGroup\w+'s watchdog got stuck for (?P<secs>\d+) seconds without making progress"),
+    _p("nccl_heartbeat_timeout", "hang", None, r"Heartbeat monitor timed out! Process will be terminated"),
+    # vLLM 0.6 MQLLMEngine client (engine/multiprocessing/client.py): logged as `TimeoutError('...')`, without a
+    # traceback, when the engine process stops answering
+    _p("vllm_mq_no_heartbeat", "hang", None, r"No heartbeat received from MQLLMEngine",
+       needles=("No heartbeat received",)),
     # fatal markers: a process says it is going down (§6.4, §6.5); OWN_DEATH says which report their own death
     _p("vllm_worker_failed", "fatal", None, r"^WorkerProc (?:failed to start|hit an exception)(?:\.|: )"),
     _p("vllm_worker_method_failed", "fatal", None, r"^Exception in worker \S+ while processing method \w+\.$"),
