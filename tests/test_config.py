@@ -75,6 +75,7 @@ from draftsmith.convert import ConvertSettings  # noqa: E402
 from draftsmith.diagnose import DiagnoseSettings  # noqa: E402
 from draftsmith.interop import ExportStoreSettings  # noqa: E402
 from draftsmith.report import ReportSettings  # noqa: E402
+from draftsmith.target import TargetSettings  # noqa: E402
 
 # verb, its model, the arguments it requires, run's section (None: check, whose section lists engines)
 VERBS = [("regenerate", RegenerateSettings, ["--out", "c.jsonl"], "regenerate"),
@@ -86,19 +87,21 @@ VERBS = [("regenerate", RegenerateSettings, ["--out", "c.jsonl"], "regenerate"),
          ("convert", ConvertSettings, ["src", "out", "--to", "vllm"], None),
          ("diagnose", DiagnoseSettings, ["no-such.log"], None),
          ("export-store", ExportStoreSettings, ["no-such-store", "out"], None),
-         ("report", ReportSettings, ["no-such-run"], None)]
+         ("report", ReportSettings, ["no-such-run"], None),
+         ("target", TargetSettings, ["no-such-target"], None)]
 # the values of the fields `required` sets (check's engine, the positional paths)
 REQUIRED_VALUES = {"check": {"engine": "vllm"}, "convert": {"src": Path("src"), "out": Path("out"), "to": "vllm"},
                    "diagnose": {"logfile": Path("no-such.log")},
                    "export-store": {"store": Path("no-such-store"), "out": Path("out")},
-                   "report": {"run_dir": Path("no-such-run")}}
+                   "report": {"run_dir": Path("no-such-run")}, "target": {"name": "no-such-target"}}
 # a value each verb's model refuses, and a word of the fix it prints
 BAD = {"regenerate": (["--decoder", "fast"], "--decoder auto"), "bench": (["--concurrency", "one"], "concurrency="),
        "launch": (["--timeout", "0"], "--timeout 1800"), "export": (["--format", "onnx"], "--format vllm,sglang"),
        "check": (["--engine", "trt"], "--engine vllm"), "capture": (["--engine", "sglang"], "--engine transformers"),
        "convert": (["--to", "onnx"], "--to draftsmith"), "export-store": (["--format", "arrow"], "--format speculators"),
        # diagnose and report take a path and --json: the path that is not there is their bad value
-       "diagnose": ([], "pass the file the engine's stdout"), "report": ([], "pass the --out of a run")}
+       "diagnose": ([], "pass the file the engine's stdout"), "report": ([], "pass the --out of a run"),
+       "target": ([], "fix:")}
 
 
 def cli_settings(verb: str, model, argv: list[str]):
@@ -182,6 +185,7 @@ def test_runs_capture_section_keeps_its_keys_and_differs_from_the_verb_only_in_l
     (DiagnoseSettings, {"logfile": "a.log"}, "as_jsno", "as_json"),
     (ExportStoreSettings, {"store": "a", "out": "b"}, "index_onyl", "index_only"),
     (ReportSettings, {"run_dir": "a"}, "as_jsno", "as_json"),
+    (TargetSettings, {"name": "smollm2"}, "as_jsno", "as_json"),
 ], ids=lambda v: v.__name__ if isinstance(v, type) else None)
 def test_an_unknown_key_of_the_remaining_verbs_models_is_named_with_a_suggestion(model, values, typo, suggestion):
     with pytest.raises(DraftsmithError, match=f"unknown config key {typo}") as err:
