@@ -70,17 +70,38 @@ from draftsmith.cli import build_parser, main  # noqa: E402
 from draftsmith.export import ExportSettings  # noqa: E402
 from draftsmith.launch import LaunchSettings  # noqa: E402
 from draftsmith.regenerate import RegenerateSettings  # noqa: E402
+from draftsmith.capture import CaptureSettings  # noqa: E402
+from draftsmith.convert import ConvertSettings  # noqa: E402
+from draftsmith.diagnose import DiagnoseSettings  # noqa: E402
+from draftsmith.interop import ExportStoreSettings  # noqa: E402
+from draftsmith.report import ReportSettings  # noqa: E402
+from draftsmith.target import TargetSettings  # noqa: E402
 
 # verb, its model, the arguments it requires, run's section (None: check, whose section lists engines)
 VERBS = [("regenerate", RegenerateSettings, ["--out", "c.jsonl"], "regenerate"),
          ("bench", BenchSettings, ["--endpoint", "http://x"], "bench"),
          ("launch", LaunchSettings, [], "launch"),
          ("export", ExportSettings, ["src", "out"], "export"),
-         ("check", CheckSettings, ["--target", "t", "--drafter", "d", "--engine", "vllm"], None)]
+         ("check", CheckSettings, ["--target", "t", "--drafter", "d", "--engine", "vllm"], None),
+         ("capture", CaptureSettings, [], "capture"),
+         ("convert", ConvertSettings, ["src", "out", "--to", "vllm"], None),
+         ("diagnose", DiagnoseSettings, ["no-such.log"], None),
+         ("export-store", ExportStoreSettings, ["no-such-store", "out"], None),
+         ("report", ReportSettings, ["no-such-run"], None),
+         ("target", TargetSettings, ["no-such-target"], None)]
+# the values of the fields `required` sets (check's engine, the positional paths)
+REQUIRED_VALUES = {"check": {"engine": "vllm"}, "convert": {"src": Path("src"), "out": Path("out"), "to": "vllm"},
+                   "diagnose": {"logfile": Path("no-such.log")},
+                   "export-store": {"store": Path("no-such-store"), "out": Path("out")},
+                   "report": {"run_dir": Path("no-such-run")}, "target": {"name": "no-such-target"}}
 # a value each verb's model refuses, and a word of the fix it prints
 BAD = {"regenerate": (["--decoder", "fast"], "--decoder auto"), "bench": (["--concurrency", "one"], "concurrency="),
        "launch": (["--timeout", "0"], "--timeout 1800"), "export": (["--format", "onnx"], "--format vllm,sglang"),
-       "check": (["--engine", "trt"], "--engine vllm")}
+       "check": (["--engine", "trt"], "--engine vllm"), "capture": (["--engine", "sglang"], "--engine transformers"),
+       "convert": (["--to", "onnx"], "--to draftsmith"), "export-store": (["--format", "arrow"], "--format speculators"),
+       # diagnose and report take a path and --json: the path that is not there is their bad value
+       "diagnose": ([], "pass the file the engine's stdout"), "report": ([], "pass the --out of a run"),
+       "target": ([], "fix:")}
 
 
 def cli_settings(verb: str, model, argv: list[str]):
@@ -91,7 +112,8 @@ def cli_settings(verb: str, model, argv: list[str]):
 def as_flags(values: dict) -> list[str]:
     argv = []
     for key, value in values.items():
-        flag = {"timeout_s": "--timeout", "stall_timeout_s": "--stall-timeout", "formats": "--format"}.get(
+        flag = {"timeout_s": "--timeout", "stall_timeout_s": "--stall-timeout", "formats": "--format",
+                "tensor_parallel": "--tp", "as_json": "--json"}.get(
             key, "--" + key.replace("_", "-"))
         if isinstance(value, bool):
             argv.append(flag if value else "--no-" + flag[2:])
@@ -103,8 +125,7 @@ def as_flags(values: dict) -> list[str]:
 
 @pytest.mark.parametrize("verb,model,required,_", VERBS, ids=[v[0] for v in VERBS])
 def test_a_verbs_command_line_defaults_are_its_models_defaults(verb, model, required, _):
-    fixed = {"engine": "vllm"} if verb == "check" else {}
-    assert cli_settings(verb, model, required) == model(**fixed)
+    assert cli_settings(verb, model, required) == model(**REQUIRED_VALUES.get(verb, {}))
 
 
 @pytest.mark.parametrize("verb,model,required,section", [v for v in VERBS if v[3]], ids=[v[0] for v in VERBS if v[3]])
@@ -149,3 +170,41 @@ def test_a_verbs_help_shows_its_examples_and_its_fields_docs():
         assert f"draftsmith {verb} " in help_text.split("example", 1)[1], verb
         for name, field in model.model_fields.items():
             assert " ".join((field.description or "").split())[:30] in help_text, (verb, name)
+
+
+def test_runs_capture_section_keeps_its_keys_and_differs_from_the_verb_only_in_length_and_dtype():
+    run = RunConfig().capture
+    assert set(type(run).model_fields) == set(CaptureSettings.model_fields)
+    assert {k: v for k, v in run.model_dump().items() if v != getattr(CaptureSettings(), k)} == {
+        "max_length": 1024, "dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize("model,values,typo,suggestion", [
+    (CaptureSettings, {}, "hs_max_byte", "hs_max_bytes"),
+    (ConvertSettings, {"src": "a", "out": "b", "to": "vllm"}, "drop_embedings", "drop_embeddings"),
+    (DiagnoseSettings, {"logfile": "a.log"}, "as_jsno", "as_json"),
+    (ExportStoreSettings, {"store": "a", "out": "b"}, "index_onyl", "index_only"),
+    (ReportSettings, {"run_dir": "a"}, "as_jsno", "as_json"),
+    (TargetSettings, {"name": "smollm2"}, "as_jsno", "as_json"),
+], ids=lambda v: v.__name__ if isinstance(v, type) else None)
+def test_an_unknown_key_of_the_remaining_verbs_models_is_named_with_a_suggestion(model, values, typo, suggestion):
+    with pytest.raises(DraftsmithError, match=f"unknown config key {typo}") as err:
+        from_mapping(model, {**values, typo: 1})
+    assert f"did you mean {suggestion}?" in err.value.fix
+
+
+@pytest.mark.parametrize("model,values,what", [
+    (ConvertSettings, {"src": "a", "out": "b", "to": "vllm", "dtype": "fp8"}, "unknown --dtype"),
+    (ConvertSettings, {"src": "a", "out": "b", "to": "vllm", "aux_convention": "shifted"}, "unknown --aux-convention"),
+    (ConvertSettings, {"src": "a", "out": "b", "to": "vllm", "k": "three"}, "bad value for k"),
+    (CaptureSettings, {"max_length": "long"}, "bad value for max_length"),
+    (ExportStoreSettings, {"store": "a", "out": "b", "format": "arrow"}, "unknown --format"),
+])
+def test_an_invalid_value_of_the_remaining_verbs_models_is_refused(model, values, what):
+    with pytest.raises(DraftsmithError, match=what):
+        from_mapping(model, values)
+
+
+def test_a_verbs_required_path_is_refused_by_its_model_when_missing():
+    with pytest.raises(DraftsmithError, match="bad value for logfile|logfile"):
+        from_mapping(DiagnoseSettings, {"as_json": True})

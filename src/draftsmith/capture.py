@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.chat import TokenizedSample, tokenize_conversation
+from draftsmith.config import Settings, add_flags, check_choices, from_flags
 from draftsmith.conversations import read_conversations
 from draftsmith.drafter import target_argmax
 from draftsmith.errors import DraftsmithError
@@ -31,6 +32,7 @@ from draftsmith.conventions import validate_aux_ids
 from draftsmith.target import describe_target, load_target, read_config, resolve_target
 
 DEFAULT_MAX_LENGTH = 2048  # SpecForge schema / EAGLE default (reference/training.md §8)
+DEFAULT_MAX_BYTES = 1 << 30  # engine capture's connector folder budget; in flight = concurrency x bytes per request
 
 
 @dataclass(frozen=True)
@@ -240,6 +242,42 @@ def parse_ids(text: str | None) -> tuple[int, ...] | None:
                               fix="pass three boundary indices, or omit the flag for the default") from exc
 
 
+CAPTURE_ENGINES = ("transformers", "vllm")
+CAPTURE_DTYPES = ("float32", "bfloat16")  # the verb's choices; run's section also passes others to vLLM's --dtype
+
+
+class CaptureSettings(Settings):
+    """How `capture` runs the target: the capture verb's flags and `run`'s capture section."""
+
+    engine: str = "transformers"
+    """transformers: the target runs in draftsmith's own process (device, batch_tokens); vllm: capture through a
+    vLLM server with `extract_hidden_states` (engine_capture), started with tensor_parallel (by run: from
+    engine_python), or the one already serving at endpoint."""
+    max_length: int = DEFAULT_MAX_LENGTH
+    """Truncate conversations to this many tokens (run: also used by online training)."""
+    dtype: str = "float32"
+    """Target compute dtype while capturing: float32 | bfloat16 (engine vllm: the server's --dtype)."""
+    device: str = "cpu"
+    """engine transformers: where the target runs."""
+    batch_tokens: int = 4096
+    """engine transformers: padded tokens per target forward."""
+    endpoint: str | None = None
+    """engine vllm: a running capture server, started with the flags `draftsmith capture --print-server-args`
+    prints (null: one is started, and stopped after the capture)."""
+    tensor_parallel: int = 1
+    """engine vllm: tensor-parallel size of the server that is started."""
+    hs_dir: str | None = None
+    """engine vllm: the connector's folder (null: STORE/engine/hs, STORE being --out or run's OUT/store); a fast
+    local disk or /dev/shm."""
+    hs_max_bytes: int = DEFAULT_MAX_BYTES
+    """engine vllm: bytes the connector folder may hold (in flight: about concurrency x bytes per request)."""
+    concurrency: int = 4
+    """engine vllm: requests in flight."""
+
+
+CAPTURE_FLAGS = {"tensor_parallel": "--tp"}
+
+
 def add_parser(sub) -> None:
     from draftsmith.cli import example_help
 
@@ -255,25 +293,23 @@ def add_parser(sub) -> None:
     p.add_argument("--conversations", type=Path, help="JSONL written by `draftsmith regenerate` (required to capture)")
     p.add_argument("--out", type=Path, help="feature store directory (required to capture)")
     p.add_argument("--aux-ids", default=None, help="boundary indices (default: 2,N//2,N-3)")
-    p.add_argument("--max-length", type=int, default=DEFAULT_MAX_LENGTH)
-    p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per target forward")
     p.add_argument("--shard-tokens", type=int, default=1 << 16, help="tokens per shard file")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="target compute dtype")
-    p.add_argument("--device", default="cpu")
+    add_flags(p, CaptureSettings, flags=CAPTURE_FLAGS)
     p.add_argument("--verify", action="store_true", help="only verify an existing store's shards (sha256 and "
                    "degenerate states)")
-    p.add_argument("--engine", default="transformers", choices=("transformers", "vllm"),
-                   help="run the target here (transformers) or capture through a vLLM server (engine_capture)")
-    p.add_argument("--endpoint", help="with --engine vllm: a running capture server (else one is started)")
-    p.add_argument("--hs-dir", type=Path, help="with --engine vllm: the connector's folder (default OUT/engine/hs)")
-    p.add_argument("--hs-max-bytes", type=int, default=1 << 30, help="with --engine vllm: the folder's budget")
-    p.add_argument("--tp", type=int, default=1, help="with --engine vllm: tensor-parallel size of the server")
-    p.add_argument("--concurrency", type=int, default=4, help="with --engine vllm: requests in flight")
     p.add_argument("--print-server-args", action="store_true", help="print the `vllm serve` command for --endpoint")
     p.set_defaults(func=run_capture)
 
 
+def capture_settings(args) -> CaptureSettings:
+    """The verb's settings from its flags, its --engine and --dtype among the verb's choices."""
+    s = from_flags(CaptureSettings, args)
+    check_choices(("--engine", s.engine, CAPTURE_ENGINES), ("--dtype", s.dtype, CAPTURE_DTYPES))
+    return s
+
+
 def run_capture(args) -> int:
+    s = capture_settings(args)
     if args.verify and args.out is None:
         raise DraftsmithError("--verify needs --out", got="no --out", expected="the store to verify", fix="pass --out DIR")
     if args.verify:
@@ -287,13 +323,13 @@ def run_capture(args) -> int:
     if args.out is None and not args.print_server_args:
         raise DraftsmithError("capture needs --out", got="no --out", expected="a feature store directory",
                               fix="pass --out DIR")
-    if args.engine == "vllm" or args.print_server_args:
+    if s.engine == "vllm" or args.print_server_args:
         from draftsmith.engine_capture import run_engine_capture
 
-        return run_engine_capture(args)
-    s = capture(args.conversations, args.out, args.target, parse_ids(args.aux_ids), args.max_length,
-                args.batch_tokens, args.shard_tokens, args.dtype, args.device)
-    print_summary(s, args.out)
+        return run_engine_capture(s, args)
+    summary = capture(args.conversations, args.out, args.target, parse_ids(args.aux_ids), s.max_length,
+                      s.batch_tokens, args.shard_tokens, s.dtype, s.device)
+    print_summary(summary, args.out)
     return 0
 
 

@@ -25,6 +25,7 @@ from pydantic.fields import FieldInfo
 from draftsmith.errors import DraftsmithError
 
 EXAMPLE_VALUES = {int: "4", float: "3e-4", str: "text", bool: "true"}  # for "bad value" messages
+JSON_FLAG = {"as_json": "--json"}  # a verb's `as_json` field is its --json flag (`json` is a BaseModel method)
 
 
 class Settings(BaseModel):
@@ -183,18 +184,23 @@ def doc_of(field: FieldInfo) -> str:
 
 def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type[Settings], *,
               skip: tuple[str, ...] = (), only: tuple[str, ...] | None = None, required: tuple[str, ...] = (),
-              helps: dict[str, str] | None = None, flags: dict[str, str] | None = None) -> None:
+              helps: dict[str, str] | None = None, flags: dict[str, str] | None = None,
+              positional: tuple[str, ...] = ()) -> None:
     """One `--flag` per field of `cls`, its docstring (and default) as help; bools get `--no-flag`.
 
     Values stay as typed on the command line where the model converts them (`--aux-ids 2,15,27`).
     `only` limits the fields (one argument group at a time); `flags` spells a field's flag otherwise
-    (`{"timeout_s": "--timeout"}`). A repeatable flag (`--endpoint A --endpoint B`) is not made here: skip
+    (`{"timeout_s": "--timeout"}`); `positional` names required fields taken by position (`diagnose LOG`),
+    in field order. A repeatable flag (`--endpoint A --endpoint B`) is not made here: skip
     its field and add an `append` flag with `dest` the field's name and `help=doc_of(field)`."""
     for name, field in cls.model_fields.items():
         if name in skip or (only is not None and name not in only):
             continue
         flag, doc = (flags or {}).get(name, "--" + name.replace("_", "-")), (helps or {}).get(name, doc_of(field))
         kind = base_type(field.annotation)
+        if name in positional:
+            parser.add_argument(name, type=kind if kind in (int, float) else None, help=doc)
+            continue
         if kind is bool:
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=field.default,
                                 help=doc)

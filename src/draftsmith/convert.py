@@ -37,9 +37,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import model_validator
 from safetensors.torch import load_file, save_file
 
 from draftsmith.checkpoint import NOT_EXPORTED, WEIGHTS, hf_config
+from draftsmith.config import Settings, add_flags, check_choices, from_flags
 from draftsmith.conventions import (
     AUX_CONVENTIONS,
     MLA_DRAFTER_ARCHITECTURES,
@@ -52,6 +54,7 @@ from draftsmith.conventions import (
 )
 from draftsmith.drafter import DrafterConfig, Eagle3Drafter
 from draftsmith.errors import DraftsmithError
+from draftsmith.export import DEFAULT_K, DTYPES, FORMATS
 
 LAYOUTS = ("draftsmith", "eagle", "specforge", "modelopt", "speculators")
 MLA_KEY_PARTS = ("q_a_proj", "kv_a_proj_with_mqa", "kv_b_proj", "q_b_proj")
@@ -365,9 +368,9 @@ def check_target_fit(cfg: DrafterConfig, spec) -> None:
 
 def convert(src: Path, out: Path, to: str, target: str | None = None, target_layers: int | None = None,
             aux_convention: str | None = None, drop_embeddings: bool = False, dtype: str | None = None,
-            k: int = 3) -> ConvertResult:
+            k: int = DEFAULT_K) -> ConvertResult:
     """Read SRC in any supported layout and write it as `to` (draftsmith or an export format)."""
-    from draftsmith.export import FORMATS, export
+    from draftsmith.export import export
 
     if to not in ("draftsmith", *FORMATS):
         raise DraftsmithError("unknown --to", got=to, expected=" | ".join(("draftsmith", *FORMATS)), fix="pick one")
@@ -387,9 +390,39 @@ def convert(src: Path, out: Path, to: str, target: str | None = None, target_lay
     return ConvertResult(Path(out), source.layout, to, source.config.aux_layer_ids, source.notes)
 
 
+class ConvertSettings(Settings):
+    """What `convert` reads and writes: the convert verb's command line."""
+
+    src: Path
+    """Drafter directory in any supported layout."""
+    out: Path
+    """Where the converted drafter goes."""
+    to: str
+    """Layout to write: draftsmith | vllm | sglang | speculators."""
+    target: str | None = None
+    """The target (name, dir, .gguf): layer count, context, shape check."""
+    target_layers: int | None = None
+    """The target's decoder-layer count, without --target."""
+    aux_convention: str | None = None
+    """Override how SRC's explicit aux ids are read: boundary | layer-output (default: the layout's own
+    convention)."""
+    drop_embeddings: bool = False
+    """Drop an embed_tokens copy in SRC (the engines then use the target's embedding)."""
+    dtype: str | None = None
+    """Weights' dtype: bfloat16 | float16 | float32 (default: keep SRC's)."""
+    k: int = DEFAULT_K
+    """Draft tokens named in the card / speculators config."""
+
+    @model_validator(mode="after")
+    def check_choices(self) -> ConvertSettings:
+        check_choices(("--to", self.to, ("draftsmith", *FORMATS)),
+                      *([("--aux-convention", self.aux_convention, AUX_CONVENTIONS)] if self.aux_convention else []),
+                      *([("--dtype", self.dtype, DTYPES)] if self.dtype else []))
+        return self
+
+
 def add_parser(sub) -> None:
     from draftsmith.cli import example_help
-    from draftsmith.export import FORMATS
 
     p = sub.add_parser("convert", help="convert a public EAGLE-3 drafter (EAGLE, SpecForge, ModelOpt, speculators)",
                        **example_help(
@@ -399,23 +432,13 @@ def add_parser(sub) -> None:
                            "      --target meta-llama/Llama-3.1-8B-Instruct      # then: draftsmith eval ... --drafter ./eagle3-ds\n"
                            "  draftsmith convert ./specforge-out ./spec --to speculators --target-layers 32\n"
                            "  draftsmith convert ./modelopt-export ./vllm-ready --to vllm --target ./my-target"))
-    p.add_argument("src", type=Path, help="drafter directory in any supported layout")
-    p.add_argument("out", type=Path)
-    p.add_argument("--to", required=True, choices=("draftsmith", *FORMATS))
-    p.add_argument("--target", default=None, help="the target (name, dir, .gguf): layer count, context, shape check")
-    p.add_argument("--target-layers", type=int, default=None, help="the target's decoder-layer count, without --target")
-    p.add_argument("--aux-convention", choices=AUX_CONVENTIONS, default=None,
-                   help="override how SRC's explicit aux ids are read (default: the layout's own convention)")
-    p.add_argument("--drop-embeddings", action="store_true",
-                   help="drop an embed_tokens copy in SRC (the engines then use the target's embedding)")
-    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None, help="default: keep SRC's")
-    p.add_argument("--k", type=int, default=3, help="draft tokens named in the card / speculators config")
+    add_flags(p, ConvertSettings, positional=("src", "out"))
     p.set_defaults(func=run_convert)
 
 
 def run_convert(args) -> int:
-    r = convert(args.src, args.out, args.to, args.target, args.target_layers, args.aux_convention,
-                args.drop_embeddings, args.dtype, args.k)
+    s = from_flags(ConvertSettings, args)
+    r = convert(s.src, s.out, s.to, s.target, s.target_layers, s.aux_convention, s.drop_embeddings, s.dtype, s.k)
     print(f"convert: {r.layout} -> {r.to} {r.out}; aux ids as boundary indices {list(r.aux_layer_ids_boundary)}")
     for note in r.notes:
         print(f"  note: {note}")

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draftsmith.drafter import Eagle3Drafter
+from draftsmith.drafter import DrafterCache, Eagle3Drafter
 from draftsmith.errors import DraftsmithError
 from draftsmith.tree import AcceptedPath, Candidates, DraftTree, accept_path, chain_tree, select_tree
 
@@ -84,33 +84,6 @@ class Timings:
 
     target: float = 0.0
     drafter: float = 0.0
-
-
-@dataclass
-class DrafterCache:
-    """The drafter's single-layer KV cache. keys/values (B, nkv, L, hd)."""
-
-    keys: torch.Tensor | None = None
-    values: torch.Tensor | None = None
-
-    @property
-    def length(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.keys is None:
-            self.keys, self.values = k, v
-        else:
-            self.keys, self.values = torch.cat([self.keys, k], dim=2), torch.cat([self.values, v], dim=2)
-        return self.keys, self.values
-
-    def crop(self, length: int) -> None:
-        if self.keys is not None:
-            self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
-
-    def select(self, rows: torch.Tensor) -> None:
-        if self.keys is not None:
-            self.keys, self.values = self.keys[rows], self.values[rows]
 
 
 @dataclass

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Literal
 
 from draftsmith.causes import hint_for, step_of, weight_shape_detail
+from draftsmith.config import JSON_FLAG, Settings, add_flags, from_flags
 from draftsmith.errors import DraftsmithError
 from draftsmith.loglines import _SCREEN, OWN_DEATH, Event, Line, match_line, split_line, stamp_seconds
 
@@ -573,18 +574,27 @@ def diagnosis_json(diag: Diagnosis) -> dict:
     return data
 
 
+class DiagnoseSettings(Settings):
+    """What `diagnose` reads and how it answers: the diagnose verb's command line."""
+
+    logfile: Path
+    """A log with the engine's combined stdout and stderr."""
+    as_json: bool = False
+    """Print the diagnosis as JSON."""
+
+
 def add_parser(sub) -> None:
     from draftsmith.cli import example_help
 
     p = sub.add_parser("diagnose", help="name the root cause of a saved vLLM / SGLang log",
                        **example_help("example:\n  draftsmith diagnose runs/vllm.log\n"
                                       "  draftsmith diagnose runs/vllm.log --json | jq .root_cause"))
-    p.add_argument("logfile", type=Path, help="a log with the engine's combined stdout and stderr")
-    p.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
+    add_flags(p, DiagnoseSettings, positional=("logfile",), flags=JSON_FLAG)
     p.set_defaults(func=run_diagnose)
 
 
 def run_diagnose(args) -> int:
-    diag = analyze_file(args.logfile)
-    print(json.dumps(diagnosis_json(diag), indent=2) if args.json else render(diag, args.logfile))
+    s = from_flags(DiagnoseSettings, args)
+    diag = analyze_file(s.logfile)
+    print(json.dumps(diagnosis_json(diag), indent=2) if s.as_json else render(diag, s.logfile))
     return 1 if diag.root_cause else 0

@@ -202,6 +202,43 @@ class StepCache:
         return self.causal_kv
 
 
+@dataclass
+class DrafterCache:
+    """The drafter's single-layer KV cache while decoding (the reference decoder's; `decode_step` appends to it).
+
+    Slot j of every row holds the key and value of one position fed earlier; which slots a query may see is the
+    caller's mask, not the order here, so a rejected draft's slots are cropped or masked out, never shifted.
+    """
+
+    keys: torch.Tensor | None = None
+    """(B, nkv, L, hd) keys of the L cached slots, after RoPE; None before the first step."""
+    values: torch.Tensor | None = None
+    """(B, nkv, L, hd) values of the same slots."""
+
+    @property
+    def length(self) -> int:
+        """L, the cached slots per row."""
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add n new slots, k and v (B, nkv, n, hd); return every key and value, (B, nkv, L+n, hd)."""
+        if self.keys is None:
+            self.keys, self.values = k, v
+        else:
+            self.keys, self.values = torch.cat([self.keys, k], dim=2), torch.cat([self.values, v], dim=2)
+        return self.keys, self.values
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` slots (drop provisional draft entries)."""
+        if self.keys is not None:
+            self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only `rows` (B',) of the batch (rows that finished leave it)."""
+        if self.keys is not None:
+            self.keys, self.values = self.keys[rows], self.values[rows]
+
+
 class Eagle3Drafter(nn.Module):
     """EAGLE-3 drafter. Buffers d2t (Vd,) int64 and t2d (V,) bool map draft ids to target ids."""
 
@@ -283,10 +320,10 @@ class Eagle3Drafter(nn.Module):
         h_out = self.step(*qkv.split([nq, nk, nk], dim=-1), residual, cos, sin, attend)
         return self.norm(h_out).to(h_out.dtype), h_out
 
-    def decode_step(self, ids: torch.Tensor, h: torch.Tensor, pos: torch.Tensor, cache,
+    def decode_step(self, ids: torch.Tensor, h: torch.Tensor, pos: torch.Tensor, cache: DrafterCache,
                     allowed: torch.Tensor) -> torch.Tensor:
-        """The drafter layer over n new positions per row, appending their keys/values to `cache` (the reference
-        decoder's `decoder.DrafterCache`: `append(k, v)` returns every cached key and value).
+        """The drafter layer over n new positions per row, appending their keys/values to `cache` (L slots before,
+        L+n after).
 
         Args:
             ids: (B, n) tokens fed; h: (B, n, H) hidden states fed (fc(aux) or the drafter's own output);

@@ -42,7 +42,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from draftsmith.capture import (CaptureSummary, capture_identity, finish_store, head_tensors, require_conversations,
+from draftsmith.capture import (DEFAULT_MAX_BYTES, CaptureSettings, CaptureSummary, capture_identity, finish_store, head_tensors, require_conversations,
                                supervised_counts, tokenized_conversations)
 from draftsmith.chat import TokenizedSample
 from draftsmith.conventions import aux_ids_for_format, validate_aux_ids
@@ -56,7 +56,6 @@ from draftsmith.target import cache_dir, describe_target, read_config, resolve_t
 CONNECTOR_MODULE = "draftsmith_hs_connector"
 CONNECTOR_CLASS = "DraftsmithHiddenStatesConnector"
 ERROR_SUFFIX = ".error"  # connector.ERROR_SUFFIX: the connector cannot import draftsmith
-DEFAULT_MAX_BYTES = 1 << 30  # connector folder budget; in flight = concurrency x bytes per request
 REQUEST_TIMEOUT_S = 600.0
 
 
@@ -359,16 +358,21 @@ def print_server_args(target: str, aux_ids: tuple[int, ...] | None, settings: En
             "--served-model-name target " + shlex.join(args))
 
 
-def run_engine_capture(args) -> int:
+def engine_settings(s: CaptureSettings, store: Path | None, python: Path | None = None) -> EngineSettings:
+    """The server side of `capture`'s settings; the connector folder defaults to STORE/engine/hs."""
+    hs_dir = Path(s.hs_dir) if s.hs_dir else (Path(store) / "engine" / "hs" if store else Path("/dev/shm/draftsmith-hs"))
+    return EngineSettings(hs_dir.resolve(), s.hs_max_bytes, s.tensor_parallel, concurrency=s.concurrency, python=python)
+
+
+def run_engine_capture(s: CaptureSettings, args) -> int:
     """The `--engine vllm` branch of `draftsmith capture`."""
     from draftsmith.capture import parse_ids, print_summary
 
-    hs_dir = args.hs_dir or (Path(args.out) / "engine" / "hs" if args.out else Path("/dev/shm/draftsmith-hs"))
-    settings = EngineSettings(hs_dir.resolve(), args.hs_max_bytes, args.tp, concurrency=args.concurrency)
+    settings = engine_settings(s, args.out)
     if args.print_server_args:
         print(print_server_args(args.target, parse_ids(args.aux_ids), settings))
         return 0
-    s = engine_capture(args.conversations, args.out, settings, args.target, parse_ids(args.aux_ids), args.max_length,
-                       args.shard_tokens, args.endpoint, args.dtype)
-    print_summary(s, args.out)
+    summary = engine_capture(args.conversations, args.out, settings, args.target, parse_ids(args.aux_ids),
+                             s.max_length, args.shard_tokens, s.endpoint, s.dtype)
+    print_summary(summary, args.out)
     return 0

@@ -37,9 +37,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from pydantic import model_validator
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from draftsmith.config import JSON_FLAG, Settings, add_flags, check_choices, from_flags
 from draftsmith.errors import DraftsmithError
 from draftsmith.progress import progress_bar
 from draftsmith.store import SHARD_TENSORS, FeatureStore, Sample
@@ -227,6 +229,28 @@ def read_speculators(out: Path) -> Iterator[PeerSample]:
         yield PeerSample(ids.to(torch.int32), mask.to(torch.uint8), hs[:, :3].reshape(T, 3 * H), hs[:, 3])
 
 
+class ExportStoreSettings(Settings):
+    """Which store `export-store` writes, where and in what layout: the export-store verb's command line."""
+
+    store: Path
+    """Feature store directory (written by `draftsmith capture`)."""
+    out: Path
+    """Output directory (speculators' --data-path)."""
+    format: str = "speculators"
+    """Peer layout: speculators."""
+    target: str | None = None
+    """Target name or directory (default: the store's)."""
+    index_only: bool = False
+    """Only (re)write the Arrow index of an existing export."""
+    as_json: bool = False
+    """Print the summary as JSON."""
+
+    @model_validator(mode="after")
+    def check_format(self) -> ExportStoreSettings:
+        check_choices(("--format", self.format, FORMATS))
+        return self
+
+
 def add_parser(sub) -> None:
     from draftsmith.cli import example_help
 
@@ -239,12 +263,7 @@ def add_parser(sub) -> None:
                            "  draftsmith export-store runs/demo/store runs/demo/spec-data --format speculators "
                            "--index-only\n"
                            "The Arrow index needs `pip install datasets`; the hidden-state files do not."))
-    p.add_argument("store", help="feature store directory (written by `draftsmith capture`)")
-    p.add_argument("out", help="output directory (speculators' --data-path)")
-    p.add_argument("--format", choices=FORMATS, default="speculators", help="peer layout (default speculators)")
-    p.add_argument("--target", default=None, help="target name or directory (default: the store's)")
-    p.add_argument("--index-only", action="store_true", help="only (re)write the Arrow index of an existing export")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    add_flags(p, ExportStoreSettings, positional=("store", "out"), flags=JSON_FLAG)
     p.set_defaults(func=run_export_store)
 
 
@@ -252,16 +271,17 @@ def run_export_store(args) -> int:
     import contextlib
     import sys
 
+    s = from_flags(ExportStoreSettings, args)
     # with --json, stdout carries the JSON alone: progress lines go to stderr
-    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
-        if args.index_only:
-            info = {"index": write_index(Path(args.out))}
+    with contextlib.redirect_stdout(sys.stderr) if s.as_json else contextlib.nullcontext():
+        if s.index_only:
+            info = {"index": write_index(s.out)}
         else:
-            info = export_speculators(Path(args.store), Path(args.out), args.target)
-    if args.json:
+            info = export_speculators(s.store, s.out, s.target)
+    if s.as_json:
         print(json.dumps(info, indent=2))
     else:
-        head = (f"export-store: {info['num_samples']} samples, {info['num_tokens']:,} tokens -> {args.out} "
+        head = (f"export-store: {info['num_samples']} samples, {info['num_tokens']:,} tokens -> {s.out} "
                 f"(speculators layout, aux ids {info['aux_layer_ids']}) | " if "num_samples" in info else "")
         print(f"{head}index: {info['index']}")
     return 0 if info["index"] in ("written", "skipped") else 1

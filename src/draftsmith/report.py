@@ -23,6 +23,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from draftsmith.config import JSON_FLAG, Settings, add_flags, from_flags
 from draftsmith.errors import DraftsmithError
 
 PLOTS = ("report-training.png", "report-acceptance.png", "report-throughput.png")
@@ -511,19 +512,28 @@ def write_report(run: Path) -> Path:
     return run / "report.md"
 
 
+class ReportSettings(Settings):
+    """Which run `report` renders and how it answers: the report verb's command line."""
+
+    run_dir: Path
+    """A directory written by `draftsmith run`."""
+    as_json: bool = False
+    """Print report.json on stdout."""
+
+
 def add_parser(sub) -> None:
     from draftsmith.cli import example_help
 
     p = sub.add_parser("report", help="re-render a run directory's one-page report (markdown, HTML, JSON)",
                        **example_help("example:\n  draftsmith report runs/demo   # writes report.md, report.html, "
                                       "report.json and report-*.png there"))
-    p.add_argument("run_dir", type=Path, help="a directory written by `draftsmith run`")
-    p.add_argument("--json", action="store_true", help="print report.json on stdout")
+    add_flags(p, ReportSettings, positional=("run_dir",), flags=JSON_FLAG)
     p.set_defaults(func=run_report)
 
 
 def run_report(args) -> int:
-    path = write_report(args.run_dir)
-    doc = json.loads((args.run_dir / "report.json").read_text())
-    print(json.dumps(doc, indent=2) if args.json else f"{headline(doc)}\nreport -> {path} (and report.html, report.json)")
+    s = from_flags(ReportSettings, args)
+    path = write_report(s.run_dir)
+    doc = json.loads((s.run_dir / "report.json").read_text())
+    print(json.dumps(doc, indent=2) if s.as_json else f"{headline(doc)}\nreport -> {path} (and report.html, report.json)")
     return 0

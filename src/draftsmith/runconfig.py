@@ -1,8 +1,8 @@
 """`draftsmith run`'s config: one section per stage, each the stage's verb settings with run's defaults.
 
-Each section is its verb's model (`regenerate.RegenerateSettings`, `train.TrainSettings`, `export.ExportSettings`,
-`eval.EvalSettings`, `launch.LaunchSettings`, `bench.BenchSettings`), through `with_defaults` where run's default
-differs on purpose, plus the keys only `run` needs; check's section lists engines and builds one
+Each section is its verb's model (`regenerate.RegenerateSettings`, `capture.CaptureSettings`,
+`train.TrainSettings`, `export.ExportSettings`, `eval.EvalSettings`, `launch.LaunchSettings`,
+`bench.BenchSettings`), through `with_defaults` where run's default differs on purpose, plus the keys only `run` needs; check's section lists engines and builds one
 `check.CheckSettings` per engine. YAML files and dotted overrides go through `draftsmith.config`; docs/run.md's
 key table is generated from these field docs (scripts/docs_keys.py).
 
@@ -17,9 +17,9 @@ import yaml
 from pydantic import model_validator
 
 from draftsmith.bench import BenchSettings
+from draftsmith.capture import CAPTURE_ENGINES, CaptureSettings
 from draftsmith.check import EngineFlags
 from draftsmith.config import Settings, from_mapping, override, with_defaults
-from draftsmith.engine_capture import DEFAULT_MAX_BYTES
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval import EvalSettings
 from draftsmith.export import ExportSettings
@@ -41,30 +41,10 @@ RegenerateStage = with_defaults(RegenerateSettings, "RegenerateStage",
                                 batch_size=64, temperature=0.0)
 
 
-class CaptureStage(Settings):
-    engine: str = "transformers"
-    """transformers: the target runs in run's own process (device, batch_tokens); vllm: capture through a vLLM
-    server with `extract_hidden_states` (`draftsmith capture --engine vllm`), started from engine_python with
-    tensor_parallel, or the one already serving at endpoint."""
-    max_length: int = 1024
-    """Truncate conversations to this many tokens (also used by online training)."""
-    dtype: str = "bfloat16"
-    """Target compute dtype while capturing (engine vllm: the server's --dtype)."""
-    device: str = "cpu"
-    """engine transformers: where the target runs."""
-    batch_tokens: int = 4096
-    """engine transformers: padded tokens per target forward."""
-    endpoint: str | None = None
-    """engine vllm: a capture server started with the flags `draftsmith capture --print-server-args` prints
-    (null: run starts one and stops it after the stage)."""
-    tensor_parallel: int = 1
-    """engine vllm: tensor-parallel size of the server run starts."""
-    hs_dir: str | None = None
-    """engine vllm: the connector's folder (null: OUT/store/engine/hs); a fast local disk or /dev/shm."""
-    hs_max_bytes: int = DEFAULT_MAX_BYTES
-    """engine vllm: bytes the connector folder may hold (in flight: about concurrency x bytes per request)."""
-    concurrency: int = 4
-    """engine vllm: requests in flight."""
+# run's capture defaults: the CPU demo's short turns, in bfloat16 (the verb's 2048 tokens in float32 is the
+# reference capture)
+CaptureStage = with_defaults(CaptureSettings, "CaptureStage", "run's capture section: CaptureSettings with run's "
+                             "defaults.", max_length=1024, dtype="bfloat16")
 
 
 class TrainSection(TrainSettings):
@@ -180,7 +160,7 @@ class RunConfig(Settings):
 
 
 def capture_problems(c: CaptureStage, train_mode: str) -> list[str]:
-    if c.engine not in ("transformers", "vllm"):
+    if c.engine not in CAPTURE_ENGINES:
         return [f"capture.engine: {c.engine!r} is not transformers or vllm"]
     if c.engine == "transformers":
         return [f"capture.{k}: only with capture.engine: vllm" for k in ("endpoint", "tensor_parallel", "hs_dir")

@@ -129,11 +129,10 @@ def do_capture(ctx: RunContext) -> None:
 def capture_through_engine(ctx: RunContext) -> None:
     """capture.engine vllm: the store through vLLM's extract_hidden_states (a server run starts from
     engine_python, or capture.endpoint), resumable by shard like the in-process capture."""
-    from draftsmith.engine_capture import EngineSettings, engine_capture
+    from draftsmith.engine_capture import engine_capture, engine_settings
 
     c, store = ctx.cfg.capture, ctx.out / "store"
-    settings = EngineSettings(Path(c.hs_dir or store / "engine" / "hs").resolve(), c.hs_max_bytes, c.tensor_parallel,
-                              concurrency=c.concurrency, python=ctx.python)
+    settings = engine_settings(c, store, ctx.python)
     engine_capture(ctx.out / "conversations.jsonl", store, settings, ctx.cfg.target, max_length=c.max_length,
                    endpoint=c.endpoint, dtype=c.dtype)
 

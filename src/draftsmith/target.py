@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from draftsmith.config import JSON_FLAG, Settings, add_flags, from_flags
 from draftsmith.conventions import IMAGE_TOKEN_FIELDS, MLA_MODEL_TYPES, TEXT_CONFIG_KEYS, default_aux_ids
 from draftsmith.errors import DraftsmithError
 
@@ -263,23 +264,32 @@ def load_target(model_dir: Path, dtype: str = "float32", device: str = "cpu"):
     return model, tokenizer
 
 
+class TargetSettings(Settings):
+    """Which target `target` describes and how: the target verb's command line."""
+
+    name: str
+    """smollm2, a model directory, a .gguf file, or a hub id."""
+    as_json: bool = False
+    """Print the spec as JSON."""
+
+
 def add_parser(sub) -> None:
     from draftsmith.cli import example_help
 
     p = sub.add_parser("target", help="resolve a target and print its normalized spec",
                        **example_help("example:\n  draftsmith target smollm2\n  draftsmith target ./Llama-3.1-8B --json"))
-    p.add_argument("name", help="smollm2, a model directory, a .gguf file, or a hub id")
-    p.add_argument("--json", action="store_true", help="print the spec as JSON")
+    add_flags(p, TargetSettings, positional=("name",), flags=JSON_FLAG)
     p.set_defaults(func=run_target)
 
 
 def run_target(args) -> int:
-    path = resolve_target(args.name)
+    s = from_flags(TargetSettings, args)
+    path = resolve_target(s.name)
     spec = describe_target(read_config(path))
-    if args.json:
+    if s.as_json:
         print(json.dumps({"path": str(path), **spec.to_dict(), "default_aux_ids": list(spec.default_aux_ids)}))
     else:
-        print(f"target {args.name} -> {path}")
+        print(f"target {s.name} -> {path}")
         for key, value in spec.to_dict().items():
             print(f"  {key:24} {value}")
         print(f"  {'default_aux_ids':24} {list(spec.default_aux_ids)} (boundary indices)")
