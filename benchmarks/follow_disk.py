@@ -4,7 +4,7 @@ Captures SmolLM2 in process (transformers, fp32, CPU) into a store while `drafts
 --delete-consumed` runs beside it as a second process, samples the store's shard bytes every 10 ms, and
 reports the peak against the total the capture wrote. Writes benchmarks/results/follow_disk.json.
 
-    nice -n 10 .venv/bin/python benchmarks/follow_disk.py --conversations 48
+    OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python benchmarks/follow_disk.py --conversations 48
 """
 
 from __future__ import annotations
