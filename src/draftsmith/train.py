@@ -899,6 +899,7 @@ def add_parser(sub) -> None:
                            "  torchrun --nproc-per-node 2 -m draftsmith train --store STORE --out OUT          # DDP\n"
                            "  torchrun --nproc-per-node 8 -m draftsmith train --store STORE --out OUT --parallel fsdp\n"
                            "  draftsmith train --store STORE --follow --max-steps 20000 --out OUT  # while capture writes STORE\n"
+                           "  draftsmith train --store STORE --follow --delete-consumed --max-steps 20000 --out OUT  # bounded disk\n"
                            "A killed run resumes from its last checkpoint when the same command is run again."))
     add_flags(p, TrainConfig, required=("out",),
               helps={"aux_ids": "online only: boundary aux ids, e.g. 2,15,27 (default 2,N//2,N-3)"})
