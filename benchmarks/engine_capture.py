@@ -39,21 +39,27 @@ def write_conversations(path: Path, n: int, seed: int = 0) -> Path:
 
 
 class FolderPeak(threading.Thread):
-    """Peak bytes of *.safetensors in a folder, sampled every 10 ms."""
+    """Peak bytes of the files matching `pattern` in a folder, sampled every 10 ms (`samples`: (s, bytes))."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, pattern: str = "*.safetensors"):
         super().__init__(daemon=True)
-        self.folder, self.peak, self.stop = folder, 0, threading.Event()
+        self.folder, self.pattern, self.peak, self.stop = folder, pattern, 0, threading.Event()
+        self.samples: list[tuple[float, int]] = []
+        self.seen: dict[str, int] = {}  # every file seen, by name: its largest size
 
     def run(self) -> None:
+        start = time.monotonic()
         while not self.stop.is_set():
             total = 0
-            for p in self.folder.glob("*.safetensors"):
+            for p in self.folder.glob(self.pattern):
                 try:
-                    total += p.stat().st_size
+                    size = p.stat().st_size
+                    total += size
+                    self.seen[p.name] = max(size, self.seen.get(p.name, 0))
                 except FileNotFoundError:
                     pass
             self.peak = max(self.peak, total)
+            self.samples.append((time.monotonic() - start, total))
             time.sleep(0.01)
 
 

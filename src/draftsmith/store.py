@@ -232,6 +232,7 @@ class FeatureStore:
         self.verify_on_read = verify_on_read
         self._verified: set[str] = set()
         self._handles: dict[str, Any] = {}
+        self.aside: dict[int, tuple[Path, dict[int, int]]] = {}  # set_aside: shard -> (kept file, local -> position)
         self.index = [(i, j) for i, s in enumerate(self.manifest["shards"]) for j in range(s["num_samples"])]
 
     @property
@@ -271,9 +272,13 @@ class FeatureStore:
     def verify_shard(self, i: int) -> None:
         entry = self.manifest["shards"][i]
         path = self.root / entry["file"]
-        if not path.is_file() or sha256_file(path) != entry["sha256"]:
-            raise DraftsmithError(f"corrupt feature-store shard {entry['file']}",
-                                  got="missing file" if not path.is_file() else "sha256 mismatch",
+        if not path.is_file():
+            raise DraftsmithError(f"feature-store shard {entry['file']} is missing", got=f"no {path}",
+                                  expected="every shard the manifest lists",
+                                  fix="a `train --follow --delete-consumed` deletes the shards it trained on: resume "
+                                  "that run (same --out), or recapture into a new store")
+        if sha256_file(path) != entry["sha256"]:
+            raise DraftsmithError(f"corrupt feature-store shard {entry['file']}", got="sha256 mismatch",
                                   expected=f"sha256 {entry['sha256'][:16]}...",
                                   fix="delete the shard and its manifest entry's successors, or recapture: "
                                   "`draftsmith capture` with the same settings resumes")
@@ -294,16 +299,38 @@ class FeatureStore:
             self._handles[entry["file"]] = (handle, handle.get_tensor("offsets"))
         return self._handles[entry["file"]]
 
+    def set_aside(self, i: int, kept: list[int], path: Path | None) -> None:
+        """Shard i is deleted (`train --follow --delete-consumed`): close its file (so that its disk is freed);
+        from now on its samples `kept` (local indices, in this order) are read from `path`, a shard file
+        holding only them, and any other sample of it is an error."""
+        self._handles.pop(self.manifest["shards"][i]["file"], None)
+        self.aside[i] = (Path(path) if path else Path(), {j: p for p, j in enumerate(kept)})
+
+    def _locate(self, k: int):
+        """((handle, offsets), position) of sample k: in its shard, or in the file it was set aside to."""
+        i, j = self.index[k]
+        if i not in self.aside:
+            return self._open(i), j
+        path, positions = self.aside[i]
+        if j not in positions:
+            raise DraftsmithError(f"sample {k} was read after its shard was deleted",
+                                  got=f"{self.manifest['shards'][i]['file']} deleted by --delete-consumed",
+                                  expected="only held-back samples read once their shard is consumed",
+                                  fix="a bug in draftsmith's deletion schedule: please report it; rerun without "
+                                  "--delete-consumed")
+        if str(path) not in self._handles:
+            handle = safe_open(str(path), framework="pt")
+            self._handles[str(path)] = (handle, handle.get_tensor("offsets"))
+        return self._handles[str(path)], positions[j]
+
     def sample(self, k: int) -> Sample:
         """The k-th sample, read by slicing the memory-mapped shard."""
-        i, j = self.index[k]
-        handle, offsets = self._open(i)
+        (handle, offsets), j = self._locate(k)
         a, b = int(offsets[j]), int(offsets[j + 1])
         return Sample(*(handle.get_slice(name)[a:b] for name in SHARD_TENSORS))
 
     def sample_length(self, k: int) -> int:
-        i, j = self.index[k]
-        _, offsets = self._open(i)
+        (_, offsets), j = self._locate(k)
         return int(offsets[j + 1] - offsets[j])
 
     def token_counts(self) -> torch.Tensor:

@@ -152,6 +152,12 @@ class TrainConfig(TrainSettings):
     (the store's size is not known at the start)."""
     follow_timeout_s: float = 3600.0
     """--follow: give up when the store has not grown for this long."""
+    delete_consumed: bool = False
+    """--follow: delete each shard from the store once every step that reads it is checkpointed, so that the
+    store holds only the writer's lead and about --save-every steps of shards (a TB-scale capture through
+    bounded disk). Its held-back samples are copied to OUT/consumed/ first (evaluation reads them), with the
+    shard's plan (a resume rebuilds epoch 0 from it). One pass: each shard is read once, so training ends
+    with epoch 0 even when --max-steps is larger (the learning-rate schedule still spans --max-steps)."""
 
     @model_validator(mode="after")
     def check_source(self) -> TrainConfig:
@@ -163,6 +169,11 @@ class TrainConfig(TrainSettings):
             raise DraftsmithError("--follow needs --store and --max-steps", got=f"store={self.store}, "
                                   f"max_steps={self.max_steps}", expected="the store being captured, and a step budget "
                                   "(its size is unknown when training starts)", fix="add --store DIR --max-steps N")
+        if self.delete_consumed and not (self.follow and self.epochs == 1.0):
+            raise DraftsmithError("--delete-consumed reads each shard once, while the store is written",
+                                  got=f"follow={self.follow}, epochs={self.epochs}",
+                                  expected="--follow, and one epoch (a deleted shard cannot be read again)",
+                                  fix="add --follow and drop --epochs, or train without --delete-consumed")
         return self
 
 
@@ -266,6 +277,31 @@ FOLLOW_SHARD_EPOCH = 1_000_000
 the whole-store epochs 1, 2, ..."""
 
 
+CONSUMED = "consumed"
+"""--delete-consumed: OUT/consumed/shard-NNNNN.json (a deleted shard's plan) and .safetensors (its held-back samples)."""
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """--follow: one landed shard's share of the run, a pure function of its samples and the plan settings."""
+
+    train: list[int]
+    """Global indices of its training samples."""
+    held: list[int]
+    """Global indices of its held-back (eval) samples."""
+    micro_batches: list
+    """Its epoch-0 micro-batches (packed: rows of segments; unpacked: sample indices)."""
+    train_pieces: list[Segment]
+    eval_pieces: list[Segment]
+
+    @classmethod
+    def from_json(cls, d: dict, packed: bool) -> ShardPlan:
+        def segs(rows):  # JSON made the (sample, start, end) tuples lists
+            return [tuple(x) for x in rows]
+        mbs = [[segs(row) for row in mb] for mb in d["micro_batches"]] if packed else d["micro_batches"]
+        return cls(d["train"], d["held"], mbs, segs(d["train_pieces"]), segs(d["eval_pieces"]))
+
+
 def packed_shape(lengths: list[int], train_idx: list[int], cfg: TrainConfig) -> tuple[int, int]:
     """(row tokens, rows per micro-batch): the one micro-batch shape of a packed run, fixed at its start.
 
@@ -359,8 +395,16 @@ class Trainer:
         if not cfg.follow:  # following: set once the store is complete (`land`)
             self.steps_per_epoch = max(1, len(self.plan(train=True, epoch=0)) // per_step)
         self.total_steps = cfg.max_steps or max(1, int(cfg.epochs * self.steps_per_epoch))
-        self.step = 0
+        """The learning-rate schedule's length (`stop_step` is where the loop ends)."""
+        self.step = self.saved_at = 0
         self.first_step_done = False  # the first step of this process compiles / warms up: logged apart
+
+    @property
+    def stop_step(self) -> int | float:
+        """Where the loop ends: total_steps, or with --delete-consumed the end of epoch 0 when that comes first
+        (infinite until the store is complete; the schedule still spans total_steps, so when the writer
+        finishes changes no step's learning rate)."""
+        return min(self.total_steps, self.epoch0_steps) if self.cfg.delete_consumed else self.total_steps
 
     def build_drafter(self) -> Eagle3Drafter:
         spec = self.data.target_spec
@@ -434,6 +478,9 @@ class Trainer:
         self.train_idx, self.eval_idx, self.epoch0 = [], [], []
         self.train_pieces, self.eval_pieces = [], []
         self.landed, self.first_sample = 0, 0
+        self.shard_ranges: list[tuple[int, int]] = []  # shard i's micro-batches: epoch0[a:b]
+        self.shard_first: list[int] = []  # shard i's first global sample index
+        self.deleted: set[int] = set()
         self.epoch0_steps = self.steps_per_epoch = math.inf  # until the writer marks the store complete
         if self.cfg.pack:
             self.row_tokens = self.cfg.row_tokens or self.cfg.batch_tokens
@@ -447,28 +494,127 @@ class Trainer:
         store = self.data.store
         shards = store.manifest["shards"]
         for i in range(self.landed, len(shards)):
-            store.verify_shard(i)
-            sane_shard(store.root, shards[i], self.first_sample)
-            tr, ev = split_indices(shards[i]["num_samples"], self.cfg.eval_fraction)
-            train, held = [self.first_sample + j for j in tr], [self.first_sample + j for j in ev]
-            self.train_idx += train
-            self.eval_idx += held
-            if self.cfg.pack:
-                pieces = document_pieces(train, self.data.lengths, self.row_tokens, self.cfg.pack_long,
-                                         self.data.loss_mask)
-                self.train_pieces += pieces
-                self.eval_pieces += document_pieces(held, self.data.lengths, self.row_tokens, self.cfg.pack_long,
-                                                    self.data.loss_mask)
-                self.epoch0 += pack_plan(pieces, self.row_tokens, self.rows_per_batch, self.cfg.seed,
-                                         FOLLOW_SHARD_EPOCH + i) if pieces else []
-            else:
-                self.epoch0 += micro_batches(train, self.data.lengths, self.cfg.batch_tokens, self.cfg.seed,
-                                             FOLLOW_SHARD_EPOCH + i)
+            gone = self.cfg.delete_consumed and not (store.root / shards[i]["file"]).is_file()
+            plan = self.consumed_plan(i) if gone else self.plan_shard(i)
+            self.shard_first.append(self.first_sample)
+            self.shard_ranges.append((len(self.epoch0), len(self.epoch0) + len(plan.micro_batches)))
+            self.train_idx += plan.train
+            self.eval_idx += plan.held
+            self.train_pieces += plan.train_pieces
+            self.eval_pieces += plan.eval_pieces
+            self.epoch0 += plan.micro_batches
             self.first_sample += shards[i]["num_samples"]
         new, self.landed = len(shards) - self.landed, len(shards)
         if store.complete and self.epoch0_steps == math.inf:
             self.finish_following()
         return new
+
+    def plan_shard(self, i: int) -> ShardPlan:
+        """Shard i checked (sha256, `sanity`) and split into train / eval, its training share shuffled (and packed)
+        on its own; with --delete-consumed, rank 0 keeps the plan and the held-back samples in OUT/consumed/."""
+        store = self.data.store
+        store.verify_shard(i)
+        sane_shard(store.root, store.manifest["shards"][i], self.first_sample)
+        tr, ev = split_indices(store.manifest["shards"][i]["num_samples"], self.cfg.eval_fraction)
+        train, held = [self.first_sample + j for j in tr], [self.first_sample + j for j in ev]
+        if self.cfg.pack:
+            pieces, eval_pieces = (document_pieces(idx, self.data.lengths, self.row_tokens, self.cfg.pack_long,
+                                                   self.data.loss_mask) for idx in (train, held))
+            mbs = pack_plan(pieces, self.row_tokens, self.rows_per_batch, self.cfg.seed,
+                            FOLLOW_SHARD_EPOCH + i) if pieces else []
+        else:
+            pieces, eval_pieces = [], []
+            mbs = micro_batches(train, self.data.lengths, self.cfg.batch_tokens, self.cfg.seed, FOLLOW_SHARD_EPOCH + i)
+        plan = ShardPlan(train, held, mbs, pieces, eval_pieces)
+        if self.cfg.delete_consumed and self.rank == 0:
+            self.keep_consumed(i, plan)
+        return plan
+
+    # -- --delete-consumed: what a deleted shard leaves behind, and when it goes -------------------------
+
+    def plan_settings(self) -> dict:
+        """The settings a shard's plan depends on (a resume must use the same)."""
+        return {"seed": self.cfg.seed, "pack": self.cfg.pack, "batch_tokens": self.cfg.batch_tokens,
+                "row_tokens": self.row_tokens if self.cfg.pack else None, "pack_long": self.cfg.pack_long,
+                "rows_per_batch": self.rows_per_batch if self.cfg.pack else None,
+                "eval_fraction": self.cfg.eval_fraction}
+
+    def consumed_path(self, i: int, suffix: str) -> Path:
+        return self.out / CONSUMED / f"shard-{i:05d}{suffix}"
+
+    def keep_consumed(self, i: int, plan: ShardPlan) -> None:
+        """Write shard i's held-back samples and then its plan (the plan's presence means both are complete)."""
+        from draftsmith.store import atomic_write_bytes, write_shard_file
+
+        (self.out / CONSUMED).mkdir(parents=True, exist_ok=True)
+        held_sha = None
+        if plan.held:
+            held_sha, _ = write_shard_file(self.consumed_path(i, ".safetensors"),
+                                           [self.data.store.sample(k) for k in plan.held])
+        record = {"shard_sha256": self.data.store.manifest["shards"][i]["sha256"], "held_sha256": held_sha,
+                  "settings": self.plan_settings(), "plan": asdict(plan)}
+        atomic_write_bytes(self.consumed_path(i, ".json"), json.dumps(record).encode())
+
+    def consumed_plan(self, i: int) -> ShardPlan:
+        """The plan of shard i, deleted by an earlier run into this --out, from OUT/consumed/; its held-back
+        samples are read from there from now on.
+
+        Raises:
+            DraftsmithError: no record of it (another --out, or another run deleted it), or one made from
+                another store or other settings.
+        """
+        from draftsmith.store import sha256_file
+
+        store, entry = self.data.store, self.data.store.manifest["shards"][i]
+        path = self.consumed_path(i, ".json")
+        if not path.is_file():
+            raise DraftsmithError(f"feature-store shard {entry['file']} was deleted, and this run cannot rebuild it",
+                                  got=f"no {entry['file']} in {store.root} and no {path}",
+                                  expected="the shard, or the record of the --delete-consumed run that deleted it",
+                                  fix="resume the run that deleted it (its --out), or recapture into a new store")
+        record = json.loads(path.read_text())
+        held_file = self.consumed_path(i, ".safetensors")
+        problems = []
+        if record["shard_sha256"] != entry["sha256"]:
+            problems.append(f"shard sha256 {record['shard_sha256'][:16]}... (the store has {entry['sha256'][:16]}...)")
+        if record["settings"] != self.plan_settings():
+            problems.append(f"settings {record['settings']} (now {self.plan_settings()})")
+        if record["held_sha256"] and not (held_file.is_file() and sha256_file(held_file) == record["held_sha256"]):
+            problems.append(f"held-back samples {held_file} missing or changed")
+        if problems:
+            raise DraftsmithError(f"cannot resume over the deleted shard {entry['file']}", got="; ".join(problems),
+                                  expected="the store, settings and OUT/consumed/ files of the run that deleted it",
+                                  fix="resume with the original command, or recapture into a new store and --out")
+        plan = ShardPlan.from_json(record["plan"], self.cfg.pack)
+        first = self.first_sample
+        store.set_aside(i, [k - first for k in plan.held], held_file if plan.held else None)
+        self.deleted.add(i)
+        return plan
+
+    def delete_trained_shards(self) -> None:
+        """After a checkpoint at step S: delete each shard no step after S reads (its micro-batches all lie in
+        the first S steps; a shard holding one of epoch 0's first world*grad_accum - 1 micro-batches waits
+        for epoch 0's end, whose last step wraps to them). A resume from this checkpoint never needs them."""
+        per_step = self.world * self.cfg.grad_accum
+        done, over = self.step * per_step, self.step >= self.epoch0_steps
+        gone = [i for i, (a, b) in enumerate(self.shard_ranges) if i not in self.deleted and b <= done
+                and (over or a == b or a >= per_step - 1)]
+        if self.world > 1:  # rank 0 decides (ranks may differ in what they have landed); all close the files
+            box = [gone]
+            dist.broadcast_object_list(box, src=0)
+            gone = box[0]
+            if gone and self.landed <= max(gone):
+                self.land()
+        store = self.data.store
+        for i in gone:
+            held = [k - self.shard_first[i] for k in self.eval_idx
+                    if self.shard_first[i] <= k < self.shard_first[i] + store.manifest["shards"][i]["num_samples"]]
+            store.set_aside(i, held, self.consumed_path(i, ".safetensors") if held else None)
+            if self.rank == 0:
+                (store.root / store.manifest["shards"][i]["file"]).unlink(missing_ok=True)
+            self.deleted.add(i)
+        if gone:
+            self.log({"step": self.step, "deleted_shards": [store.manifest["shards"][i]["file"] for i in gone]})
 
     def finish_following(self) -> None:
         per_step = self.world * self.cfg.grad_accum
@@ -586,6 +732,7 @@ class Trainer:
 
     def save(self, name: str) -> Path:
         path = self.out / "checkpoints" / name
+        self.saved_at = self.step
         model_state, optim_state = self.full_states()
         if self.rank == 0:
             save_drafter(self.drafter, path, extra={"trained_steps": self.step, "store": self.cfg.store,
@@ -600,6 +747,8 @@ class Trainer:
             os.replace(self.out / "checkpoints" / "latest.tmp", self.out / "checkpoints" / "latest")
         if self.world > 1:
             dist.barrier()
+        if self.cfg.delete_consumed:
+            self.delete_trained_shards()
         return path
 
     def try_resume(self) -> bool:
@@ -624,7 +773,7 @@ class Trainer:
         else:
             self.drafter.load_state_dict(drafter.state_dict())
             self.optimizer.load_state_dict(state["optimizer"])
-        self.step = int(state["step"])
+        self.step = self.saved_at = int(state["step"])
         torch.set_rng_state(state["rng_cpu"])
         random.setstate(state["rng_python"])
         if "rng_cuda" in state and torch.cuda.is_available():
@@ -655,7 +804,12 @@ class Trainer:
                 else _null_bar() as bar:
             if resumed:
                 bar.advance(self.step)
-            while self.step < self.total_steps:
+            per_step = self.world * self.cfg.grad_accum
+            while self.step < self.stop_step:
+                if self.cfg.follow:  # the store may complete here, and with --delete-consumed end the run
+                    self.await_micro_batches((self.step + 1) * per_step)
+                    if self.step >= self.stop_step:
+                        break
                 if self.step % self.cfg.eval_every == 0 and self.step > 0:
                     self.log_eval(self.evaluate())
                 record = self.train_step()
@@ -672,8 +826,10 @@ class Trainer:
                 if self.rank == 0 and self.step % self.cfg.log_every == 0:
                     print(step_line(record, self.total_steps), flush=True)
                 bar.advance(1, tokens=None, note=f"loss {record['loss']:.3f}")
-                if self.step % self.cfg.save_every == 0 or self.step == self.total_steps:
+                if self.step % self.cfg.save_every == 0 or self.step == self.stop_step:
                     self.save(f"step-{self.step:06d}")
+            if self.saved_at != self.step:  # --delete-consumed: ended by the store's end, found after the last step
+                self.save(f"step-{self.step:06d}")
         result = self.evaluate()
         self.log_eval(result)
         model_state, _ = self.full_states()
@@ -743,6 +899,7 @@ def add_parser(sub) -> None:
                            "  torchrun --nproc-per-node 2 -m draftsmith train --store STORE --out OUT          # DDP\n"
                            "  torchrun --nproc-per-node 8 -m draftsmith train --store STORE --out OUT --parallel fsdp\n"
                            "  draftsmith train --store STORE --follow --max-steps 20000 --out OUT  # while capture writes STORE\n"
+                           "  draftsmith train --store STORE --follow --delete-consumed --max-steps 20000 --out OUT  # bounded disk\n"
                            "A killed run resumes from its last checkpoint when the same command is run again."))
     add_flags(p, TrainConfig, required=("out",),
               helps={"aux_ids": "online only: boundary aux ids, e.g. 2,15,27 (default 2,N//2,N-3)"})
