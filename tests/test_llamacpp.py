@@ -138,6 +138,8 @@ def test_server_command_drafts_exactly_k_on_loopback_with_metrics():
                  "--spec-draft-n-min 0", "--spec-draft-p-min 0", "--metrics"):
         assert part in text, part
     assert "-md" not in llamacpp.LlamaServe(Path("t.gguf")).command(Path("llama-server"))
+    cut = llamacpp.LlamaServe(Path("t.gguf"), Path("d.gguf"), k=5, p_min=0.4).command(Path("llama-server"))
+    assert cut[cut.index("--spec-draft-p-min") + 1] == "0.4" and cut[cut.index("--spec-draft-n-max") + 1] == "5"
 
 
 def test_real_llama_server_metrics_parse_to_the_shared_definition():

@@ -157,10 +157,12 @@ def llamacpp_config(config: dict[str, Any]) -> dict[str, Any]:
             "draftsmith": {**config["draftsmith"], "aux_id_convention": "llamacpp"}}
 
 
-def draft_args(drafter: str | Path, k: int) -> list[str]:
-    """EAGLE-3 with exactly k draft tokens: no minimum, no probability cut-off (common/arg.cpp:4140-4200)."""
+def draft_args(drafter: str | Path, k: int, p_min: float = 0.0) -> list[str]:
+    """EAGLE-3 with up to k draft tokens, no minimum (common/arg.cpp:4140-4200). p_min 0 drafts all k; above 0 the
+    chain stops at the first draft token whose drafter probability is below it (common/speculative.cpp: the greedy
+    top candidate's p), which spares the target verifying tokens it would likely reject."""
     return ["-md", str(drafter), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(k),
-            "--spec-draft-n-min", "0", "--spec-draft-p-min", "0"]
+            "--spec-draft-n-min", "0", "--spec-draft-p-min", f"{p_min:g}"]
 
 
 def serve_command(target: str | Path, drafter: str | Path, k: int) -> list[str]:
@@ -221,6 +223,8 @@ class LlamaServe:
     target: Path
     drafter: Path | None = None
     k: int = 3
+    p_min: float = 0.0
+    """Drafter-probability cut-off of a draft chain (0: always k tokens)."""
     port: int = 0
     ctx_size: int = 2048
     threads: int = 2
@@ -231,7 +235,7 @@ class LlamaServe:
                "--ctx-size", str(self.ctx_size), "--threads", str(self.threads), "--parallel", str(self.parallel),
                "--metrics", "--no-webui"]
         if self.drafter is not None:
-            cmd += draft_args(self.drafter, self.k)
+            cmd += draft_args(self.drafter, self.k, self.p_min)
         return cmd
 
 
