@@ -3,7 +3,7 @@
 # builds a drafter; its results are collected by scripts/gpu_smollm2_collect.sh. benchmarks/gpu.py holds the
 # measured GPU suites.
 #
-# A longer-trained SmolLM2 drafter on one H200 (docs/gpu.md, "SmolLM2 drafter"): what the demo's drafter
+# A longer-trained SmolLM2 drafter on one H200 (docs/gpu.md, "A longer-trained SmolLM2 drafter"): what the demo's drafter
 # would be with more data and more steps. Regenerate greedy + sampled answers to the built-in train prompts,
 # train online (the target in the same process, no feature store), keep the drafter checkpoint.
 #

@@ -6,7 +6,7 @@
 # issue #23 on one H200, in one command: capture a feature store from conversations, check speculators'
 # requirements, then train the four runs of benchmarks/speculators_compare.py and put the results under $OUT.
 #
-# Carried: .whl (benchmarks/speculators_wheels.txt, docs/peers.md "Wheels") and the conversations; the
+# Carried: .whl (benchmarks/speculators_wheels.txt, docs/peers.md "Running it on the H200") and the conversations; the
 # embedded GGUF as in scripts/gpu_smollm2.sh (two carried halves, rejoined on the machine) unless
 # TARGET names another HF directory there.
 #
