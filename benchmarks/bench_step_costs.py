@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.decoder import DrafterCache, draft_head, drafter_forward, target_forward
+from draftsmith.decoder import draft_head, target_forward
+from draftsmith.drafter import DrafterCache
 from draftsmith.target import describe_target, load_target, read_config, resolve_target
 from bench_decoder import random_drafter  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
@@ -84,15 +85,15 @@ def main() -> None:
 
     d_cache = DrafterCache()
     with torch.inference_mode():
-        drafter_forward(drafter, context, torch.randn(1, P, spec.hidden_size, generator=g).to(target.dtype), torch.arange(P)[None],
-                        d_cache, torch.ones(P, P, dtype=torch.bool).tril()[None])
+        drafter.decode_step(context, torch.randn(1, P, spec.hidden_size, generator=g).to(target.dtype),
+                            torch.arange(P)[None], d_cache, torch.ones(P, P, dtype=torch.bool).tril()[None])
 
         def draft_setup():
             cache = DrafterCache(d_cache.keys, d_cache.values)
             h = torch.randn(1, 1, spec.hidden_size, generator=g).to(target.dtype)
             allowed = torch.ones(1, 1, P + 1, dtype=torch.bool)
-            return lambda: draft_head(drafter, drafter_forward(drafter, context[:, :1], h, torch.tensor([[P]]), cache,
-                                                               allowed))
+            return lambda: draft_head(drafter, drafter.decode_step(context[:, :1], h, torch.tensor([[P]]), cache,
+                                                                   allowed))
 
         t1 = median_ms(with_cache(plain), args.reps)
         t_draft = median_ms(draft_setup, args.reps * 4)

@@ -44,8 +44,8 @@ RUNS = ("speculators-defaults", "speculators-matched", "draftsmith-defaults", "d
 RESULTS = Path(__file__).resolve().parent / "results" / "speculators_compare.json"
 SPECULATORS_VERSION = "0.9.0"
 SPECULATORS_MISSING = (f"speculators {SPECULATORS_VERSION} is not importable here: carry its wheels and those of "
-                       "its missing dependencies (docs/peers.md, 'Wheels'), or run with --only draftsmith-defaults "
-                       "--only draftsmith-matched")
+                       "its missing dependencies (docs/peers.md, 'Running it on the H200'), or run with "
+                       "--only draftsmith-defaults --only draftsmith-matched")
 
 
 @dataclass(frozen=True)

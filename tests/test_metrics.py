@@ -24,7 +24,7 @@ def read(name: str) -> str:
     return (FIXTURES / name).read_text()
 
 
-# vLLM 0.10.2+ `SpecDecoding metrics` line quoted in reference/engines.md §5.2 (vllm-project/vllm#49560):
+# vLLM 0.10.2+ `SpecDecoding metrics` line quoted in docs/engines.md §5.2 (vllm-project/vllm#49560):
 # Accepted 130, Drafted 268, mean acceptance length 2.94, per-position 0.836 0.567 0.343 0.194, 48.5 %.
 # Its counters are reconstructed here: drafts = 268 / 4 = 67, accepted per position = rate * 67.
 VLLM_49560 = """\
@@ -57,7 +57,7 @@ def test_vllm_counters_give_the_engine_log_line_numbers():
 
 
 def test_llamacpp_counters_share_the_vllm_shape():
-    # llama.cpp `--metrics` names (reference/cpu-engines.md); same numbers as above
+    # llama.cpp `--metrics` names (docs/engines.md §8.5); same numbers as above
     text = VLLM_49560.replace("vllm:", "llamacpp:")
     source, counters = parse_spec_counters(text)
     assert source == "llamacpp"

@@ -4,7 +4,7 @@ Run:
     draftsmith bench --endpoint http://127.0.0.1:8000 --baseline-endpoint http://127.0.0.1:8001 \
         --prompts eval --num-prompts 32 --concurrency 1,4,16 --max-tokens 128 --out runs/bench
 
-How it measures (the gpt-fast habits of STYLE.md):
+How it measures (the gpt-fast habits of docs/design.md, "Measured output"):
 - Streaming chat completions through the OpenAI client, one level at a time, each level on its own
   prompts (no prefix-cache carry-over between levels): a closed loop of at most
   `c` requests in flight (`--concurrency`) or an open loop of Poisson arrivals (`--request-rate`).
@@ -48,7 +48,7 @@ from draftsmith.metrics import (
 
 # Mean acceptance length below which a drafter is most likely wired wrong rather than weak: a wrong
 # aux-layer choice gives 1.036 and SGLang's EAGLE algorithm on an EAGLE-3 head 1.00, while healthy
-# heads reach 2.3-3.5 (reference/engines.md §5.4, vllm-project/vllm#50170, sgl-project/sglang#21272).
+# heads reach 2.3-3.5 (docs/engines.md §5.4, vllm-project/vllm#50170, sgl-project/sglang#21272).
 TAU_WIRING_FAULT = 1.2
 SPEEDUP_FLOOR = 1.0  # below this, speculation costs more than it saves
 PERCENTILES = (50, 90, 99)

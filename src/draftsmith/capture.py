@@ -31,7 +31,7 @@ from draftsmith.store import AUX_CONVENTION, Sample, StoreWriter, bytes_per_toke
 from draftsmith.conventions import validate_aux_ids
 from draftsmith.target import describe_target, load_target, read_config, resolve_target
 
-DEFAULT_MAX_LENGTH = 2048  # SpecForge schema / EAGLE default (reference/training.md §8)
+DEFAULT_MAX_LENGTH = 2048  # SpecForge schema / EAGLE default (docs/training.md §8)
 DEFAULT_MAX_BYTES = 1 << 30  # engine capture's connector folder budget; in flight = concurrency x bytes per request
 
 

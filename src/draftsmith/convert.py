@@ -1,6 +1,6 @@
 """`draftsmith convert SRC DST --to FORMAT`: read a public EAGLE-3 drafter layout, write another.
 
-Source layouts, detected from config.json and the tensor names (reference/training.md §7):
+Source layouts, detected from config.json and the tensor names (docs/training.md §7):
 
 | layout      | config                                         | layer keys   | aux ids read as                     |
 |-------------|------------------------------------------------|--------------|-------------------------------------|
@@ -99,7 +99,7 @@ def read_weights(src: Path) -> dict[str, torch.Tensor]:
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         return {k: v for shard in shards for k, v in load_file(str(src / shard)).items()}
     if (src / "pytorch_model.bin").is_file():
-        # The original EAGLE release ships a pickle; weights_only refuses anything but tensors (DESIGN.md).
+        # The original EAGLE release ships a pickle; weights_only refuses anything but tensors (docs/design.md).
         return torch.load(src / "pytorch_model.bin", map_location="cpu", weights_only=True)
     raise DraftsmithError("no drafter weights found", got=f"{src} has no {WEIGHTS}, sharded index or pytorch_model.bin",
                           expected="a Hugging Face style drafter directory", fix="point SRC at the drafter's folder")

@@ -18,7 +18,7 @@ A log that ends during start-up with no error at all is a `Stall`, not a root ca
 the table of recognised causes in `draftsmith.causes`. `draftsmith launch` feeds the same classes
 line by line.
 
-Log anatomy per engine and version: shared/reference/engines.md §6.
+Log anatomy per engine and version: docs/engines.md §6.
 
     draftsmith diagnose server.log
     draftsmith diagnose server.log --json

@@ -16,7 +16,7 @@ Attribute names are the checkpoint keys of the `LlamaForCausalLMEagle3` layout t
 post_attention_layernorm, mlp.*}`, `norm`, `lm_head`, buffers `d2t`, `t2d`. `embed_tokens` is not
 exported (engines share the target's).
 
-Training-time test (reference/training.md §4): step 0 starts from fc(aux); step i > 0 is fed the
+Training-time test (docs/training.md §4): step 0 starts from fc(aux); step i > 0 is fed the
 previous step's pre-norm output and the ground-truth token one further; queries of step i sit at RoPE
 position t + i; keys of step 0 are causal over the sequence and keys of steps 1..i are visible only at
 the same index t (the diagonal). The kernels live in kernels.py: `ttt_attention` computes exactly that without a (T x T*K) score
@@ -58,7 +58,7 @@ class DrafterConfig:
     target_hidden_size: int
     target_num_layers: int
     aux_layer_ids: tuple[int, int, int]
-    """Boundary indices into the target's `output_hidden_states` (DESIGN.md, "Conventions")."""
+    """Boundary indices into the target's `output_hidden_states` (docs/design.md, "Conventions")."""
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 8192
@@ -71,7 +71,7 @@ class DrafterConfig:
 
         GQA targets keep their head layout. MLA targets (DeepSeek-V3, Kimi-K2) get a dense Llama layer
         with head_dim 128 and as many KV heads as query heads (the layout of public Kimi drafters,
-        reference/training.md §7.6).
+        docs/training.md §7.6).
         """
         if spec.is_mla:
             head_dim = 128

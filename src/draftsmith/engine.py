@@ -41,7 +41,7 @@ from draftsmith.target import cache_dir
 
 ENGINE_ENV_VARS = {"vllm": "DRAFTSMITH_VLLM_PYTHON", "sglang": "DRAFTSMITH_SGLANG_PYTHON"}
 # vLLM's CPU backend takes most of the machine's memory for KV cache unless told
-# (reference/cpu-engines.md, known fix 3).
+# (docs/engines.md §8.2, known fix 3).
 VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 
@@ -96,7 +96,7 @@ class VllmServe:
 
 def probe_ready(base_url: str, timeout_s: float = 0.5) -> bool:
     """True when both /health and /v1/models answer 200 (a log line is never trusted for readiness:
-    vLLM never prints `Uvicorn running on`, reference/engines.md §6.2; /health can answer before the
+    vLLM never prints `Uvicorn running on`, docs/engines.md §6.2; /health can answer before the
     OpenAI routes serve)."""
     for path in ("/health", "/v1/models"):
         try:

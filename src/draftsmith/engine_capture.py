@@ -11,7 +11,7 @@ to a folder of bounded size. This module is the client:
 3. send each conversation as token ids (`/v1/completions`, `max_tokens` 1, temperature 0), check that
    the server's `prompt_token_ids` are ours (the first differing token is shown when not);
 4. read the connector's file, apply the final norm to the last layer's state (vLLM's id N is the
-   state *before* the norm, reference/engine-capture.md), check it (`draftsmith.sanity`), append the
+   state *before* the norm, docs/engines.md §9), check it (`draftsmith.sanity`), append the
    sample to the feature store and delete the file.
 
 vLLM ids: the aux ids are boundary indices and vLLM reads explicit ids as boundary indices

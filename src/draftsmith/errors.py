@@ -1,7 +1,7 @@
 """Errors that tell the user what went wrong, what was found, what was expected and how to fix it.
 
 Every verb catches `DraftsmithError` at the CLI boundary, prints it and exits with code 2
-(bad usage or bad input, see DESIGN.md "Pipeline and verbs").
+(bad usage or bad input, see docs/design.md "Pipeline and verbs").
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ supervisor tails that file through the pure parser in `draftsmith.diagnose`, sho
 (phase, shard percent, ETA, elapsed), and decides one of four outcomes:
 
 - ready: `/health` and `/v1/models` both answer 200 (a log line is never trusted for readiness:
-  vLLM never prints `Uvicorn running on`, engines.md §6.2);
+  vLLM never prints `Uvicorn running on`, docs/engines.md §6.2);
 - crashed: the process exited, or a fatal marker was logged after an exception (the worker's
   traceback arrives seconds before the API server exits);
 - stalled: no new output for `--stall-timeout` seconds before ready;
@@ -53,7 +53,7 @@ Status = Literal["ready", "crashed", "stalled", "timed_out"]
 EXIT_CODES: dict[Status, int] = {"ready": 0, "crashed": 3, "stalled": 4, "timed_out": 5}
 POLL_S = 0.1  # log tail interval; bounds crash-detection latency together with the HTTP probe
 PROBE_EVERY_S = 1.0
-# Markers after which the failure is final even without a parsed exception (engines.md §6.4, §6.5).
+# Markers after which the failure is final even without a parsed exception (docs/engines.md §6.4, §6.5).
 TERMINAL_MARKERS = frozenset({"vllm_engine_init_failed", "vllm_engine_died", "sglang_sigquit",
                               "sglang_rank_dead", "startup_timeout", "vllm_engine_dead"})
 

@@ -38,7 +38,7 @@ _VLLM_HEADER = re.compile(
     r"^(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL)"
     r"(?: (?P<stamp>\d\d-\d\d \d\d:\d\d:\d\d)(?:\.\d+)? \[?[\w./-]+:\d+\] ?|:     )")
 # (the second form is uvicorn's own `INFO:     Application startup complete.`)
-# SGLang: `[2025-04-16 14:22:53 TP3] msg`, `[2025-10-06 20:05:22 DP0 TP0] msg` (engines.md §6.5).
+# SGLang: `[2025-04-16 14:22:53 TP3] msg`, `[2025-10-06 20:05:22 DP0 TP0] msg` (docs/engines.md §6.5).
 _SGLANG_PREFIX = re.compile(
     r"^\[\d{4}-(?P<stamp>\d\d-\d\d \d\d:\d\d:\d\d)(?:\.\d+)?(?P<rank>(?: (?:DP|PP|TP|EP|CP|ATTN_CP)\d+)*)\] ?")
 
@@ -167,7 +167,7 @@ def _literal_prefix(alternative: str) -> str:
 
 
 # The event table, in start-up order; the first match wins. Each entry cites where the string comes
-# from (engines.md §6); tests/test_diagnose.py holds a real line for every name.
+# from (docs/engines.md §6); tests/test_diagnose.py holds a real line for every name.
 _TQDM = (r"(?P<pct>\d+)% ?(?:Completed \| |\|[^|]*\| )(?P<n>\d+)/(?P<total>\d+) "
          r"\[(?P<elapsed>[\d:]+)<(?P<remaining>[\d:?]+)")
 PATTERNS: tuple[Pattern, ...] = (

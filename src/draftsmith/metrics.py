@@ -8,7 +8,7 @@ One definition for every engine and version (the one vLLM's own docs and llama.c
     acceptance_rate  = accepted / draft_tokens      share of proposed tokens the target kept
     per_position[i]  = accepted_at_pos[i] / drafts  share of drafts whose token i was kept
 
-Sources, best first (reference/engines.md §5):
+Sources, best first (docs/engines.md §5):
 - vLLM `/metrics` counters `vllm:spec_decode_num_{drafts,draft_tokens,accepted_tokens}_total` and
   `..._num_accepted_tokens_per_pos_total{position}`; llama.cpp's `--metrics` exposes the same counters
   under `llamacpp:`. Counters are cumulative since start-up, so a window is the difference of two scrapes.

@@ -19,7 +19,7 @@ import torch
 from draftsmith.errors import DraftsmithError
 from draftsmith.store import FeatureStore, Sample
 
-# fp32 logits of two engines differ by ~1e-4 on SmolLM2 (cpu-engines.md: token for token in fp32); a
+# fp32 logits of two engines differ by ~1e-4 on SmolLM2 (docs/engines.md §8.2: token for token in fp32); a
 # bf16-stored state moves logits by up to ~0.1, so a top-2 gap below this is a tie, not a wrong state.
 TIE_MARGIN = 0.25
 

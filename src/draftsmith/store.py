@@ -1,6 +1,6 @@
 """The feature store: captured target hidden states, sharded, verified, resumable, streamable.
 
-Layout of a store directory (DESIGN.md, "Contracts"):
+Layout of a store directory (docs/design.md, "Contracts between stages"):
 
     manifest.json                 identity, settings, one entry per complete shard (with sha256)
     shard-00000.safetensors       packed samples: see SHARD_TENSORS

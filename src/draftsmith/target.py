@@ -62,7 +62,7 @@ class TargetSpec:
     """A `vision_config` is present (multimodal even when the text fields sit at the top level)."""
     image_token_fields: tuple[str, ...] = ()
     """Which image-token attributes the top-level config carries, of `IMAGE_TOKEN_FIELDS`; engines'
-    drafter loaders probe one of them for multimodal targets (reference/engines.md §1.6)."""
+    drafter loaders probe one of them for multimodal targets (docs/engines.md §1.6)."""
 
     @property
     def default_aux_ids(self) -> tuple[int, int, int]:

@@ -882,7 +882,7 @@ class _null_bar:
 
 
 def step_line(r: dict, total: int) -> str:
-    """The one greppable line per step (STYLE.md)."""
+    """The one greppable line per step (docs/design.md, "Measured output")."""
     acc = " ".join(f"{a:.2f}" for a in r["acc"])
     return (f"step {r['step']:05d}/{total:05d} | loss {r['loss']:.3f} | acc[k] {acc} | lr {r['lr']:.2e} "
             f"| {r['ms']:.0f} ms | {r['tok_per_s']:,.0f} tok/s" + (" (first step: compile / warm-up)" if r.get("first_step") else ""))

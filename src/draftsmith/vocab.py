@@ -1,6 +1,6 @@
 """The draft vocabulary: the V_d target tokens the drafter can propose, and its maps `d2t` / `t2d`.
 
-Selection (reference/training.md §6): the V_d most frequent target tokens at supervised (loss-masked)
+Selection (docs/training.md §6): the V_d most frequent target tokens at supervised (loss-masked)
 positions of the training data, ties broken by token id, then sorted by token id.
 
 Maps, exactly as the engines read them:
@@ -11,7 +11,7 @@ Maps, exactly as the engines read them:
 Default size: 32,000 for target vocabularies of 64k tokens or more (the size of the EAGLE-3 release
 and most public drafters), otherwise V // 6 rounded down to a multiple of 64: 8,192 for SmolLM2's
 49,152, where the head is then a sixth of the target's (the head is 21 % of SmolLM2's parameters,
-reference/performance.md §4) while keeping almost all supervised tokens (coverage is reported).
+docs/training.md §6) while keeping almost all supervised tokens (coverage is reported).
 """
 
 from __future__ import annotations

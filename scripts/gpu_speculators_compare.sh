@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
+# Developer tool, not a benchmark suite of benchmarks/gpu.py: a multi-stage device run (wheel install, stand-in
+# package, capture, then the four trainings of benchmarks/speculators_compare.py, whose numbers it records) with
+# the return-limit packaging of its drafters.
+#
 # issue #23 on one H200, in one command: capture a feature store from conversations, check speculators'
 # requirements, then train the four runs of benchmarks/speculators_compare.py and put the results under $OUT.
 #
-# Carried: .whl (benchmarks/speculators_wheels.txt, docs/peers.md "Wheels") and the conversations; the
-# embedded GGUF as in benchmarks/gpu_smollm2.sh (two carried halves, rejoined on the machine) unless
+# Carried: .whl (benchmarks/speculators_wheels.txt, docs/peers.md "Running it on the H200") and the conversations; the
+# embedded GGUF as in scripts/gpu_smollm2.sh (two carried halves, rejoined on the machine) unless
 # TARGET names another HF directory there.
 #
-# Usage on the device: CONV=data/conv.jsonl GGUF=/tmp/smollm2.gguf bash benchmarks/gpu_speculators_compare.sh
+# Usage on the device: CONV=data/conv.jsonl GGUF=/tmp/smollm2.gguf bash scripts/gpu_speculators_compare.sh
 # Knobs (env): W (work dir, /tmp/cmp), EPOCHS (1), TARGET (smollm2), DEVICE (cuda; cpu for a smoke run), ONLY (e.g. "draftsmith-defaults"), OUT,
 # RETURN (runs whose drafter comes back in 15 MB parts, default "draftsmith-defaults speculators-matched": the
 # device returns 8 files, 64 MiB in all; a full-vocabulary drafter is ~75 MB, fetch it alone with

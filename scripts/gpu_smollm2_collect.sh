@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Wait (at most WAIT seconds) for benchmarks/gpu_smollm2.sh, running detached on the device, then put its
+# Developer tool (the second half of scripts/gpu_smollm2.sh): bring its drafter back within the device's limits.
+#
+# Wait (at most WAIT seconds) for scripts/gpu_smollm2.sh, running detached on the device, then put its
 # results under $OUT within the device's return limits (8 files, 16 MiB each): the drafter checkpoint in
 # 15 MB parts (`cat model.safetensors.part* > model.safetensors` to rejoin), the run's small files in one
-# tarball, the conversations gzipped. Usage: W=/tmp/smol LOG=/tmp/smol.log WAIT=540 bash benchmarks/gpu_smollm2_collect.sh
+# tarball, the conversations gzipped. Usage: W=/tmp/smol LOG=/tmp/smol.log WAIT=540 bash scripts/gpu_smollm2_collect.sh
 set -u
 W=${W:-/tmp/smol}; LOG=${LOG:-/tmp/smol.log}; WAIT=${WAIT:-540}; OUT=${OUT:-/tmp/smol_out}
 deadline=$((SECONDS + WAIT))

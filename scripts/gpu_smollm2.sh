@@ -1,5 +1,9 @@
 #!/usr/bin/env bash
-# A longer-trained SmolLM2 drafter on one H200 (docs/gpu.md, "SmolLM2 drafter"): what the demo's drafter
+# Developer tool, not a benchmark suite: a multi-stage device run (stand-in package, regenerate, train) that
+# builds a drafter; its results are collected by scripts/gpu_smollm2_collect.sh. benchmarks/gpu.py holds the
+# measured GPU suites.
+#
+# A longer-trained SmolLM2 drafter on one H200 (docs/gpu.md, "A longer-trained SmolLM2 drafter"): what the demo's drafter
 # would be with more data and more steps. Regenerate greedy + sampled answers to the built-in train prompts,
 # train online (the target in the same process, no feature store), keep the drafter checkpoint.
 #
@@ -7,7 +11,7 @@
 # halves (it is 98 MB, a call carries 64 MiB), and a stand-in package directory makes `--target smollm2`
 # resolve to the same file, so the target's weights are the ones CPU runs use.
 #
-# Usage on the device: GGUF=/path/SmolLM2-135M-Instruct.Q4_1.gguf W=/tmp/smol bash benchmarks/gpu_smollm2.sh
+# Usage on the device: GGUF=/path/SmolLM2-135M-Instruct.Q4_1.gguf W=/tmp/smol bash scripts/gpu_smollm2.sh
 # Knobs (env): LIMIT (train prompts, default all), SAMPLES (sampled answers per prompt, 3), MAX_NEW (512),
 # EPOCHS (8), LR (5e-4), TRAIN_TIMEOUT (seconds, 420), DEVICE (cuda).
 set -euo pipefail
