@@ -51,3 +51,41 @@ def test_follower_resumes_from_a_shard_and_refuses_a_stalled_writer(tmp_path):
         for index, _ in follow_shards(tmp_path, start=2, poll_s=0.02, idle_timeout_s=0.3):
             got.append(index)
     assert got == [2, 3]
+
+
+def test_back_pressure_holds_a_fast_capture_to_its_byte_budget_while_a_follower_deletes(tmp_path):
+    """The writer never puts more than max_store_bytes of shards on disk: it waits until the follower deletes."""
+    one = len(sample(0).input_ids) * (4 * 8 * 2 + 4 + 1 + 4)  # the estimate of one one-sample shard
+    limit = 2 * one + one // 2  # room for two shards, not three
+    peak = []
+
+    def write():
+        w = StoreWriter(tmp_path, {"test": 1}, shard_tokens=5, max_store_bytes=limit, room_timeout_s=30)
+        for i in range(6):
+            w.add(sample(i))  # no delay: the writer is faster than the follower
+            peak.append(w.shard_bytes_on_disk())
+        w.finish(torch.zeros(4, dtype=torch.long), {"lm_head": torch.zeros(4, 8)}, {})
+    t = threading.Thread(target=write)
+    t.start()
+    seen = []
+    for index, _ in follow_shards(tmp_path, poll_s=0.02, delete_consumed=True):
+        time.sleep(0.1)  # a slow trainer
+        seen.append(index)
+    t.join()
+    assert seen == list(range(6))
+    # each file is the estimate plus its safetensors header: at most two shards' worth ever on disk
+    assert max(peak) <= 2 * one + 2 * 1024, peak
+    assert len(peak) == 6
+
+
+def test_back_pressure_without_a_follower_stops_with_the_reason(tmp_path):
+    one = len(sample(0).input_ids) * (4 * 8 * 2 + 4 + 1 + 4)
+    w = StoreWriter(tmp_path, {"test": 1}, shard_tokens=5, max_store_bytes=2 * one, room_timeout_s=0.3)
+    w.add(sample(0))
+    with pytest.raises(DraftsmithError, match="stayed full") as err:
+        for i in range(1, 4):
+            w.add(sample(i))
+    assert "--delete-consumed" in err.value.fix
+    assert len(w.manifest["shards"]) >= 1  # what was written stays valid: a rerun resumes from it
+    with pytest.raises(DraftsmithError, match="larger than --max-store-bytes"):
+        StoreWriter(tmp_path / "tiny", {"test": 1}, shard_tokens=5, max_store_bytes=10).add(sample(0))

@@ -197,14 +197,15 @@ def finish_store(writer: StoreWriter, counts: torch.Tensor, embed: torch.Tensor,
 
 def capture(conversations: Path, out: Path, target: str = "smollm2", aux_ids: tuple[int, ...] | None = None,
             max_length: int = DEFAULT_MAX_LENGTH, batch_tokens: int = 4096, shard_tokens: int = 1 << 16,
-            dtype: str = "float32", device: str = "cpu") -> CaptureSummary:
+            dtype: str = "float32", device: str = "cpu", max_store_bytes: int | None = None,
+            store_wait_timeout_s: float = 3600.0) -> CaptureSummary:
     """Capture a feature store from a conversations file (resumes an interrupted capture)."""
     model_dir = resolve_target(target)
     spec = describe_target(read_config(model_dir))
     aux_ids = validate_aux_ids(tuple(aux_ids or spec.default_aux_ids), spec.num_layers)
     require_conversations(conversations)
     writer = StoreWriter(out, capture_identity(model_dir, target, aux_ids, spec, max_length, Path(conversations)),
-                         shard_tokens)
+                         shard_tokens, max_store_bytes, store_wait_timeout_s)
     if writer.manifest.get("complete"):
         m = writer.manifest
         return CaptureSummary(m["num_samples"], m["num_samples"], m["num_tokens"], 0.0, bytes_per_token(spec.hidden_size))
@@ -273,6 +274,11 @@ class CaptureSettings(Settings):
     """engine vllm: bytes the connector folder may hold (in flight: about concurrency x bytes per request)."""
     concurrency: int = 4
     """engine vllm: requests in flight."""
+    max_store_bytes: int | None = None
+    """Back-pressure for a store that a trainer follows (`train --follow --delete-consumed`): the capture waits
+    before a shard that would put more than this many shard bytes on disk (null: no limit)."""
+    store_wait_timeout_s: float = 3600.0
+    """With max_store_bytes: how long the capture waits for room before it stops with the reason."""
 
 
 CAPTURE_FLAGS = {"tensor_parallel": "--tp"}
@@ -328,7 +334,7 @@ def run_capture(args) -> int:
 
         return run_engine_capture(s, args)
     summary = capture(args.conversations, args.out, args.target, parse_ids(args.aux_ids), s.max_length,
-                      s.batch_tokens, args.shard_tokens, s.dtype, s.device)
+                      s.batch_tokens, args.shard_tokens, s.dtype, s.device, s.max_store_bytes, s.store_wait_timeout_s)
     print_summary(summary, args.out)
     return 0
 

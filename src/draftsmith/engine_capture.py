@@ -311,7 +311,8 @@ def clear_folder(folder: Path) -> None:
 
 def engine_capture(conversations: Path, out: Path, settings: EngineSettings, target: str = "smollm2",
                    aux_ids: tuple[int, ...] | None = None, max_length: int = 2048, shard_tokens: int = 1 << 16,
-                   endpoint: str | None = None, dtype: str = "float32") -> CaptureSummary:
+                   endpoint: str | None = None, dtype: str = "float32", max_store_bytes: int | None = None,
+                   store_wait_timeout_s: float = 3600.0) -> CaptureSummary:
     """Capture a feature store through vLLM (resumes an interrupted capture, like the in-process one)."""
     from transformers import AutoTokenizer
 
@@ -321,7 +322,7 @@ def engine_capture(conversations: Path, out: Path, settings: EngineSettings, tar
     aux_ids = validate_aux_ids(tuple(aux_ids or spec.default_aux_ids), spec.num_layers)
     check_tensor_parallel(spec, settings.tensor_parallel)
     writer = StoreWriter(out, capture_identity(model_dir, target, aux_ids, spec, max_length, Path(conversations)),
-                         shard_tokens)
+                         shard_tokens, max_store_bytes, store_wait_timeout_s)
     if writer.manifest.get("complete"):
         m = writer.manifest
         return CaptureSummary(m["num_samples"], m["num_samples"], m["num_tokens"], 0.0, bytes_per_token(spec.hidden_size))
@@ -373,6 +374,7 @@ def run_engine_capture(s: CaptureSettings, args) -> int:
         print(print_server_args(args.target, parse_ids(args.aux_ids), settings))
         return 0
     summary = engine_capture(args.conversations, args.out, settings, args.target, parse_ids(args.aux_ids),
-                             s.max_length, args.shard_tokens, s.endpoint, s.dtype)
+                             s.max_length, args.shard_tokens, s.endpoint, s.dtype, s.max_store_bytes,
+                             s.store_wait_timeout_s)
     print_summary(summary, args.out)
     return 0

@@ -123,7 +123,8 @@ def do_capture(ctx: RunContext) -> None:
         capture_through_engine(ctx)
         return
     capture(ctx.out / "conversations.jsonl", ctx.out / "store", ctx.cfg.target, max_length=c.max_length,
-            batch_tokens=c.batch_tokens, dtype=c.dtype, device=c.device)
+            batch_tokens=c.batch_tokens, dtype=c.dtype, device=c.device, max_store_bytes=c.max_store_bytes,
+            store_wait_timeout_s=c.store_wait_timeout_s)
 
 
 def capture_through_engine(ctx: RunContext) -> None:
@@ -134,7 +135,8 @@ def capture_through_engine(ctx: RunContext) -> None:
     c, store = ctx.cfg.capture, ctx.out / "store"
     settings = engine_settings(c, store, ctx.python)
     engine_capture(ctx.out / "conversations.jsonl", store, settings, ctx.cfg.target, max_length=c.max_length,
-                   endpoint=c.endpoint, dtype=c.dtype)
+                   endpoint=c.endpoint, dtype=c.dtype, max_store_bytes=c.max_store_bytes,
+                   store_wait_timeout_s=c.store_wait_timeout_s)
 
 
 def do_train(ctx: RunContext) -> None:

@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,6 +102,11 @@ def bytes_per_token(hidden_size: int) -> int:
     return 4 * hidden_size * 2 + 4 + 1 + 4
 
 
+def bytes_per_sample(sample: "Sample") -> int:
+    """About the bytes a sample takes in a shard (the estimate back-pressure plans with)."""
+    return len(sample.input_ids) * bytes_per_token(sample.last.shape[-1])
+
+
 @dataclass
 class Sample:
     """One stored sample. Shapes: input_ids, loss_mask, target_argmax (T,); aux (T, 3H); last (T, H)."""
@@ -135,10 +141,12 @@ def write_shard_file(path: Path, samples: list[Sample]) -> tuple[str, int]:
 class StoreWriter:
     """Append samples in shards of about `shard_tokens` tokens; resumes from an existing manifest."""
 
-    def __init__(self, root: Path, identity: dict[str, Any], shard_tokens: int = 1 << 18):
+    def __init__(self, root: Path, identity: dict[str, Any], shard_tokens: int = 1 << 18,
+                 max_store_bytes: int | None = None, room_timeout_s: float = 3600.0):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.shard_tokens = shard_tokens
+        self.max_store_bytes, self.room_timeout_s = max_store_bytes, room_timeout_s
         identity = json.loads(json.dumps(identity))  # compare as stored: tuples become lists
         path = self.root / MANIFEST
         if path.exists():
@@ -166,9 +174,40 @@ class StoreWriter:
         if self.pending_tokens >= self.shard_tokens:
             self.flush()
 
+    def shard_bytes_on_disk(self) -> int:
+        """Bytes of this store's shard files still on disk (a follower with --delete-consumed removes them)."""
+        total = 0
+        for shard in self.manifest["shards"]:
+            try:
+                total += (self.root / shard["file"]).stat().st_size
+            except FileNotFoundError:
+                pass
+        return total
+
+    def wait_for_room(self, nbytes: int) -> None:
+        """Back-pressure: block until the shards on disk plus `nbytes` fit `max_store_bytes`, so that a capture
+        faster than the trainer following it (`train --follow --delete-consumed`) never holds more than that."""
+        if self.max_store_bytes is None:
+            return
+        deadline = time.monotonic() + self.room_timeout_s
+        while (held := self.shard_bytes_on_disk()) + nbytes > self.max_store_bytes:
+            if held == 0:
+                raise DraftsmithError("a single shard is larger than --max-store-bytes",
+                                      got=f"{nbytes} bytes for one shard", expected=f"<= {self.max_store_bytes}",
+                                      fix="lower --shard-tokens or raise --max-store-bytes")
+            if time.monotonic() > deadline:
+                raise DraftsmithError(
+                    "the store stayed full: no shard was consumed while the capture waited for room",
+                    got=f"{held} bytes of shards on disk for {self.room_timeout_s:.0f} s, limit {self.max_store_bytes}",
+                    expected="a trainer following this store with `train --follow --delete-consumed`",
+                    fix=f"start `draftsmith train --store {self.root} --follow --delete-consumed ...`, or raise "
+                        "--max-store-bytes (the capture resumes where it stopped when rerun)")
+            time.sleep(0.2)
+
     def flush(self) -> None:
         if not self.pending:
             return
+        self.wait_for_room(sum(bytes_per_sample(s) for s in self.pending))
         index = len(self.manifest["shards"])
         name = f"shard-{index:05d}.safetensors"
         digest, tokens = write_shard_file(self.root / name, self.pending)
