@@ -28,9 +28,10 @@ from draftsmith import llamacpp
 OUT = Path(__file__).parent / "results" / "llamacpp_bench_embedded.json"
 
 
-def bench(endpoint: str, args, k: int | None) -> dict:
+def bench(endpoint: str, args, k: int | None, concurrency: str = "1") -> dict:
+    """`draftsmith bench --json` against one endpoint (args: prompt_set, prompts, max_tokens), parsed."""
     cmd = [sys.executable, "-m", "draftsmith", "bench", "--endpoint", endpoint, "--prompts", args.prompt_set,
-           "--num-prompts", str(args.prompts), "--concurrency", "1", "--max-tokens", str(args.max_tokens),
+           "--num-prompts", str(args.prompts), "--concurrency", concurrency, "--max-tokens", str(args.max_tokens),
            "--warmup", "1", "--json"]
     if k is not None:
         cmd += ["--num-speculative-tokens", str(k)]
