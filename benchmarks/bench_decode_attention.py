@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from draftsmith.generation import DecodeSettings, decode_all  # noqa: E402
+from draftsmith.generation import BUCKET, DecodeSettings, decode_all  # noqa: E402
 
 OUT = Path(__file__).parent / "results" / "decode_attention.json"
 
@@ -88,7 +88,7 @@ def profile(model, prompts, args) -> None:
         for start in range(0, rows, 256):
             dec.prefill(list(range(start, min(rows, start + 256))), prompts[start:start + 256])
         longest = int(dec.pos.max())
-        length = -(-(longest + 17) // 128) * 128
+        length = -(-(longest + 17) // BUCKET) * BUCKET  # the bucket RowDecoder.run reads for the next 16 steps
         for _ in range(4):
             dec.step(length)
         torch.cuda.synchronize()

@@ -30,19 +30,37 @@ def reference(tiny_target, tmp_path_factory) -> FeatureStore:
     return FeatureStore(root / "store")
 
 
-def replay(reference: FeatureStore, root: Path, delay_s: float) -> threading.Thread:
+def replay(reference: FeatureStore, root: Path, delay_s: float = 0.0, cap: int | None = None,
+           manifests: list[str] | None = None, wait_s: float = 30.0) -> threading.Thread:
     """A writer thread re-writing `reference` into `root`, PER_SHARD samples a shard, `delay_s` apart, as a
-    running capture would: head and token counts published first, complete only at the end."""
+    running capture would: head and token counts published first, complete only at the end.
+
+    With `cap`: a writer on a disk that holds `cap` shards. Before each new shard it waits (up to `wait_s`) until
+    fewer than `cap` shard files are on disk, and gives up otherwise. Each manifest it wrote goes to `manifests`."""
+    def room() -> bool:
+        deadline = time.monotonic() + wait_s
+        while cap is not None and len(shard_files(root)) >= cap:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
     def write():
         w = StoreWriter(root, reference.identity, shard_tokens=10**9)
         counts, head = reference.token_counts(), reference.target_tensors()
         w.publish(counts, head)
         for k in range(len(reference)):
             w.add(reference.sample(k))
-            if (k + 1) % PER_SHARD == 0:
+            if (k + 1) % PER_SHARD == 0 or (cap is not None and k == len(reference) - 1):
+                if not room():
+                    return  # the disk stayed full: the writer stops without finishing
                 w.flush()
+                if manifests is not None:
+                    manifests.append((root / "manifest.json").read_text())
                 time.sleep(delay_s)
         w.finish(counts, head, {})
+        if manifests is not None:
+            manifests.append((root / "manifest.json").read_text())
     t = threading.Thread(target=write)
     t.start()
     return t
@@ -132,36 +150,11 @@ def shard_files(root: Path) -> list[Path]:
     return sorted(root.glob("shard-*.safetensors"))
 
 
-def capped_replay(reference: FeatureStore, root: Path, cap: int, manifests: list[str],
-                  wait_s: float = 30.0) -> threading.Thread:
-    """`replay`, but a writer on a disk that holds `cap` shards: before each new shard it waits (up to `wait_s`)
-    until fewer than `cap` shard files are on disk, and gives up otherwise. Each manifest it wrote is kept."""
-    def write():
-        w = StoreWriter(root, reference.identity, shard_tokens=10**9)
-        counts, head = reference.token_counts(), reference.target_tensors()
-        w.publish(counts, head)
-        for k in range(len(reference)):
-            w.add(reference.sample(k))
-            if (k + 1) % PER_SHARD == 0 or k == len(reference) - 1:
-                deadline = time.monotonic() + wait_s
-                while len(shard_files(root)) >= cap:
-                    if time.monotonic() > deadline:
-                        return  # the disk stayed full: the writer stops without finishing
-                    time.sleep(0.02)
-                w.flush()
-                manifests.append((root / "manifest.json").read_text())
-        w.finish(counts, head, {})
-        manifests.append((root / "manifest.json").read_text())
-    t = threading.Thread(target=write)
-    t.start()
-    return t
-
-
 def test_delete_consumed_trains_through_a_disk_of_two_shards_and_leaves_a_valid_manifest(reference, tmp_path):
     """A writer that can keep only 2 shards on disk: deleting consumed shards is what lets it finish. Without
     --delete-consumed the same writer stalls and training stops with the reason."""
     store, manifests = tmp_path / "store", []
-    writer = capped_replay(reference, store, cap=2, manifests=manifests)
+    writer = replay(reference, store, cap=2, manifests=manifests)
     trainer = Trainer(follow_config(store, tmp_path / "run", max_steps=100, delete_consumed=True, save_every=2,
                                     eval_every=3))
     peak, plan_step = [], trainer.micro_batches_for
@@ -197,7 +190,7 @@ def test_delete_consumed_trains_through_a_disk_of_two_shards_and_leaves_a_valid_
         Trainer(follow_config(store, tmp_path / "other_out", max_steps=100, delete_consumed=True))
 
     stalled, kept = tmp_path / "stalled", []
-    writer = capped_replay(reference, stalled, cap=2, manifests=kept, wait_s=3)
+    writer = replay(reference, stalled, cap=2, manifests=kept, wait_s=3)
     with pytest.raises(DraftsmithError, match="stopped growing before it was complete"):
         Trainer(follow_config(stalled, tmp_path / "run2", max_steps=100, follow_timeout_s=2)).run(progress=False)
     writer.join()
