@@ -1,12 +1,13 @@
-"""The rows decoder's decode throughput on a GPU, by decode-attention path and by row count: `matmul` (explicit
-fp32 scores) and `sdpa` (one fused kernel per layer). A randomly initialised SmolLM2-135M-shaped Llama in bf16
+"""The rows decoder's decode throughput on a GPU, by decode-attention path and by row count: `triton` (each row
+read only to its own length, cache_attention.py), `matmul` (explicit fp32 scores over the longest row's bucket)
+and `sdpa` (one fused kernel per layer over that bucket). A randomly initialised SmolLM2-135M-shaped Llama in bf16
 (throughput depends on the shapes only; random weights never emit the stop id, so every row decodes all
 `--new` tokens, the same work for every run), prompts of 64-400 tokens. The first run pays the one-time CUDA
 start-up (`--warmup` runs a small one first and drops it).
 
-    python3 benchmarks/bench_decode_attention.py                       # matmul vs sdpa at 1,024 rows
-    python3 benchmarks/bench_decode_attention.py --attention matmul --rows 1024,2048,4096 --prompts 12288 \
-        --out $OUT/decode_rows.json                                   # does the step stay launch-bound?
+    python3 benchmarks/bench_decode_attention.py                       # triton vs matmul at 1,024 rows
+    python3 benchmarks/bench_decode_attention.py --attention triton,matmul --rows 1024,2048,4096 --prompts 12288 \
+        --out $OUT/decode_rows.json                                   # by row count
 
 Writes benchmarks/results/decode_attention.json (or --out); one JSON line per run on stdout as it goes.
 """
@@ -31,7 +32,7 @@ def main() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--attention", default="matmul,sdpa,matmul,sdpa", help="runs, in order (comma list)")
+    ap.add_argument("--attention", default="triton,matmul,triton,matmul", help="runs, in order (comma list)")
     ap.add_argument("--rows", default="1024", help="row counts (comma list); each attention runs at each")
     ap.add_argument("--prompts", type=int, default=3072)
     ap.add_argument("--new", type=int, default=256, help="tokens decoded per prompt")
@@ -39,7 +40,8 @@ def main() -> None:
     ap.add_argument("--sync-every", type=int, default=DecodeSettings.sync_every)
     ap.add_argument("--warmup", action="store_true", help="a small run first, not recorded")
     ap.add_argument("--profile", type=int, default=0, metavar="ROWS",
-                    help="instead of timed runs: the top CUDA kernels of 16 eager decode steps at ROWS full rows")
+                    help="instead of timed runs: the top CUDA kernels of 16 eager decode steps at ROWS full rows, "
+                         "for the first --attention path")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
 
@@ -83,7 +85,7 @@ def profile(model, prompts, args) -> None:
 
     rows = args.profile
     dec = RowDecoder(model, DecodeSettings(max_new_tokens=args.new, rows=rows, max_length=args.max_length,
-                                           cuda_graphs=False), [0])
+                                           cuda_graphs=False, attention=args.attention.split(",")[0]), [0])
     with torch.inference_mode():
         for start in range(0, rows, 256):
             dec.prefill(list(range(start, min(rows, start + 256))), prompts[start:start + 256])
@@ -96,7 +98,7 @@ def profile(model, prompts, args) -> None:
             for _ in range(16):
                 dec.step(length)
             torch.cuda.synchronize()
-    print(f"rows {rows}, KV length {length}: top kernels of 16 steps", flush=True)
+    print(f"rows {rows}, {dec.attention}, KV length {length}: top kernels of 16 steps", flush=True)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=90), flush=True)
 
 

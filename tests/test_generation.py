@@ -73,8 +73,19 @@ def test_sampling_is_seeded_and_a_row_hits_max_length(tiny):
 
 
 def test_an_unknown_decode_attention_is_refused_with_the_choices():
-    with pytest.raises(DraftsmithError, match="sdpa or matmul"):
+    with pytest.raises(DraftsmithError, match="auto or triton or matmul or sdpa"):
         DecodeSettings(attention="flash")
+
+
+def test_auto_attention_is_matmul_off_cuda_and_triton_there_is_refused(tiny):
+    from draftsmith.generation import RowDecoder, resolve_attention
+
+    assert resolve_attention("auto", torch.device("cpu")) == "matmul"
+    assert resolve_attention("sdpa", torch.device("cpu")) == "sdpa"
+    assert RowDecoder(tiny, DecodeSettings(rows=2, max_length=16), [0]).attention == "matmul"
+    with pytest.raises(DraftsmithError, match="CUDA only") as e:
+        RowDecoder(tiny, DecodeSettings(rows=2, max_length=16, attention="triton"), [0])
+    assert "matmul" in e.value.fix
 
 
 def test_top_p_keeps_only_the_nucleus_and_temperature_zero_is_argmax():

@@ -7,8 +7,10 @@ on a GPU a small target is bound by kernel launches, not by the chip. `RowDecode
 - one KV cache of `rows x max_length` positions per layer, allocated once; every row has its own position,
   so a finished row is refilled with the next prompt while the others keep decoding (continuous batching);
 - the decode step is pure tensor work on fixed-shape state (token, position, generated count, active flag,
-  output buffer), so on CUDA it is captured once per KV-length bucket as a CUDA graph and replayed: the
-  host syncs only every `sync_every` steps to collect finished rows and refill them;
+  output buffer), so on CUDA it is captured as a CUDA graph and replayed: the host syncs only every
+  `sync_every` steps to collect finished rows and refill them;
+- decode attention on CUDA reads each row only up to its own length (cache_attention.py, one Triton kernel
+  per layer, one graph for every length); the dense paths read the longest row's bucket (one graph per bucket);
 - the target's own modules do the math (embedding, norms, q/k/v/o projections, MLP, head); this module owns
   only the cache, attention over it, RoPE at per-row positions, sampling, and the schedule.
 
@@ -34,8 +36,8 @@ import torch.nn.functional as F
 from draftsmith.errors import DraftsmithError
 
 SUPPORTED_ATTENTION = ("LlamaAttention", "MistralAttention", "Qwen2Attention")
-ATTENTION = ("sdpa", "matmul")
-BUCKET = 128  # KV-length granularity of the CUDA graphs: attention reads ceil((max pos + sync_every) / 128) * 128
+ATTENTION = ("auto", "triton", "matmul", "sdpa")
+BUCKET = 128  # KV-length granularity of the dense paths' CUDA graphs: they read ceil((max pos + sync_every) / 128) * 128
 
 
 @dataclass(frozen=True)
@@ -58,10 +60,11 @@ class DecodeSettings:
     """Padded prompt tokens per prefill call."""
     cuda_graphs: bool = True
     """Capture the decode step as CUDA graphs (CUDA only)."""
-    attention: str = "matmul"
-    """Decode attention over the cache: `matmul` (explicit scores in fp32: the path the benchmark measured) or
-    `sdpa` (one fused kernel per layer: a kv head's query group is the kernel's query length, so GQA needs no
-    repeat; equal outputs, but not faster in the one build that used it: docs/regenerate.md)."""
+    attention: str = "auto"
+    """Decode attention over the cache: `triton` (CUDA: one kernel per layer that reads each row only up to its
+    own length, cache_attention.py), `matmul` (explicit fp32 scores over the longest row's bucket), `sdpa` (one
+    fused kernel per layer over that bucket; not faster than matmul: docs/regenerate.md), or `auto`: triton on
+    CUDA where Triton imports, matmul elsewhere."""
 
     def __post_init__(self):
         if self.attention not in ATTENTION:
@@ -103,6 +106,27 @@ def supports(model) -> bool:
     return all(type(layer.self_attn).__name__ in SUPPORTED_ATTENTION for layer in layers)
 
 
+def resolve_attention(name: str, device: torch.device) -> str:
+    """The decode attention `name` means on `device`: `auto` becomes triton on CUDA when Triton imports, else
+    matmul; triton anywhere else is refused."""
+    if name not in ("auto", "triton"):
+        return name
+    if device.type == "cuda":
+        try:
+            import draftsmith.cache_attention  # noqa: F401  (Triton comes with CUDA builds of torch)
+            return "triton"
+        except ImportError as e:
+            if name == "triton":
+                raise DraftsmithError("decode attention `triton` needs the triton package", got=str(e),
+                                      expected="a CUDA build of torch (it ships Triton)",
+                                      fix="install triton, or pick attention matmul") from e
+            return "matmul"
+    if name == "triton":
+        raise DraftsmithError("decode attention `triton` runs on CUDA only", got=f"device {device}",
+                              expected="a CUDA device", fix="pick attention matmul (or auto) on this device")
+    return "matmul"
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -140,6 +164,7 @@ class RowDecoder:
         self.nh, self.kvh = cfg.num_attention_heads, cfg.num_key_value_heads
         self.hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.nh
         self.scale = self.layers[0].self_attn.scaling
+        self.attention = resolve_attention(settings.attention, self.device)
         B, M, n = settings.rows, settings.max_length, len(self.layers)
         self.k_cache = torch.zeros(n, B, self.kvh, M, self.hd, device=self.device, dtype=self.dtype)
         self.v_cache = torch.zeros_like(self.k_cache)
@@ -160,9 +185,15 @@ class RowDecoder:
 
     # -- the math -------------------------------------------------------------------------------------
 
-    def attend_decode(self, i: int, q: torch.Tensor, length: int) -> torch.Tensor:
-        """q (B, nh, hd) of the current token; the cache row already holds its k/v. -> (B, nh * hd)."""
+    def attend_decode(self, i: int, q: torch.Tensor, length: int, lengths: torch.Tensor) -> torch.Tensor:
+        """q (B, nh, hd) of the current token; the cache row already holds its k/v. -> (B, nh * hd).
+
+        `length`: the bucket the dense paths read; `lengths` (B,): each row's own (triton reads only those)."""
         B = q.shape[0]
+        if self.attention == "triton":
+            from draftsmith.cache_attention import row_attention
+
+            return row_attention(q, self.k_cache[i], self.v_cache[i], lengths, self.scale)
         keys = self.k_cache[i, :, :, :length]  # (B, kvh, L, hd)
         values = self.v_cache[i, :, :, :length]
         qg = q.view(B, self.kvh, self.nh // self.kvh, self.hd)  # head j reads kv head j // g (HF repeat_kv)
@@ -180,6 +211,7 @@ class RowDecoder:
         B = self.tokens.shape[0]
         x = self.model.model.embed_tokens(self.tokens)[:, None]  # (B, 1, H)
         cos, sin = self.cos[self.pos][:, None], self.sin[self.pos][:, None]  # (B, 1, hd)
+        lengths = torch.where(self.active, self.pos + 1, 0)  # (B,) what each row sees; inactive rows read nothing
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
@@ -190,7 +222,7 @@ class RowDecoder:
             k = k * cos + rotate_half(k) * sin
             self.k_cache[i, self.rows, :, self.pos] = k
             self.v_cache[i, self.rows, :, self.pos] = v
-            x = x + attn.o_proj(self.attend_decode(i, q, length)[:, None])
+            x = x + attn.o_proj(self.attend_decode(i, q, length, lengths)[:, None])
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.model.lm_head(self.model.model.norm(x[:, 0]))
 
@@ -303,8 +335,7 @@ class RowDecoder:
             if free and queue and (len(free) >= max(1, s.rows // 32) or not owner or len(queue) < len(free)):
                 self.refill(free, queue, owner, prompts)
             if owner:
-                longest = int((self.pos * self.active).max())  # CPU-GPU sync point: once per sync_every steps
-                length = min(s.max_length, -(-(longest + s.sync_every + 1) // BUCKET) * BUCKET)
+                length = self.bucket()
                 for _ in range(s.sync_every):
                     self.replay(length)
             active = self.active.tolist()  # CPU-GPU sync point
@@ -321,6 +352,15 @@ class RowDecoder:
                     free.append(r)
                 if progress:
                     progress(done, tokens)
+
+    def bucket(self) -> int:
+        """The KV length the next sync_every steps read: the longest active row's, rounded up to BUCKET, for the
+        dense paths; the whole cache for triton, which stops at each row's own length (so one graph serves all)."""
+        s = self.s
+        if self.attention == "triton":
+            return s.max_length
+        longest = int((self.pos * self.active).max())  # CPU-GPU sync point: once per sync_every steps
+        return min(s.max_length, -(-(longest + s.sync_every + 1) // BUCKET) * BUCKET)
 
     def refill(self, free: list[int], queue: deque, owner: dict[int, int], prompts: list[list[int]]) -> None:
         """Prefill queued prompts into free rows, in calls of at most `prefill_tokens` padded tokens."""
