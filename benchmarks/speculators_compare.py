@@ -134,6 +134,13 @@ def draftsmith_matched_values() -> dict[str, Any]:
             for s in SETTINGS if not s.fixed[0] and s.draftsmith not in PER_RUN}
 
 
+SPECULATORS_LOSS = ("--loss-implementation", "eager")
+"""Both speculators runs use its eager loss (same KL math, schema.py `LossArgs`: "for compatibility and numerical
+validation"): its default fused Triton loss stopped both runs on the H200 (torch 2.11, 2026-12-02) inside
+torch.compile, `AssertionError: ListVariable(length=21) is already tracked for mutation` at `losses/fused.py`
+`loss_backward_kernel.configs` (benchmarks/results/speculators_compare.json, `first_try`)."""
+
+
 def speculators_argv(run: str, data: Path, target: Path, save: Path, aux_ids: list[int], epochs: float,
                      draft_vocab: int) -> list[str]:
     """The exact `speculators train` arguments of a run (aux ids as is: speculators reads boundaries)."""
@@ -142,7 +149,7 @@ def speculators_argv(run: str, data: Path, target: Path, save: Path, aux_ids: li
     ids = from_boundary(tuple(aux_ids), TRAINER_CONVENTIONS["speculators"])
     argv = ["--speculator-type", "eagle3", "--verifier-name-or-path", str(target), "--data-path", str(data),
             "--save-path", str(save), "--log-dir", str(save.parent / "logs"), "--target-layer-ids", *map(str, ids),
-            "--epochs", str(max(1, math.ceil(epochs))), "--on-missing", "raise"]
+            "--epochs", str(max(1, math.ceil(epochs))), "--on-missing", "raise", *SPECULATORS_LOSS]
     if run == "speculators-matched":
         argv += [*speculators_matched_args(), "--draft-vocab-size", str(draft_vocab)]
     return argv
