@@ -171,15 +171,25 @@ def vllm_eagle3_modules(wheel: Wheel) -> list[str]:
     return sorted(mods)
 
 
+def vllm_registry(wheel: Wheel) -> list[tuple[str, str, str]]:
+    """(architecture, model module, class) for every entry of the model registry (registry.py's tables)."""
+    registry = wheel.text("vllm/model_executor/models/registry.py")
+    return re.findall(r"[\"'](\w+)[\"']\s*:\s*\(\s*[\"']([\w.]+)[\"']\s*,\s*[\"'](\w+)[\"']", registry)
+
+
 def vllm_eagle3_archs(wheel: Wheel) -> list[str]:
     """Registry architectures whose class (or a parent class) the runner accepts as an EAGLE-3 target."""
     has_interface = "class SupportsEagle3" in wheel.text("vllm/model_executor/models/interfaces.py")
     found = supporting(model_classes(wheel, "vllm/model_executor/models/"),
                        (lambda bases, body: "SupportsEagle3" in bases) if has_interface
                        else (lambda bases, body: "def set_aux_hidden_state_layers" in body))
-    registry = wheel.text("vllm/model_executor/models/registry.py")
-    pairs = re.findall(r"[\"'](\w+)[\"']\s*:\s*\(\s*[\"'][\w.]+[\"']\s*,\s*[\"'](\w+)[\"']", registry)
-    return sorted({arch for arch, cls in pairs if cls in found})
+    return sorted({arch for arch, _, cls in vllm_registry(wheel) if cls in found})
+
+
+def vllm_transformers_backend_eagle3(wheel: Wheel) -> bool:
+    """Whether the Transformers backend, which serves architectures the registry lacks, declares SupportsEagle3."""
+    files = [n for n in wheel.names if n.startswith("vllm/model_executor/models/transformers")]
+    return any(re.search(r"^class \w+\([^)]*\bSupportsEagle3\b", wheel.text(n), re.M) for n in files)
 
 
 def vllm_facts(wheel: Wheel) -> dict:
@@ -197,6 +207,8 @@ def vllm_facts(wheel: Wheel) -> dict:
         "eagle3_whitelist": vllm_whitelist(cfg),
         "eagle3_modules": vllm_eagle3_modules(wheel),
         "eagle3_archs": vllm_eagle3_archs(wheel),
+        "arch_modules": dict(sorted({arch: module.split(".")[-1] for arch, module, _ in vllm_registry(wheel)}.items())),
+        "transformers_backend_eagle3": vllm_transformers_backend_eagle3(wheel),
         "aux_ids_read": bool(aux_read_files),
         "aux_ids_from_eagle_config": "eagle_config" in aux_texts,
         "method_path_guess": guess,
@@ -271,8 +283,49 @@ def sglang_facts(wheel: Wheel) -> dict:
         "mla_drafter": "sglang/srt/models/kimi_k25_eagle3.py" in wheel.names,
         "capture_error": bool(capture_error),
         "draft_tied_lm_head": bool(_TIED_LM_HEAD.search(eagle3)),
+        "draft_context": sglang_draft_context(wheel),
+        "draft_context_rope_raised": "Overriding the draft model's max_position_embeddings" in wheel.text(
+            "sglang/srt/configs/model_config.py"),
+        "sm100_trtllm_mla_archs": sglang_sm100_mla_archs(wheel),
         "sources": {"drafter": eagle3_name, "aux_ids": readers, "capture_error": capture_error},
     }
+
+
+def sglang_draft_context(wheel: Wheel) -> str | None:
+    """What the draft worker does with a drafter whose own context length (SGLang's get_context_length: the
+    max_position_embeddings of its config, rope-scaled) is shorter than the target's: `refused` (the draft worker is
+    built with the target's context length and ModelConfig raises ValueError unless SGLANG_ALLOW_OVERWRITE_LONGER_
+    CONTEXT_LEN is set), `extended` (that variable defaults to true: a warning, and the draft runs at the target's
+    context), or None (the draft keeps its own context length)."""
+    spec = [n for n in wheel.names if n.startswith("sglang/srt/speculative/")]
+    given_target = any(re.search(r"context_length[\"']?\s*[=:]\s*[\w.]*target[\w.]*\.context_len\b",
+                                 wheel.text(n)) for n in spec)
+    cfg = wheel.text("sglang/srt/configs/model_config.py")
+    if not given_target or "ALLOW_OVERWRITE_LONGER_CONTEXT_LEN" not in cfg:
+        return None
+    m = re.search(r"ALLOW_OVERWRITE_LONGER_CONTEXT_LEN[\"']\s*,\s*default\s*=\s*[\"'](\w+)[\"']", cfg)
+    env = re.search(r"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN\s*=\s*EnvBool\((\w+)\)", wheel.text("sglang/srt/environ.py"))
+    default = (m.group(1) if m else env.group(1) if env else "false").lower() in ("true", "1")  # get_bool_env_var: "false"
+    return "extended" if default or re.search(r"\bor is_draft_model\b", cfg) else "refused"
+
+
+_SM100_MLA = "Use trtllm_mla as attention backend on sm100"
+
+
+def sglang_sm100_mla_archs(wheel: Wheel) -> list[str]:
+    """Target architectures whose attention backend defaults to trtllm_mla on SM100 (Blackwell) GPUs when no
+    attention backend is passed: the architecture list (`model_arch in [...]`, or the `@_register_for(...)` of the
+    per-family override) nearest before the log line that announces it."""
+    for name in wheel.names:
+        text = wheel.text(name) if name.startswith("sglang/srt/") else ""
+        at = text.find(_SM100_MLA)
+        if at < 0:
+            continue
+        head = text[:at]
+        lists = list(re.finditer(r"@_register_for\(([^)]*)\)", head)) or list(
+            re.finditer(r"model_arch\s+in\s*[\[(]([^\])]*)[\])]", head))
+        return sorted(set(re.findall(r"[\"'](\w+)[\"']", lists[-1].group(1)))) if lists else []
+    return []
 
 
 READERS = {"vllm": vllm_facts, "sglang": sglang_facts}
