@@ -69,7 +69,8 @@ def predict(case: dict, work: Path) -> tuple[str, list[str]]:
     drafter = _write_model(work / "drafter-eagle3", case["drafter"], DRAFTERS)
     spec = case.get("speculative_config")
     findings, _ = run_checks(target, drafter, case["engine"], str(case["version"]),
-                             json.dumps(spec) if spec is not None else None, case.get("engine_args", ""))
+                             json.dumps(spec) if spec is not None else None, case.get("engine_args", ""),
+                             gpu=case.get("gpu"))
     errors = [f for f in findings if f.severity == "error"]
     for kind in OUTCOMES[:3]:
         if any(f.kind == kind for f in errors):
