@@ -287,6 +287,7 @@ def sglang_facts(wheel: Wheel) -> dict:
         "draft_context_rope_raised": "Overriding the draft model's max_position_embeddings" in wheel.text(
             "sglang/srt/configs/model_config.py"),
         "sm100_trtllm_mla_archs": sglang_sm100_mla_archs(wheel),
+        "pp_spec_algorithms": sglang_pp_spec_algorithms(wheel),
         "sources": {"drafter": eagle3_name, "aux_ids": readers, "capture_error": capture_error},
     }
 
@@ -326,6 +327,18 @@ def sglang_sm100_mla_archs(wheel: Wheel) -> list[str]:
             re.finditer(r"model_arch\s+in\s*[\[(]([^\])]*)[\])]", head))
         return sorted(set(re.findall(r"[\"'](\w+)[\"']", lists[-1].group(1)))) if lists else []
     return []
+
+
+def sglang_pp_spec_algorithms(wheel: Wheel) -> list[str] | None:
+    """The speculative algorithms a CUDA server accepts with --pp-size > 1: none where server-args validation asserts
+    'Pipeline parallelism is not compatible with ... speculative decoding'; EAGLE where it asserts 'Pipeline
+    parallelism currently only supports EAGLE'; None where the release checks neither."""
+    texts = [wheel.text(n) for n in wheel.names if n.startswith("sglang/srt/") and ("server_args" in n or "arg_groups/" in n)]
+    if any("Pipeline parallelism is not compatible with overlap schedule, speculative decoding" in t for t in texts):
+        return []
+    if any("Pipeline parallelism currently only supports EAGLE" in t for t in texts):
+        return ["EAGLE"]
+    return None
 
 
 READERS = {"vllm": vllm_facts, "sglang": sglang_facts}

@@ -22,7 +22,8 @@ VLLM_KEYS = {"eagle3_whitelist", "eagle3_modules", "eagle3_archs", "aux_ids_read
              "draft_max_position_override", "tp_key_rejected", "multimodal_probes", "mla_drafter", "sources",
              "arch_modules", "transformers_backend_eagle3"}
 SGLANG_KEYS = {"eagle3_modules", "eagle3_archs", "arch_modules", "draft_archs", "aux_shift", "aux_ids_read", "norm_flags_read",
-               "mla_drafter", "capture_error", "draft_context", "draft_context_rope_raised", "sm100_trtllm_mla_archs"}
+               "mla_drafter", "capture_error", "draft_context", "draft_context_rope_raised", "sm100_trtllm_mla_archs",
+               "pp_spec_algorithms"}
 
 
 def write(folder: Path, config: dict) -> Path:
@@ -353,3 +354,16 @@ def test_environment_assignments_in_engine_args_are_the_servers_environment():
     text = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 --tp 8 --context-length=4096"
     assert check.parse_engine_env(text) == {"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1"}
     assert check.parse_engine_args(text) == {"tensor_parallel_size": "8", "context_length": "4096"}
+
+
+@pytest.mark.parametrize("version, algorithm, refused", [
+    ("0.5.9", "EAGLE3", True), ("0.5.23", "EAGLE3", True), ("0.5.23", "EAGLE", False), ("0.4.0.post2", "EAGLE3", None)])
+def test_sglang_pipeline_parallelism_with_speculative_decoding(tmp_path, version, algorithm, refused):
+    """server-args validation refuses --pp-size > 1 with speculation (from 0.4.6); 0.5.21 on allows EAGLE alone."""
+    drafter = llama_drafter(tmp_path, vocab_size=151936, max_position_embeddings=40960)  # the Qwen3-8B drafter shape
+    args = f"--speculative-algorithm {algorithm} --speculative-draft-model-path D --pp-size 2"
+    findings, facts = check.run_checks(TARGETS / "qwen3-8b", drafter, "sglang", version, None, args)
+    assert facts["sg_pp_refuses_algorithm"] is refused
+    assert ("sglang.pipeline-parallel" in errors(findings, "start")) is bool(refused)
+    _, facts = check.run_checks(TARGETS / "qwen3-8b", drafter, "sglang", version, None, args.replace("--pp-size", "--tp"))
+    assert not facts["sg_pp_refuses_algorithm"]

@@ -355,7 +355,8 @@ def parse_engine_args(text: str) -> dict[str, str]:
             i += has_value
         out[key.replace("-", "_")] = value
         i += 1
-    aliases = {"tp": "tensor_parallel_size", "tp_size": "tensor_parallel_size",
+    aliases = {"tp": "tensor_parallel_size", "tp_size": "tensor_parallel_size", "pp": "pipeline_parallel_size",
+               "pp_size": "pipeline_parallel_size",
                "speculative_draft_model": "speculative_draft_model_path"}
     return {aliases.get(k, k): v for k, v in out.items()}
 
@@ -471,7 +472,7 @@ def release_facts(rel: EngineRelease) -> dict[str, Any]:
         "engine_ties_draft_lm_head": get("draft_tied_lm_head"),
         "engine_transformers_eagle3": get("transformers_backend_eagle3"),
         "engine_draft_context": get("draft_context"), "engine_draft_context_rope_raised": get("draft_context_rope_raised"),
-        "engine_sm100_mla_archs": get("sm100_trtllm_mla_archs"),
+        "engine_sm100_mla_archs": get("sm100_trtllm_mla_archs"), "engine_pp_spec_algorithms": get("pp_spec_algorithms"),
     }
 
 
@@ -759,6 +760,7 @@ def spec_facts(engine: str, spec: dict, args: dict[str, str], f: dict[str, Any])
                            or f["target_max_position"],
                            "serve_dtype": args.get("dtype") if args.get("dtype") not in (None, "auto") else f["target_dtype"]}
     out["max_num_batched_tokens"] = _int(args.get("max_num_batched_tokens"))
+    out["pipeline_parallel_size"] = _int(args.get("pipeline_parallel_size")) or 1
     out["target_heads_indivisible"] = bool(f["target_num_heads"]) and f["target_num_heads"] % out["target_tp"] != 0
     if engine == "vllm":
         model = str(spec.get("model") or "")
@@ -790,6 +792,9 @@ def spec_facts(engine: str, spec: dict, args: dict[str, str], f: dict[str, Any])
         "sg_draft_attention_backend": args.get("speculative_draft_attention_backend"),
         "sg_cuda_graph": args.get("disable_cuda_graph", "false").lower() in ("false", "0"),
     })
+    allowed = f["engine_pp_spec_algorithms"]
+    out["sg_pp_refuses_algorithm"] = (None if allowed is None or out["pipeline_parallel_size"] == 1
+                                      else out["sg_algorithm"] is not None and out["sg_algorithm"] not in allowed)
     out["sg_partial_auto"] = steps is None and (topk is not None or out["sg_draft_tokens"] is not None)
     out["sg_topk1_tokens_off"] = topk == 1 and steps is not None and out["sg_draft_tokens"] not in (None, steps + 1)
     return out | sglang_backend_facts(args, f) | sglang_context_facts(args, f)
