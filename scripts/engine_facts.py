@@ -12,13 +12,20 @@ Facts per release (each names the file it came from in `sources`):
          method_path_guess (substrings of the drafter path that select a method when "method" is absent),
          norm_flags_read (norm-variant flags llama_eagle3.py reads), loader_midlayer_map (midlayer.* renamed),
          draft_max_position_override (the drafter's rope cache raised to max_model_len), tp_key_rejected,
-         multimodal_probes (image-token attributes the drafter loader reads), mla_drafter (deepseek_eagle3.py).
+         multimodal_probes (image-token attributes the drafter loader reads), mla_drafter (deepseek_eagle3.py),
+         arch_modules (registry architecture -> model file), transformers_backend_eagle3 (the Transformers
+         backend, which serves architectures the registry lacks, declares SupportsEagle3), speculators_types
+         (`speculators_model_type`s the speculators config reader registers; [] before it exists),
+         mla_drafter_model_types (drafter model types is_deepseek_mla() counts as MLA for an EAGLE head).
   SGLang eagle3_archs (EntryClass names whose class or a parent defines set_eagle3_layers_to_capture),
          arch_modules (EntryClass name -> model file), eagle3_modules with aux_shift per model file, draft_archs (EntryClass of the *eagle3* model files) (plus1 | plus1_if_first_is_1 | plus1_unless_last_boundary
          | as_is | delegates), aux_ids_read, norm_flags_read, mla_drafter (kimi_k25_eagle3.py),
          capture_error (the ValueError text naming set_eagle3_layers_to_capture, when the release has one),
          draft_tied_lm_head (llama_eagle3.py makes lm_head the full-vocabulary embed_tokens when the drafter's
-         config sets tie_word_embeddings, whatever its draft_vocab_size).
+         config sets tie_word_embeddings, whatever its draft_vocab_size), draft_context (what the draft worker does
+         with a drafter whose context is shorter than the target's: refused | extended | None),
+         draft_context_rope_raised, sm100_trtllm_mla_archs (targets whose attention backend defaults to
+         trtllm_mla on SM100), pp_spec_algorithms (speculative algorithms allowed with --pp-size > 1).
 
 Run: `nice -n 10 .venv/bin/python scripts/engine_facts.py [--engine vllm|sglang] [--versions 0.18.0,...]`.
 Prints what changed against the committed table. Existing releases are kept unless re-read.
@@ -192,6 +199,18 @@ def vllm_transformers_backend_eagle3(wheel: Wheel) -> bool:
     return any(re.search(r"^class \w+\([^)]*\bSupportsEagle3\b", wheel.text(n), re.M) for n in files)
 
 
+def vllm_mla_drafter_types(wheel: Wheel) -> list[str] | None:
+    """Drafter model types whose EAGLE head `is_deepseek_mla()` counts as MLA (its `model_type == "eagle"` branch,
+    which tests the wrapped drafter config's own model_type); None where the release has no such branch."""
+    for name in ("vllm/transformers_utils/model_arch_config_convertor.py", "vllm/config/model.py",
+                 "vllm/config/__init__.py", "vllm/config.py"):
+        body = "".join(_def_bodies(wheel.text(name), "is_deepseek_mla"))
+        m = re.search(r"model_type\s*==\s*[\"']eagle[\"'](.*?)kv_lora_rank", body, re.S)
+        if m:
+            return sorted(set(re.findall(r"[\"']([A-Za-z0-9_]+)[\"']", m.group(1))))
+    return None
+
+
 def vllm_facts(wheel: Wheel) -> dict:
     cfg_name, cfg = wheel.first(*VLLM_CONFIG_FILES)
     eagle3_name, eagle3 = wheel.first("vllm/model_executor/models/llama_eagle3.py")
@@ -219,6 +238,9 @@ def vllm_facts(wheel: Wheel) -> dict:
         "tp_key_rejected": bool(re.search(r"is not a valid argument in the\W*(?:\"\s*\")?\s*speculative_config", cfg)),
         "multimodal_probes": [f for f in IMAGE_TOKEN_FIELDS if f in proposer],
         "mla_drafter": "vllm/model_executor/models/deepseek_eagle3.py" in wheel.names,
+        "mla_drafter_model_types": vllm_mla_drafter_types(wheel),
+        "speculators_types": sorted(set(re.findall(r"@register_speculator\(\s*[\"'](\w+)[\"']", wheel.text(
+            "vllm/transformers_utils/configs/speculators/algos.py")))),
         "sources": {"config": cfg_name, "drafter": eagle3_name, "aux_ids": aux_read_files, "proposer": proposer_name},
     }
 

@@ -20,7 +20,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "configs"
 TARGETS, DRAFTERS = FIXTURES / "targets", FIXTURES / "drafters"
 VLLM_KEYS = {"eagle3_whitelist", "eagle3_modules", "eagle3_archs", "aux_ids_read", "method_path_guess", "norm_flags_read",
              "draft_max_position_override", "tp_key_rejected", "multimodal_probes", "mla_drafter", "sources",
-             "arch_modules", "transformers_backend_eagle3"}
+             "arch_modules", "transformers_backend_eagle3", "speculators_types", "mla_drafter_model_types"}
 SGLANG_KEYS = {"eagle3_modules", "eagle3_archs", "arch_modules", "draft_archs", "aux_shift", "aux_ids_read", "norm_flags_read",
                "mla_drafter", "capture_error", "draft_context", "draft_context_rope_raised", "sm100_trtllm_mla_archs",
                "pp_spec_algorithms"}
@@ -367,3 +367,26 @@ def test_sglang_pipeline_parallelism_with_speculative_decoding(tmp_path, version
     assert ("sglang.pipeline-parallel" in errors(findings, "start")) is bool(refused)
     _, facts = check.run_checks(TARGETS / "qwen3-8b", drafter, "sglang", version, None, args.replace("--pp-size", "--tp"))
     assert not facts["sg_pp_refuses_algorithm"]
+
+
+def test_a_speculators_drafter_needs_a_vllm_that_reads_the_format():
+    """vLLM reads speculators configs (RedHatAI's EAGLE-3 releases) from 0.10.1 (transformers_utils/configs/speculators)."""
+    drafter = DRAFTERS / "llama3.1-8b-speculators-eagle3"
+    spec = {"method": "eagle3", "num_speculative_tokens": 3}
+    for version, fires in (("0.10.0", True), ("0.10.1", False), ("0.33.0", False)):
+        findings, _ = run(TARGETS / "llama-3.1-8b", drafter, version=version, spec=spec)
+        assert ("vllm.speculators-format" in errors(findings, "start")) is fires, version
+
+
+def test_an_mla_drafter_typed_kimi_k2_is_sized_as_mla_only_where_the_release_counts_it(tmp_path):
+    """is_deepseek_mla()'s branch for EAGLE heads lists DeepSeek model types, not kimi_k2, in every release read
+    (0.18.0-0.33.0); retyping the drafter deepseek_v3 settles it."""
+    config = json.loads((DRAFTERS / "kimi-k25-eagle3-mla" / "config.json").read_text())
+    spec = {"method": "eagle3", "num_speculative_tokens": 3}
+    for version in ("0.18.0", "0.33.0"):
+        assert "kimi_k2" not in check.engine_release("vllm", version).facts["mla_drafter_model_types"]
+        findings, _ = run(TARGETS / "kimi-k2.5", write(tmp_path / f"k{version}", config), version=version, spec=spec)
+        assert "vllm.mla-drafter-model-type" in {f.rule for f in findings if f.severity == "warning"}
+        findings, _ = run(TARGETS / "kimi-k2.5", write(tmp_path / f"d{version}", config | {"model_type": "deepseek_v3"}),
+                          version=version, spec=spec)
+        assert "vllm.mla-drafter-model-type" not in {f.rule for f in findings}

@@ -196,7 +196,7 @@ def holds(clause: Condition, facts: dict[str, Any]) -> bool:
         return False
     ops = {
         "eq": lambda: got == want, "ne": lambda: want is not None and got != want,
-        "in": lambda: got in want, "not_in": lambda: got not in want,
+        "in": lambda: want is not None and got in want, "not_in": lambda: want is not None and got not in want,
         "lt": lambda: want is not None and got < want, "gt": lambda: want is not None and got > want,
         "contains_any": lambda: any(s in str(got) for s in want),
         "contains_none": lambda: not any(s in str(got) for s in want),
@@ -473,6 +473,7 @@ def release_facts(rel: EngineRelease) -> dict[str, Any]:
         "engine_transformers_eagle3": get("transformers_backend_eagle3"),
         "engine_draft_context": get("draft_context"), "engine_draft_context_rope_raised": get("draft_context_rope_raised"),
         "engine_sm100_mla_archs": get("sm100_trtllm_mla_archs"), "engine_pp_spec_algorithms": get("pp_spec_algorithms"),
+        "engine_speculators_types": get("speculators_types"), "engine_mla_drafter_types": get("mla_drafter_model_types"),
     }
 
 
@@ -624,9 +625,9 @@ def drafter_facts(path: Path, hidden: int, vocab: int) -> dict[str, Any]:
     header_dtypes = tensors.dtypes()
     fc_width = d.target_hidden_size or d.hidden_size
     return {
-        "drafter_path": str(path), "drafter_format": d.format,
+        "drafter_path": str(path), "drafter_format": d.format, "drafter_speculators_type": raw.get("speculators_model_type"),
         "drafter_arch": d.architectures[0] if d.architectures else None, "drafter_model_type": d.model_type,
-        "drafter_is_mla": d.is_mla, "drafter_is_kimi_typed_mla": d.is_mla and d.model_type == "kimi_k2",
+        "drafter_is_mla": d.is_mla,
         "drafter_num_heads": (raw.get("transformer_layer_config") or raw).get("num_attention_heads"),
         "drafter_hidden_size": d.hidden_size, "drafter_target_hidden_size": d.target_hidden_size,
         "drafter_vocab_size": d.vocab_size, "drafter_draft_vocab_size": d.draft_vocab_size or d.vocab_size,
@@ -825,7 +826,7 @@ SGLANG_CONTEXT_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "mode
 def sglang_context_length(config: dict[str, Any]) -> int:
     """SGLang's `get_context_length` of a (text) config: the first context key, times the rope-scaling factor unless
     the scaling names `original_max_position_embeddings` or is llama3; 2048 when the config has no key."""
-    rope = config.get("rope_scaling") or {}
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}  # transformers 5 names it rope_parameters
     factor = rope.get("factor", 1) if isinstance(rope, dict) else 1
     if not isinstance(rope, dict) or "original_max_position_embeddings" in rope or rope.get("rope_type") == "llama3":
         factor = 1
