@@ -16,7 +16,9 @@ Facts per release (each names the file it came from in `sources`):
          arch_modules (registry architecture -> model file), transformers_backend_eagle3 (the Transformers
          backend, which serves architectures the registry lacks, declares SupportsEagle3), speculators_types
          (`speculators_model_type`s the speculators config reader registers; [] before it exists),
-         mla_drafter_model_types (drafter model types is_deepseek_mla() counts as MLA for an EAGLE head).
+         mla_drafter_model_types (drafter model types is_deepseek_mla() counts as MLA for an EAGLE head),
+         multimodal_probe_map (architecture -> target-config attribute the drafter loader reads as the image token
+         of a multimodal target; `*` for any other multimodal target).
   SGLang eagle3_archs (EntryClass names whose class or a parent defines set_eagle3_layers_to_capture),
          arch_modules (EntryClass name -> model file), eagle3_modules with aux_shift per model file, draft_archs (EntryClass of the *eagle3* model files) (plus1 | plus1_if_first_is_1 | plus1_unless_last_boundary
          | as_is | delegates), aux_ids_read, norm_flags_read, mla_drafter (kimi_k25_eagle3.py),
@@ -211,6 +213,32 @@ def vllm_mla_drafter_types(wheel: Wheel) -> list[str] | None:
     return None
 
 
+def vllm_probe_map(proposer: str) -> dict[str, str] | None:
+    """The target-config attribute the drafter loader copies into the drafter's `image_token_index` for a multimodal
+    target, per architecture named in its branches (`*`: the else branch, or the only line); None where the loader
+    has no multimodal block, {} where its block reads no image token."""
+    at = proposer.find("if supports_multimodal(target_model)")
+    if at < 0:
+        return None
+    end = proposer.find("get_language_model()", at)
+    lines = proposer[at:end if end > 0 else at + 4000].splitlines()
+    out: dict[str, str] = {}
+    cond, open_cond = "", False
+    for i, line in enumerate(lines):
+        text = line.strip()
+        if re.match(r"(if|elif)\b", text) or text.startswith("else"):
+            cond, open_cond = text, not text.endswith(":")
+            continue
+        if open_cond:  # a condition spread over several lines
+            cond, open_cond = cond + " " + text, not text.endswith(":")
+            continue
+        if "image_token_index" in text and "=" in text:
+            m = re.search(r"target_model\.config\.([\w.]+)", " ".join(x.strip() for x in lines[i:i + 3]))
+            for arch in re.findall(r"[\"'](\w+)[\"']", cond) or ["*"]:
+                out.setdefault(arch, m.group(1) if m else "?")
+    return out
+
+
 def vllm_facts(wheel: Wheel) -> dict:
     cfg_name, cfg = wheel.first(*VLLM_CONFIG_FILES)
     eagle3_name, eagle3 = wheel.first("vllm/model_executor/models/llama_eagle3.py")
@@ -237,6 +265,7 @@ def vllm_facts(wheel: Wheel) -> dict:
         "draft_max_position_override": "_maybe_override_draft_max_position_embeddings" in cfg,
         "tp_key_rejected": bool(re.search(r"is not a valid argument in the\W*(?:\"\s*\")?\s*speculative_config", cfg)),
         "multimodal_probes": [f for f in IMAGE_TOKEN_FIELDS if f in proposer],
+        "multimodal_probe_map": vllm_probe_map(proposer),
         "mla_drafter": "vllm/model_executor/models/deepseek_eagle3.py" in wheel.names,
         "mla_drafter_model_types": vllm_mla_drafter_types(wheel),
         "speculators_types": sorted(set(re.findall(r"@register_speculator\(\s*[\"'](\w+)[\"']", wheel.text(

@@ -20,7 +20,8 @@ FIXTURES = Path(__file__).parent / "fixtures" / "configs"
 TARGETS, DRAFTERS = FIXTURES / "targets", FIXTURES / "drafters"
 VLLM_KEYS = {"eagle3_whitelist", "eagle3_modules", "eagle3_archs", "aux_ids_read", "method_path_guess", "norm_flags_read",
              "draft_max_position_override", "tp_key_rejected", "multimodal_probes", "mla_drafter", "sources",
-             "arch_modules", "transformers_backend_eagle3", "speculators_types", "mla_drafter_model_types"}
+             "arch_modules", "transformers_backend_eagle3", "speculators_types", "mla_drafter_model_types",
+             "multimodal_probe_map"}
 SGLANG_KEYS = {"eagle3_modules", "eagle3_archs", "arch_modules", "draft_archs", "aux_shift", "aux_ids_read", "norm_flags_read",
                "mla_drafter", "capture_error", "draft_context", "draft_context_rope_raised", "sm100_trtllm_mla_archs",
                "pp_spec_algorithms"}
@@ -390,3 +391,22 @@ def test_an_mla_drafter_typed_kimi_k2_is_sized_as_mla_only_where_the_release_cou
         findings, _ = run(TARGETS / "kimi-k2.5", write(tmp_path / f"d{version}", config | {"model_type": "deepseek_v3"}),
                           version=version, spec=spec)
         assert "vllm.mla-drafter-model-type" not in {f.rule for f in findings}
+
+
+@pytest.mark.parametrize("target, version, probe, missing", [
+    ("qwen2.5-vl-7b", "0.11.0", "image_token_index", True),    # the loader read image_token_index for every target
+    ("qwen2.5-vl-7b", "0.11.1", "image_token_id", False),      # Qwen2.5-VL's own field from 0.11.1
+    ("kimi-k2.5", "0.16.0", "image_token_index", True),        # before the hand table's 0.17.0
+    ("kimi-k2.5", "0.18.0", "media_placeholder_token_id", False),
+    ("qwen2.5-vl-7b", "0.9.1", None, False),                   # no multimodal probe in the loader yet
+])
+def test_the_multimodal_probe_is_the_field_the_release_loader_reads(tmp_path, target, version, probe, missing):
+    """vLLM's drafter loader copies an image-token id from a multimodal target (from 0.9.2), per architecture:
+    engine_facts.json multimodal_probe_map, read from each release's eagle.py / llm_base_proposer.py."""
+    if target == "kimi-k2.5":
+        drafter = DRAFTERS / "kimi-k25-eagle3-specforge"
+    else:  # a Qwen2.5-VL-7B drafter shape
+        drafter = llama_drafter(tmp_path, hidden_size=3584, vocab_size=152064, num_attention_heads=28,
+                                max_position_embeddings=128000)
+    _, facts = run(TARGETS / target, drafter, version=version, spec={"method": "eagle3", "num_speculative_tokens": 3})
+    assert (facts["target_probe_attr"], facts["target_probe_missing"]) == (probe, missing)

@@ -473,7 +473,7 @@ def release_facts(rel: EngineRelease) -> dict[str, Any]:
         "engine_transformers_eagle3": get("transformers_backend_eagle3"),
         "engine_draft_context": get("draft_context"), "engine_draft_context_rope_raised": get("draft_context_rope_raised"),
         "engine_sm100_mla_archs": get("sm100_trtllm_mla_archs"), "engine_pp_spec_algorithms": get("pp_spec_algorithms"),
-        "engine_speculators_types": get("speculators_types"), "engine_mla_drafter_types": get("mla_drafter_model_types"),
+        "engine_speculators_types": get("speculators_types"), "engine_probe_map": get("multimodal_probe_map"), "engine_mla_drafter_types": get("mla_drafter_model_types"),
     }
 
 
@@ -579,6 +579,20 @@ def target_module_of(arch: str, engine: str, book: RuleBook, rf: dict[str, Any])
 DRAFTER_DEFAULTED = ("hidden_size", "vocab_size", "max_position_embeddings", "num_attention_heads")
 
 
+def config_attribute(config: dict[str, Any], path: str) -> Any:
+    """`config.a.b` as the engine reads it from the transformers config object: the JSON's value, else the default
+    of the config class of that level's model_type (None when neither has it)."""
+    node: Any = config
+    for key in path.split("."):
+        if not isinstance(node, dict):
+            return None
+        value = node.get(key)
+        if value is None:
+            value = class_defaults(str(node.get("model_type") or "")).get(key)
+        node = value
+    return node
+
+
 def target_facts(path: Path, book: RuleBook, version: str, rf: dict[str, Any]) -> dict[str, Any]:
     config = with_class_defaults(with_standard_names(read_dir_config(path)))
     spec = describe_target(config)
@@ -586,14 +600,9 @@ def target_facts(path: Path, book: RuleBook, version: str, rf: dict[str, Any]) -
     arch = spec.architectures[0] if spec.architectures else ""
     module = target_module_of(arch, rf["engine"], book, rf)
     whitelist = rf["engine_whitelist"]
-    probe = None
-    if spec.has_vision:
-        probe = "image_token_index"
-        for row in book.tables.get("multimodal_probes", []):
-            if arch in row["archs"] and version_in(row["versions"], version):
-                probe = row["attribute"]
-    probe_present = probe in spec.image_token_fields or (
-        probe == "vision_config.image_token_id" and "image_token_id" in (config.get("vision_config") or {}))
+    probes = rf["engine_probe_map"] or {}
+    probe = probes.get(arch, probes.get("*")) if spec.has_vision else None
+    probe_present = probe is not None and config_attribute(config, probe) is not None
     return {
         "target_path": str(path), "target_model_type": spec.model_type, "target_outer_model_type": spec.outer_model_type,
         "target_arch": arch, "target_module": module,
