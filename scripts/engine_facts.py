@@ -17,6 +17,7 @@ Facts per release (each names the file it came from in `sources`):
          backend, which serves architectures the registry lacks, declares SupportsEagle3), speculators_types
          (`speculators_model_type`s the speculators config reader registers; [] before it exists),
          mla_drafter_model_types (drafter model types is_deepseek_mla() counts as MLA for an EAGLE head),
+         eagle3_arch_naming (how EAGLEConfig names the drafter class for method eagle3),
          multimodal_probe_map (architecture -> target-config attribute the drafter loader reads as the image token
          of a multimodal target; `*` for any other multimodal target).
   SGLang eagle3_archs (EntryClass names whose class or a parent defines set_eagle3_layers_to_capture),
@@ -239,6 +240,16 @@ def vllm_probe_map(proposer: str) -> dict[str, str] | None:
     return out
 
 
+def vllm_eagle3_naming(wheel: Wheel) -> str | None:
+    """How EAGLEConfig names the drafter class for method eagle3: `prefix` (Eagle3<arch> unless the name starts with
+    Eagle3), `prefix_unless_suffix` (also keeps a name that ends with Eagle3, such as LlamaForCausalLMEagle3), or
+    None where the release names it otherwise."""
+    text = wheel.text("vllm/transformers_utils/configs/eagle.py")
+    if 'arch.endswith("Eagle3")' in text:
+        return "prefix_unless_suffix"
+    return "prefix" if 'f"Eagle3{arch}"' in text else None
+
+
 def vllm_facts(wheel: Wheel) -> dict:
     cfg_name, cfg = wheel.first(*VLLM_CONFIG_FILES)
     eagle3_name, eagle3 = wheel.first("vllm/model_executor/models/llama_eagle3.py")
@@ -268,6 +279,7 @@ def vllm_facts(wheel: Wheel) -> dict:
         "multimodal_probe_map": vllm_probe_map(proposer),
         "mla_drafter": "vllm/model_executor/models/deepseek_eagle3.py" in wheel.names,
         "mla_drafter_model_types": vllm_mla_drafter_types(wheel),
+        "eagle3_arch_naming": vllm_eagle3_naming(wheel),
         "speculators_types": sorted(set(re.findall(r"@register_speculator\(\s*[\"'](\w+)[\"']", wheel.text(
             "vllm/transformers_utils/configs/speculators/algos.py")))),
         "sources": {"config": cfg_name, "drafter": eagle3_name, "aux_ids": aux_read_files, "proposer": proposer_name},

