@@ -5,6 +5,7 @@ Starts engines: run it under the shared lock, on a quiet machine (the ratio is w
 
     flock /tmp/draftsmith-engine.lock .venv/bin/python benchmarks/llamacpp_bench.py --drafter smollm2 --k 2,3
     flock /tmp/draftsmith-engine.lock .venv/bin/python benchmarks/llamacpp_bench.py --k 3,4,5 --p-min 0,0.3,0.5
+    flock /tmp/draftsmith-engine.lock .venv/bin/python benchmarks/llamacpp_bench.py --k 2,3,4 --outtype q8_0
 
 Each (k, p-min) pair is one speculative server; the plain server is measured once, first, and again at the end
 (`plain_end`): the ratio uses the mean of the two, so drift of the machine over the run shows and is halved.
@@ -52,6 +53,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--prompt-set", default="chat-eval")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--outtype", default="f32", help="GGUF type of target and drafter (llama.cpp converter "
+                    "--outtype: f32, bf16, f16, q8_0); the drafter is always trained on the fp32 target")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     from draftsmith.checkpoint import drafter_path
@@ -66,6 +69,9 @@ def main() -> None:
         gguf = export(drafter_path(args.drafter), tmp / "llamacpp", "llamacpp", "float32", ks[0], str(target))
         manifest = json.loads((gguf / "llamacpp.json").read_text())
         target_gguf, drafter_gguf = Path(manifest["target_gguf"]), gguf / manifest["drafter_gguf"]
+        if args.outtype != "f32":  # the same two conversions at another type
+            target_gguf = llamacpp.target_gguf(target, args.outtype)
+            drafter_gguf = llamacpp.convert(gguf, tmp / f"drafter-{args.outtype}.gguf", args.outtype, target)
         with llamacpp.serve(llamacpp.LlamaServe(target_gguf), tmp / "plain.log") as base:
             plain = bench(base, args, None)
         runs = {}
@@ -87,7 +93,7 @@ def main() -> None:
     best = max(runs, key=lambda key: runs[key]["speedup"])
     print(f"plain {plain['levels'][0]['output_tokens_per_s']:.1f} then {plain_end['levels'][0]['output_tokens_per_s']:.1f} "
           f"tok/s; best {best}: {runs[best]['speedup']:.2f}x", flush=True)
-    result = {"what": f"llama-server (f32 target + f32 EAGLE-3 drafter GGUF of {args.drafter}) with and without the "
+    result = {"what": f"llama-server ({args.outtype} target + {args.outtype} EAGLE-3 drafter GGUF of {args.drafter}) with and without the "
                       f"drafter, batch 1, {args.prompts} {args.prompt_set} prompts, {args.max_tokens} tokens",
               "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}",
               "command": "flock /tmp/draftsmith-engine.lock .venv/bin/python benchmarks/llamacpp_bench.py "
