@@ -165,6 +165,10 @@ class RowDecoder:
         self.hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.nh
         self.scale = self.layers[0].self_attn.scaling
         self.attention = resolve_attention(settings.attention, self.device)
+        if self.attention == "triton":  # imported here: Triton exists only where CUDA does
+            from draftsmith.cache_attention import row_attention
+
+            self.row_attention = row_attention
         B, M, n = settings.rows, settings.max_length, len(self.layers)
         self.k_cache = torch.zeros(n, B, self.kvh, M, self.hd, device=self.device, dtype=self.dtype)
         self.v_cache = torch.zeros_like(self.k_cache)
@@ -191,9 +195,7 @@ class RowDecoder:
         `length`: the bucket the dense paths read; `lengths` (B,): each row's own (triton reads only those)."""
         B = q.shape[0]
         if self.attention == "triton":
-            from draftsmith.cache_attention import row_attention
-
-            return row_attention(q, self.k_cache[i], self.v_cache[i], lengths, self.scale)
+            return self.row_attention(q, self.k_cache[i], self.v_cache[i], lengths, self.scale)
         keys = self.k_cache[i, :, :, :length]  # (B, kvh, L, hd)
         values = self.v_cache[i, :, :, :length]
         qg = q.view(B, self.kvh, self.nh // self.kvh, self.hd)  # head j reads kv head j // g (HF repeat_kv)
