@@ -284,22 +284,32 @@ def test_launch_and_bench_in_vllm_cpu_fill_the_report(small_run, tmp_path):
     run = copy_run(small_run, tmp_path / "run")
     # the small run's own saved config, with the engine stages back on: only they are new
     r = subprocess.run([*CLI, "--out", str(run), str(run / "run_config.yaml"), "skip=[]", "bench.num_prompts=2",
-                        "bench.max_tokens=24", "launch.timeout_s=600"], capture_output=True, text=True)
+                        "bench.max_tokens=24", "bench.rounds=2", "bench.k=2,3", "launch.timeout_s=600"],
+                       capture_output=True, text=True)
     assert r.returncode in (0, 1), r.stdout[-3000:] + r.stderr[-3000:]  # 1 = bench said no-go
     summary = json.loads((run / "summary.json").read_text())
     assert {"launch", "bench"} <= set(summary["stage_seconds"])
     assert "train" not in summary["stage_seconds"]
     launch = json.loads((run / "launch.json").read_text())
-    assert launch["status"] == "ready" and launch["num_speculative_tokens"] == 3
+    assert launch["status"] == "ready" and launch["num_speculative_tokens"] == 3  # the largest of bench.k
     bench = json.loads((run / "bench" / "bench.json").read_text())
-    assert bench["tau"] is not None and bench["tau"] > 1.0, "vLLM accepted no drafted token"
+    chosen = bench["sweep"]["choice"]["k"]
+    assert [row["k"] for row in bench["sweep"]["rows"]] == [2, 3] and chosen in (2, 3)
+    for k in (2, 3):  # each k was served at its own k, and vLLM drafted k tokens per step there
+        per_k = json.loads((run / "bench" / f"k{k}.json").read_text())
+        assert per_k["settings"]["num_speculative_tokens"] == k and len(per_k["per_position"]) == k
+        assert per_k["tau"] is not None and per_k["tau"] > 1.0, f"vLLM accepted no drafted token at k={k}"
+        assert all(len(lv["rounds_tokens_per_s"]) == 2 for lv in per_k["levels"])
+    assert bench["settings"]["num_speculative_tokens"] == chosen
     assert all(lv["baseline_output_tokens_per_s"] for lv in bench["levels"])
     doc = json.loads((run / "report.json").read_text())
     assert doc["verdict"]["source"].startswith("bench")
     assert (r.returncode == 1) == (doc["verdict"]["decision"] == "no-go")
     parity = doc["parity"]
-    assert parity["k"] == 3 and parity["engine_tau"] == bench["tau"] and parity["reference_tau"] is not None
-    assert "## Throughput" in (run / "report.md").read_text()
+    assert parity["k"] == chosen and parity["engine_tau"] == bench["tau"]
+    assert doc["k_choice"][-1]["engine"] == "vLLM" and doc["k_choice"][-1]["k"] == chosen
+    md = (run / "report.md").read_text()
+    assert "## Throughput" in md and "## Draft length (k) per engine" in md
     out = subprocess.run(["pgrep", "-f", str(run / "export-vllm")], capture_output=True, text=True).stdout
     assert not out.strip(), "a vLLM server of this run is still running"
 

@@ -36,6 +36,17 @@ def test_just_outside_the_tie_the_faster_k_at_low_load_wins():
     assert got.k == 3
 
 
+def test_a_k_slower_than_the_baseline_at_some_level_loses_to_one_faster_at_every_level():
+    # the small run of 2026-12-02: k=3 1.94x at c=1 but 0.93x at c=4, k=2 1.44x / 1.22x
+    got = choose_k([KPoint(2, (1.44, 1.22), 0, 2.0), KPoint(3, (1.94, 0.93), 0, 2.2)], LEVELS)
+    assert got.k == 2 and "left out, slower than without speculation at some level: k=3 (c=4 0.93x)" in got.reason
+
+
+def test_when_every_k_is_slower_somewhere_the_best_at_low_load_still_wins():
+    got = choose_k([KPoint(2, (1.30, 0.97), 0, 2.0), KPoint(3, (1.50, 0.90), 0, 2.2)], LEVELS)
+    assert got.k == 3 and "left out" not in got.reason
+
+
 def test_a_k_with_failed_requests_or_no_acceptance_data_is_never_chosen():
     points = [KPoint(2, (1.30, 1.10), 0, 2.0), KPoint(3, (1.90, 1.50), 2, 2.4), KPoint(4, (2.00, 1.60), 0, None)]
     assert choose_k(points, LEVELS).k == 2

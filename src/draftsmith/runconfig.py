@@ -107,7 +107,7 @@ class BenchSection(BenchSettings):
     k: tuple[int, ...] = (2, 3, 4)
     """Draft lengths (num_speculative_tokens) vLLM serves the drafter at, one server at a time (launch's is
     the largest), each measured against the same baseline; the run chooses the k with the best speed-up at
-    the lowest load level (sweep.choose_k). One value: that k, no sweep."""
+    the lowest load level among those never slower than the baseline (sweep.choose_k). One value: that k."""
     baseline: bool = True
     """Measure the speed-up against the target served without speculation."""
     baseline_endpoint: str | None = None

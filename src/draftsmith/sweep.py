@@ -6,9 +6,11 @@ PyTorch steps on this CPU against vLLM's compiled ones), so the k the reference 
 engine's (docs/eval.md: reference decoder best at k=4, vLLM 1.34x at k=4 against 1.60x at k=2).
 
 The rule (`choose_k`): the best speed-up at the lowest load level measured (concurrency 1 in the demo:
-one user, where decoding is latency-bound and speculation is for). Speed-ups within K_TIE of that best
-count as a tie, broken by the speed-up at the highest load level (drafting costs compute that a loaded
-server lacks), then by the smaller k. A k with failed requests or without acceptance data is out.
+one user, where decoding is latency-bound and speculation is for), among the k that are not slower than
+the baseline at any level measured (bench's SPEEDUP_FLOOR; when every k is slower somewhere, among all).
+Speed-ups within K_TIE of that best count as a tie, broken by the speed-up at the highest load level
+(drafting costs compute that a loaded server lacks), then by the smaller k. A k with failed requests or
+without acceptance data is out.
 
 Used by `run`'s bench stage (`bench.k`) and benchmarks/vllm_k_sweep.py.
 """
@@ -21,7 +23,7 @@ from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from draftsmith.bench import BenchSettings, measure
+from draftsmith.bench import SPEEDUP_FLOOR, BenchSettings, measure
 
 # Two speed-ups closer than this (relative) are a tie. A judgement, not a measured bound: on this shared 2-core
 # CPU the per-round speed-ups of one level spread wider than this (bench.json's sweep rows list them), so a
@@ -54,15 +56,20 @@ def choose_k(points: list[KPoint], labels: tuple[str, ...]) -> KChoice:
         why = "; ".join(f"k={p.k}: " + ("failed requests" if p.failed else "no acceptance data" if p.tau is None
                                          else "no baseline speed-up") for p in points)
         return KChoice(None, f"no k measured cleanly ({why})")
-    best = max(p.speedups[0] for p in usable)
-    tied = [p for p in usable if p.speedups[0] >= best * (1 - K_TIE)]
+    safe = [p for p in usable if min(p.speedups) >= SPEEDUP_FLOOR]
+    pool = safe or usable
+    best = max(p.speedups[0] for p in pool)
+    tied = [p for p in pool if p.speedups[0] >= best * (1 - K_TIE)]
     pick = max(tied, key=lambda p: (p.speedups[-1], -p.k))  # one level: speedups[-1] is speedups[0]
     listing = ", ".join(f"k={p.k} {p.speedups[0]:.2f}x" for p in sorted(usable, key=lambda p: p.k))
+    slower = [p for p in usable if p not in pool]
+    left_out = "; left out, slower than without speculation at some level: " + ", ".join(
+        f"k={p.k} ({min(zip(p.speedups, labels))[1]} {min(p.speedups):.2f}x)" for p in slower) if slower else ""
     if len(tied) == 1 or len(labels) == 1:
-        return KChoice(pick.k, f"the best speed-up at {labels[0]} ({listing})")
+        return KChoice(pick.k, f"the best speed-up at {labels[0]} ({listing}){left_out}")
     others = ", ".join(f"k={p.k} {p.speedups[-1]:.2f}x" for p in tied if p is not pick)
     return KChoice(pick.k, f"within {K_TIE:.0%} of the best speed-up at {labels[0]} ({listing}), and the best of "
-                           f"those at {labels[-1]}: {pick.speedups[-1]:.2f}x against {others}")
+                           f"those at {labels[-1]}: {pick.speedups[-1]:.2f}x against {others}{left_out}")
 
 
 def level_label(level: dict) -> str:
