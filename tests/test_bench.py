@@ -137,7 +137,7 @@ def test_jsonl_prompts_reuse_in_order_and_keep_only_the_first_user_turn(tmp_path
 def test_open_and_closed_loops_send_every_request_and_respect_the_limit(monkeypatch):
     in_flight, peak = 0, 0
 
-    async def fake_send(client, model, messages, s):  # stands in for the HTTP call: scheduling only
+    async def fake_send(client, model, messages, s, extra_body=None):  # stands in for the HTTP call: scheduling only
         nonlocal in_flight, peak
         in_flight += 1
         peak = max(peak, in_flight)
@@ -150,6 +150,49 @@ def test_open_and_closed_loops_send_every_request_and_respect_the_limit(monkeypa
                             timeout_s=60.0)
     assert len(asyncio.run(bench.closed_loop(None, "m", [[]] * 6, s, 2))) == 6 and peak == 2
     assert len(asyncio.run(bench.open_loop(None, "m", [[]] * 6, s, 500.0))) == 6
+
+
+def test_rounds_cut_a_level_into_consecutive_parts_of_nearly_equal_size():
+    assert bench.split_rounds(list(range(12)), 3) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert bench.split_rounds(list(range(5)), 3) == [[0, 1], [2, 3], [4]]
+    assert bench.split_rounds([0, 1], 3) == [[0], [1]]  # never an empty round
+    assert bench.split_rounds([0, 1], 1) == [[0, 1]]
+
+
+def test_endpoints_take_turns_round_by_round_and_each_is_timed_on_its_own_rounds(monkeypatch):
+    """Two endpoints, two levels of 4 prompts in 2 rounds: A B then B A in every level, never both at once;
+    each endpoint's tokens/s counts only its own rounds; every request carries the salt."""
+    sent, busy = [], set()
+
+    async def fake_send(client, model, messages, s, extra_body=None):
+        assert not busy - {client}, "two endpoints were loaded at once"
+        busy.add(client)
+        sent.append((client, messages[-1]["content"], extra_body))
+        await asyncio.sleep(0.002 if client == "A" else 0.01)  # B is five times slower per request
+        busy.discard(client)
+        return RequestResult(True, 0.001, 0.01, 10, ())
+
+    @contextlib.asynccontextmanager
+    async def fake_connect(url, s, extra_body=None):
+        yield bench.Endpoint(url, "m", url, None, None, extra_body)
+
+    async def no_scrape(http, base, k):
+        return bench.Scrape()
+
+    monkeypatch.setattr(bench, "send_request", fake_send)
+    monkeypatch.setattr(bench, "SWITCH_SETTLE_S", 0.0)
+    monkeypatch.setattr(bench, "connect", fake_connect)
+    monkeypatch.setattr(bench, "settled_scrape", no_scrape)
+    s = bench.BenchSettings(prompts="eval", num_prompts=4, concurrency=(1, 2), max_tokens=8, warmup=0, rounds=2)
+    per_level = [[[{"role": "user", "content": f"L{lv}p{i}"}] for i in range(4)] for lv in range(2)]
+    a, b = asyncio.run(bench.bench_endpoints(["A", "B"], [s, s], [], per_level, lambda m: None, {"cache_salt": "x"}))
+    order = [c for c, _, _ in sent]
+    assert order == list("AABBBBAA") * 2, order  # level 1: A's round 1, B's round 1, B's round 2, A's round 2; level 2 alike
+    assert all(salt == {"cache_salt": "x"} for _, _, salt in sent)
+    assert [p for c, p, _ in sent if c == "A"] == [p for c, p, _ in sent if c == "B"]  # same prompts, same order
+    for lv_a, lv_b in zip(a.levels, b.levels):
+        assert len(lv_a.rounds_tokens_per_s) == 2 and lv_a.output_tokens == lv_b.output_tokens == 40
+        assert lv_a.output_tokens_per_s > 2 * lv_b.output_tokens_per_s  # B's slowness is not charged to A
 
 
 # ---------------------------------------------------------------------------------------------

@@ -98,11 +98,45 @@ def chain(cfg: RunConfig) -> dict[str, str]:
 def test_a_changed_setting_changes_its_stage_and_later_ones_only():
     base = chain(RunConfig())
     for override, first in (("eval.k=3", "eval"), ("train.lr=1e-4", "train"), ("bench.max_tokens=8", "bench"),
-                            ("target=other", "regenerate")):
+                            ("target=other", "regenerate"), ("bench.k=2,4", "bench"), ("bench.k=3", "check")):
         changed = chain(apply_override(RunConfig(), override))
         i = STAGES.index(first)
         assert all(changed[s] == base[s] for s in STAGES[:i]), override
         assert all(changed[s] != base[s] for s in STAGES[i:]), override
+
+
+def test_bench_k_is_refused_when_it_cannot_be_measured():
+    cfg = RunConfig()
+    for bad, message in (("bench.k=[]", "bad bench.k"), ("bench.k=0,2", "bad bench.k")):
+        with pytest.raises(DraftsmithError, match=message):
+            apply_override(cfg, bad)
+    with pytest.raises(DraftsmithError, match="a k sweep needs a baseline") as err:
+        apply_override(cfg, "bench.baseline=false")
+    assert "bench.k=3" in err.value.render()
+    one = apply_override(apply_override(cfg, "bench.k=3"), "bench.baseline=false")
+    assert one.bench.k == (3,) and not one.bench.baseline
+    assert apply_override(apply_override(cfg, "bench.baseline_endpoint=http://b"), "bench.baseline=false").bench.k
+
+
+def test_bench_measures_the_launch_server_first_and_stops_it_before_the_next_k(tmp_path):
+    import contextlib
+
+    from draftsmith.stages import RunContext, Served, speculative_server, sweep_order
+
+    assert sweep_order([2, 3, 4], 4) == [4, 3, 2]
+    assert sweep_order([2, 3, 4], None) == [4, 3, 2]
+    assert sweep_order([2, 3, 4], 2) == [2, 4, 3]
+    stopped = []
+    with contextlib.ExitStack() as run_stack:
+        stop = contextlib.ExitStack()
+        stop.callback(lambda: stopped.append(4))
+        run_stack.callback(stop.close)  # what do_launch registers: closing twice is harmless
+        ctx = RunContext(RunConfig(), tmp_path, None, run_stack, launched=Served(4, "http://launched", stop))
+        assert ctx.engine_ks() == [2, 3, 4]
+        with speculative_server(ctx, 4, tmp_path) as url:
+            assert url == "http://launched" and not stopped
+        assert stopped == [4] and ctx.launched is None
+    assert stopped == [4]
 
 
 def test_engine_stages_are_skipped_without_an_interpreter_and_say_why():
@@ -250,22 +284,32 @@ def test_launch_and_bench_in_vllm_cpu_fill_the_report(small_run, tmp_path):
     run = copy_run(small_run, tmp_path / "run")
     # the small run's own saved config, with the engine stages back on: only they are new
     r = subprocess.run([*CLI, "--out", str(run), str(run / "run_config.yaml"), "skip=[]", "bench.num_prompts=2",
-                        "bench.max_tokens=24", "launch.timeout_s=600"], capture_output=True, text=True)
+                        "bench.max_tokens=24", "bench.rounds=2", "bench.k=2,3", "launch.timeout_s=600"],
+                       capture_output=True, text=True)
     assert r.returncode in (0, 1), r.stdout[-3000:] + r.stderr[-3000:]  # 1 = bench said no-go
     summary = json.loads((run / "summary.json").read_text())
     assert {"launch", "bench"} <= set(summary["stage_seconds"])
     assert "train" not in summary["stage_seconds"]
     launch = json.loads((run / "launch.json").read_text())
-    assert launch["status"] == "ready" and launch["num_speculative_tokens"] == 3
+    assert launch["status"] == "ready" and launch["num_speculative_tokens"] == 3  # the largest of bench.k
     bench = json.loads((run / "bench" / "bench.json").read_text())
-    assert bench["tau"] is not None and bench["tau"] > 1.0, "vLLM accepted no drafted token"
+    chosen = bench["sweep"]["choice"]["k"]
+    assert [row["k"] for row in bench["sweep"]["rows"]] == [2, 3] and chosen in (2, 3)
+    for k in (2, 3):  # each k was served at its own k, and vLLM drafted k tokens per step there
+        per_k = json.loads((run / "bench" / f"k{k}.json").read_text())
+        assert per_k["settings"]["num_speculative_tokens"] == k and len(per_k["per_position"]) == k
+        assert per_k["tau"] is not None and per_k["tau"] > 1.0, f"vLLM accepted no drafted token at k={k}"
+        assert all(len(lv["rounds_tokens_per_s"]) == 2 for lv in per_k["levels"])
+    assert bench["settings"]["num_speculative_tokens"] == chosen
     assert all(lv["baseline_output_tokens_per_s"] for lv in bench["levels"])
     doc = json.loads((run / "report.json").read_text())
     assert doc["verdict"]["source"].startswith("bench")
     assert (r.returncode == 1) == (doc["verdict"]["decision"] == "no-go")
     parity = doc["parity"]
-    assert parity["k"] == 3 and parity["engine_tau"] == bench["tau"] and parity["reference_tau"] is not None
-    assert "## Throughput" in (run / "report.md").read_text()
+    assert parity["k"] == chosen and parity["engine_tau"] == bench["tau"]
+    assert doc["k_choice"][-1]["engine"] == "vLLM" and doc["k_choice"][-1]["k"] == chosen
+    md = (run / "report.md").read_text()
+    assert "## Throughput" in md and "## Draft length (k) per engine" in md
     out = subprocess.run(["pgrep", "-f", str(run / "export-vllm")], capture_output=True, text=True).stdout
     assert not out.strip(), "a vLLM server of this run is still running"
 
@@ -315,3 +359,62 @@ def test_the_report_gives_training_speed_in_useful_tokens_not_padded_slots(tmp_p
         del r["real_tok_per_s"]
     log.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     assert training_summary(log)["useful_tokens_per_s"] is None
+
+
+def bench_json(k: int, speedups: tuple[float, float], tau: float, sweep: dict | None = None) -> dict:
+    """bench/bench.json as the bench stage writes it (the chosen k's report, plus the sweep when there was one)."""
+    levels = [{"concurrency": c, "output_tokens_per_s": 20.0 * x, "baseline_output_tokens_per_s": 20.0, "speedup": x,
+               "tau": tau, "tpot_ms_p50": 40.0, "failed": 0} for c, x in zip((1, 4), speedups)]
+    doc = {"tau": tau, "acceptance_rate": (tau - 1) / k, "per_position": [0.6, 0.4, 0.2][:k], "levels": levels,
+           "settings": {"prompts": "chat-eval", "num_prompts": 12, "max_tokens": 32, "temperature": 0.0, "warmup": 1,
+                        "num_speculative_tokens": k, "rounds": 3},
+           "verdict": {"decision": "go", "reasons": ["fast"], "next_steps": []}}
+    return {**doc, "sweep": sweep} if sweep else doc
+
+
+def fake_run(tmp_path: Path, bench: dict) -> Path:
+    run = tmp_path / "run"
+    (run / "bench").mkdir(parents=True)
+    (run / "run_config.json").write_text(json.dumps(plain(RunConfig())))
+    sweep = [{"k": k, "tau": t, "speedup": x, "per_position": [0.6] * k} for k, t, x in ((2, 2.0, 0.90), (3, 2.2, 1.20),
+                                                                                       (4, 2.35, 1.27))]
+    (run / "eval.json").write_text(json.dumps({**sweep[2], "histogram": [], "tokens_per_s_spec": 25.0,
+                                               "tokens_per_s_base": 19.7, "identical_to_target": True,
+                                               "settings": {"prompts": "chat-eval", "limit": 6}, "sweep": sweep}))
+    (run / "bench" / "bench.json").write_text(json.dumps(bench))
+    return run
+
+
+def test_the_report_names_each_engines_k_and_why_with_the_vllm_sweep(tmp_path):
+    from draftsmith.report import write_report
+    from draftsmith.sweep import choose_k, KPoint, sweep_record
+
+    rows = {2: bench_json(2, (1.60, 1.29), 2.12), 3: bench_json(3, (1.62, 1.23), 2.36), 4: bench_json(4, (1.34, 1.03), 2.48)}
+    for r in rows.values():
+        for lv in r["levels"]:
+            lv["request_rate"] = None
+        r["baseline"] = None
+    choice = choose_k([KPoint(k, tuple(lv["speedup"] for lv in r["levels"]), 0, r["tau"]) for k, r in rows.items()],
+                      ("c=1", "c=4"))
+    run = fake_run(tmp_path, bench_json(2, (1.60, 1.29), 2.12, sweep_record(rows, choice)))
+    md = write_report(run).read_text()
+    doc = json.loads((run / "report.json").read_text())
+    engines = {c["engine"]: c for c in doc["k_choice"]}
+    assert engines["reference decoder"]["k"] == 4 and "k=2 0.90x, k=3 1.20x, k=4 1.27x" in engines["reference decoder"]["why"]
+    assert engines["vLLM"]["k"] == 2 and choice.reason in engines["vLLM"]["why"]
+    assert "## Draft length (k) per engine" in md and "| **2** (chosen) | 2.12 | 2.00 |" in md
+    assert "1.62x (32.4 / 20.0)" in md  # k=3 at c=1: speed-up (tok/s with / without)
+    assert "12 `chat-eval` prompts per level in 3 rounds alternating with the baseline" in md
+    assert "vLLM speed-up 1.29x-1.60x at k=2, chosen from k=2,3,4" in md.splitlines()[2]
+
+
+def test_a_bench_json_from_before_the_sweep_still_renders(tmp_path):
+    from draftsmith.report import write_report
+
+    old = bench_json(4, (1.34, 1.03), 2.48)
+    del old["settings"]["rounds"]
+    run = fake_run(tmp_path, old)
+    md = write_report(run).read_text()
+    doc = json.loads((run / "report.json").read_text())
+    assert doc["k_choice"][1] == {"engine": "vLLM", "k": 4, "why": "the one k the bench stage served (no sweep recorded)"}
+    assert "prompts per level, 32 tokens" in md and "chosen from" not in md

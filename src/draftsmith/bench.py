@@ -14,17 +14,21 @@ How it measures (the gpt-fast habits of docs/design.md, "Measured output"):
   output tokens come from the server's usage record; tokens/s = output tokens / level wall time.
 - Acceptance comes from the server (metrics.py): counters scraped before and after each level and
   differenced, so a level's tau covers exactly that level.
-- The baseline is the same model without speculation (another endpoint, measured after this one so the
-  two never share the hardware at once, or an earlier run's JSON); speed-up = tokens/s over baseline's.
+- The baseline is the same model without speculation: another endpoint, measured on the same prompts in
+  turns with the one under test (`--rounds`: each level cut into rounds, the order flipping every round,
+  never both at once, so drift of a shared machine hits both alike), or an earlier run's JSON;
+  speed-up = tokens/s over the baseline's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +59,11 @@ PERCENTILES = (50, 90, 99)
 LATENCIES = ("ttft", "itl", "tpot", "e2e")
 SETTLE_POLL_S = 0.25  # engines publish counters just after the last chunk; re-scrape until still
 SETTLE_MAX_S = 3.0
+# vLLM's worker busy-polls its shared-memory queue for 1 s after its last step (vllm
+# distributed/device_communicators/shm_broadcast.py, SpinCondition busy_loop_s=1): measured, one core for ~1 s
+# after a level on the 2-core CPU. Rounds that switch servers wait this long, or the server that ran
+# first would slow the next one's round (by half at concurrency 4 in one run).
+SWITCH_SETTLE_S = 1.25
 
 
 class BenchSettings(Settings):
@@ -83,14 +92,17 @@ class BenchSettings(Settings):
     """Seconds allowed per request."""
     num_speculative_tokens: int | None = None
     """k, drafted tokens per step: only to turn SGLang's tau into an acceptance rate (run: null takes the
-    k the launch stage serves)."""
+    k of each server it measures)."""
+    rounds: int = 1
+    """Each level in this many rounds of its prompts, the endpoint and the baseline taking turns (the order
+    flips every round), so a machine that drifts or a neighbour's job slows both alike."""
 
     @model_validator(mode="after")
     def check_sizes(self) -> BenchSettings:
-        if self.num_prompts < 1 or self.max_tokens < 1 or self.warmup < 0:
+        if self.num_prompts < 1 or self.max_tokens < 1 or self.warmup < 0 or self.rounds < 1:
             raise DraftsmithError("bad bench sizes", got=f"--num-prompts {self.num_prompts} --max-tokens "
-                                  f"{self.max_tokens} --warmup {self.warmup}",
-                                  expected="--num-prompts >= 1, --max-tokens >= 1, --warmup >= 0",
+                                  f"{self.max_tokens} --warmup {self.warmup} --rounds {self.rounds}",
+                                  expected="--num-prompts >= 1, --max-tokens >= 1, --warmup >= 0, --rounds >= 1",
                                   fix="pass positive sizes")
         if any(c < 1 for c in self.concurrency) or any(r <= 0 for r in self.request_rate):
             raise DraftsmithError("bad load levels", got=f"--concurrency {self.concurrency} "
@@ -133,6 +145,8 @@ class LevelResult:
     first_error: str = ""
     speedup: float | None = None
     baseline_output_tokens_per_s: float | None = None
+    rounds_tokens_per_s: tuple[float, ...] = ()
+    """Output tokens/s of each round of the level (BenchSettings.rounds): how much the machine moved."""
 
     def key(self) -> tuple[str, float]:
         return ("rate", self.request_rate) if self.request_rate is not None else ("concurrency", self.concurrency)
@@ -144,6 +158,7 @@ class LevelResult:
         out = {k: v for k, v in asdict(self).items() if k not in ("latency_ms", "acceptance")}
         out.update(self.latency_ms)
         acc = self.acceptance
+        out["rounds_tokens_per_s"] = list(self.rounds_tokens_per_s)
         out["tau"] = acc.tau if acc else None
         out["acceptance_rate"] = acc.acceptance_rate if acc else None
         out["acceptance"] = acc.to_dict() if acc else None
@@ -195,15 +210,16 @@ def chunk_text(chunk) -> str:
     return delta.content or extra.get("reasoning_content") or extra.get("reasoning") or ""
 
 
-async def send_request(client, model: str, messages, s: BenchSettings) -> RequestResult:
-    """One streamed chat completion, timed from send to each chunk that carries text."""
+async def send_request(client, model: str, messages, s: BenchSettings, extra_body: dict | None = None) -> RequestResult:
+    """One streamed chat completion, timed from send to each chunk that carries text; `extra_body` holds
+    server-specific request fields (vLLM's `cache_salt`)."""
     start = time.perf_counter()
     arrivals: list[float] = []
     usage_tokens = None
     try:
         stream = await client.chat.completions.create(
             model=model, messages=messages, max_tokens=s.max_tokens, temperature=s.temperature,
-            stream=True, stream_options={"include_usage": True}, timeout=s.timeout_s)
+            stream=True, stream_options={"include_usage": True}, timeout=s.timeout_s, extra_body=extra_body)
         async for chunk in stream:
             if chunk.usage is not None:
                 usage_tokens = chunk.usage.completion_tokens
@@ -219,23 +235,25 @@ async def send_request(client, model: str, messages, s: BenchSettings) -> Reques
                          chunk_gaps_s=tuple(np.diff(arrivals).tolist()))
 
 
-async def closed_loop(client, model, batch, s: BenchSettings, concurrency: int) -> list[RequestResult]:
+async def closed_loop(client, model, batch, s: BenchSettings, concurrency: int,
+                      extra_body: dict | None = None) -> list[RequestResult]:
     """At most `concurrency` requests in flight until `batch` is done."""
     gate = asyncio.Semaphore(concurrency)
 
     async def bounded(messages):
         async with gate:
-            return await send_request(client, model, messages, s)
+            return await send_request(client, model, messages, s, extra_body)
 
     return list(await asyncio.gather(*(bounded(m) for m in batch)))
 
 
-async def open_loop(client, model, batch, s: BenchSettings, rate: float) -> list[RequestResult]:
+async def open_loop(client, model, batch, s: BenchSettings, rate: float,
+                    extra_body: dict | None = None) -> list[RequestResult]:
     """Requests sent at Poisson arrivals of `rate` per second (seeded), however many are in flight."""
     rng = random.Random(s.seed)
     tasks = []
     for messages in batch:
-        tasks.append(asyncio.create_task(send_request(client, model, messages, s)))
+        tasks.append(asyncio.create_task(send_request(client, model, messages, s, extra_body)))
         await asyncio.sleep(rng.expovariate(rate))
     return list(await asyncio.gather(*tasks))
 
@@ -312,7 +330,7 @@ def percentiles(values: list[float], name: str) -> dict[str, float | None]:
 
 
 def summarize_level(kind: str, value: float, results: list[RequestResult], duration_s: float,
-                    acceptance: Acceptance | None) -> LevelResult:
+                    acceptance: Acceptance | None, rounds_tokens_per_s: tuple[float, ...] = ()) -> LevelResult:
     ok = [r for r in results if r.ok]
     samples = {
         "ttft": [r.ttft_s for r in ok],
@@ -329,6 +347,7 @@ def summarize_level(kind: str, value: float, results: list[RequestResult], durat
         requests=len(results), failed=len(failed), duration_s=duration_s, output_tokens=tokens,
         output_tokens_per_s=tokens / duration_s if duration_s > 0 else 0.0,
         latency_ms=latency, acceptance=acceptance, first_error=failed[0].error if failed else "",
+        rounds_tokens_per_s=rounds_tokens_per_s,
     )
 
 
@@ -349,37 +368,91 @@ async def served_model(client, base: str) -> str:
     return models.data[0].id
 
 
-async def bench_endpoint(url: str, s: BenchSettings, warm, per_level, say=print) -> EndpointResult:
-    """Warm up on `warm`, then run level i on `per_level[i]`, scraping acceptance around each level."""
+@dataclass
+class Endpoint:
+    """One server open for a measurement: its clients, the model it serves, what each request adds."""
+
+    base: str
+    model: str
+    client: Any
+    http: Any
+    k: int | None
+    extra_body: dict | None
+
+    async def send(self, batch, s: BenchSettings, kind: str, value: float) -> list[RequestResult]:
+        if kind == "rate":
+            return await open_loop(self.client, self.model, batch, s, value, self.extra_body)
+        return await closed_loop(self.client, self.model, batch, s, int(value), self.extra_body)
+
+
+@contextlib.asynccontextmanager
+async def connect(url: str, s: BenchSettings, extra_body: dict | None = None) -> AsyncIterator[Endpoint]:
+    """An OpenAI client and a metrics client for `url`; the model is s.model or the first one it lists."""
     import httpx
     import openai
 
     base = normalize_base(url)
     key = api_key_from_env()
-    headers = {"Authorization": f"Bearer {key}"}
     async with openai.AsyncOpenAI(base_url=base + "/v1", api_key=key, max_retries=0) as client, \
-            httpx.AsyncClient(timeout=30, headers=headers) as http:
-        model = s.model or await served_model(client, base)
-        if warm:
-            say(f"{base}: warm-up, {len(warm)} requests (not measured)")
-            await closed_loop(client, model, warm, s, len(warm))
-        k = s.num_speculative_tokens
-        first = before = await settled_scrape(http, base, k)
-        levels = []
+            httpx.AsyncClient(timeout=30, headers={"Authorization": f"Bearer {key}"}) as http:
+        yield Endpoint(base, s.model or await served_model(client, base), client, http, s.num_speculative_tokens,
+                       extra_body)
+
+
+def split_rounds(batch: list, rounds: int) -> list[list]:
+    """`batch` cut into at most `rounds` consecutive parts of nearly equal size, none empty."""
+    n = max(1, min(rounds, len(batch)))
+    size, extra = divmod(len(batch), n)
+    bounds = [i * size + min(i, extra) for i in range(n + 1)]
+    return [batch[bounds[i]:bounds[i + 1]] for i in range(n)]
+
+
+def turn_order(n: int, round_index: int) -> list[int]:
+    """Endpoints in turn within a round, the order reversed every other round (A B, B A, A B, ...), so
+    neither is always measured first after the other has warmed the caches or the machine has moved."""
+    order = list(range(n))
+    return order if round_index % 2 == 0 else order[::-1]
+
+
+async def bench_endpoints(urls: list[str], settings: list[BenchSettings], warm, per_level, say=print,
+                          extra_body: dict | None = None) -> list[EndpointResult]:
+    """Warm each endpoint up on `warm`, then level i on `per_level[i]` for every endpoint, in s.rounds
+    rounds that take turns (`turn_order`); one endpoint runs at a time, and a switch to another waits
+    SWITCH_SETTLE_S for the last one to go idle. Acceptance is scraped around each
+    level (counters move only while their own server works); a level's tokens/s is its tokens over the
+    seconds of its own rounds."""
+    s = settings[0]
+    async with contextlib.AsyncExitStack() as stack:
+        eps = [await stack.enter_async_context(connect(u, st, extra_body)) for u, st in zip(urls, settings)]
+        for ep, st in zip(eps, settings):
+            if warm:
+                say(f"{ep.base}: warm-up, {len(warm)} requests (not measured)")
+                await closed_loop(ep.client, ep.model, warm, st, len(warm), extra_body)
+        first = [await settled_scrape(ep.http, ep.base, ep.k) for ep in eps]
+        before, levels, last = list(first), [[] for _ in eps], len(eps) - 1
         for (kind, value), batch in zip(s.levels(), per_level):
-            start = time.perf_counter()
-            if kind == "rate":
-                results = await open_loop(client, model, batch, s, value)
-            else:
-                results = await closed_loop(client, model, batch, s, int(value))
-            duration = time.perf_counter() - start
-            after = await settled_scrape(http, base, k)
-            level = summarize_level(kind, value, results, duration, window_acceptance(before, after))
-            say(f"{base}: {level.label()}  {level.output_tokens_per_s:.1f} tok/s"
-                + (f"  tau {level.acceptance.tau:.2f}" if level.acceptance and level.acceptance.tau else ""))
-            levels.append(level)
-            before = after
-    return EndpointResult(base, model, levels, window_acceptance(first, before))
+            results, rates, seconds = [[] for _ in eps], [[] for _ in eps], [0.0] * len(eps)
+            for r, part in enumerate(split_rounds(batch, s.rounds)):
+                for i in turn_order(len(eps), r):
+                    if i != last:  # the server that ran last still spins (SWITCH_SETTLE_S)
+                        await asyncio.sleep(SWITCH_SETTLE_S)
+                    last = i
+                    start = time.perf_counter()
+                    got = await eps[i].send(part, settings[i], kind, value)
+                    took = time.perf_counter() - start
+                    results[i] += got
+                    seconds[i] += took
+                    rates[i].append(sum(x.output_tokens for x in got if x.ok) / took if took > 0 else 0.0)
+            for i, ep in enumerate(eps):
+                after = await settled_scrape(ep.http, ep.base, ep.k)
+                level = summarize_level(kind, value, results[i], seconds[i], window_acceptance(before[i], after),
+                                        tuple(rates[i]))
+                say(f"{ep.base}: {level.label()}  {level.output_tokens_per_s:.1f} tok/s"
+                    + (f"  tau {level.acceptance.tau:.2f}" if level.acceptance and level.acceptance.tau else ""))
+                levels[i].append(level)
+                before[i] = after
+        return [EndpointResult(ep.base, ep.model, lv, window_acceptance(f, b))
+                for ep, lv, f, b in zip(eps, levels, first, before)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -612,23 +685,27 @@ def add_parser(sub) -> None:
 
 
 async def measure(s: BenchSettings, say, endpoint: str, baseline_endpoint: str | None = None,
-                  baseline_json: Path | None = None) -> dict[str, Any]:
-    """The endpoint under test, then the baseline (an endpoint, never both at once, or a saved
-    bench.json), then the verdict."""
+                  baseline_json: Path | None = None, cache_salt: str | None = None) -> dict[str, Any]:
+    """The endpoint under test and the baseline endpoint in alternating rounds (never both at once), or
+    the endpoint alone against a saved bench.json; then the verdict.
+
+    `cache_salt` (vLLM's request field) keeps a server that is measured again on the same prompts from
+    answering them out of its prefix cache: a baseline server shared by several measurements."""
     # distinct prompts per level (while the set lasts), so no level is served from the prefix cache
     # that an earlier level filled; both endpoints get the same prompts at the same level
     n, levels = s.num_prompts, len(s.levels())
     messages = load_messages(s.prompts, s.warmup + n * levels)
     warm = messages[: s.warmup]
     per_level = [messages[s.warmup + i * n: s.warmup + (i + 1) * n] for i in range(levels)]
-    run = await bench_endpoint(endpoint, s, warm, per_level, say)
+    urls, settings = [endpoint], [s]
+    if baseline_endpoint:  # the baseline may serve the model under another name: let it be discovered
+        urls, settings = urls + [baseline_endpoint], settings + [s.model_copy(update={"model": None})]
+    extra = {"cache_salt": cache_salt} if cache_salt else None
+    run, *ref = await bench_endpoints(urls, settings, warm, per_level, say, extra)
     baseline = None
-    if baseline_endpoint:
-        # the baseline may serve the model under another name: let it be discovered
-        ref = await bench_endpoint(baseline_endpoint, s.model_copy(update={"model": None}), warm, per_level,
-                                   say)
-        apply_baseline(run.levels, {lv.key(): lv.output_tokens_per_s for lv in ref.levels})
-        baseline = {"source": ref.endpoint, "model": ref.model, "levels": [lv.to_dict() for lv in ref.levels]}
+    if ref:
+        apply_baseline(run.levels, {lv.key(): lv.output_tokens_per_s for lv in ref[0].levels})
+        baseline = {"source": ref[0].endpoint, "model": ref[0].model, "levels": [lv.to_dict() for lv in ref[0].levels]}
     elif baseline_json:
         ref_levels = baseline_levels_from_json(baseline_json)
         apply_baseline(run.levels, ref_levels)

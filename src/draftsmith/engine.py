@@ -41,8 +41,11 @@ from draftsmith.target import cache_dir
 
 ENGINE_ENV_VARS = {"vllm": "DRAFTSMITH_VLLM_PYTHON", "sglang": "DRAFTSMITH_SGLANG_PYTHON"}
 # vLLM's CPU backend takes most of the machine's memory for KV cache unless told
-# (docs/engines.md §8.2, known fix 3).
-VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+# (docs/engines.md §8.2, known fix 3). VLLM_USE_AOT_COMPILE=0: vllm-cpu 0.32 with torch 2.10+ saves an AOT
+# compile artifact that it then fails to load ("'function' object has no attribute 'finalize_loading'") and
+# compiles again on every start; the older compile cache loads, so a start with a warm cache takes ~45 s
+# instead of ~80-140 s on this 2-core CPU (docs/engines.md §8.2).
+VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_USE_AOT_COMPILE": "0"}
 
 
 def engine_python(engine: str) -> Path:

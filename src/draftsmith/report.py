@@ -154,7 +154,31 @@ def bench_summary(data: dict | None) -> dict | None:
     s = data["settings"]
     return {"tau": data["tau"], "acceptance_rate": data["acceptance_rate"], "per_position": data["per_position"],
             "k": s.get("num_speculative_tokens"), "levels": levels, "verdict": data["verdict"],
-            "settings": {k: s[k] for k in ("prompts", "num_prompts", "max_tokens", "temperature", "warmup")}}
+            "settings": {**{k: s[k] for k in ("prompts", "num_prompts", "max_tokens", "temperature", "warmup")},
+                         "rounds": s.get("rounds", 1)},  # bench.json from before rounds: one round
+            "sweep": data.get("sweep")}
+
+
+def k_choices(ev: dict | None, bench: dict | None) -> list[dict]:
+    """Which k each engine used and why: the reference decoder's from eval's sweep, vLLM's from bench's."""
+    out = []
+    if ev:
+        sweep = ", ".join(f"k={r['k']} {fmt(r['speedup'])}x" for r in ev["sweep"])
+        s = ev["settings"]
+        why = (f"the best measured speed-up of its sweep ({sweep}); PyTorch on this machine, {s.get('limit')} "
+               f"`{s.get('prompts')}` prompts, batch 1" if ev["speedup"] is not None else
+               "the best tau of its sweep (no baseline decoded, so no speed-up to choose by)")
+        out.append({"engine": "reference decoder", "k": ev["k"], "why": why})
+    if bench:
+        sw = bench.get("sweep")
+        if sw:
+            s = bench["settings"]
+            why = (f"{sw['choice']['reason']}; measured in the engine, one server per k against one baseline "
+                   f"server, {s['num_prompts']} `{s['prompts']}` requests per level{rounds_phrase(s['rounds'])}")
+        else:
+            why = "the one k the bench stage served (no sweep recorded)"
+        out.append({"engine": "vLLM", "k": bench["k"], "why": why})
+    return out
 
 
 PARITY_TOLERANCE = 0.25  # engine vs reference tau: the bound the engine tier of the tests holds vLLM to
@@ -229,7 +253,7 @@ def collect(run: Path) -> dict:
            "data": data_summary(run, cfg["target"]), "starting_drafter": starting_drafter(cfg), "training": training_summary(run / "train" / "metrics.jsonl"),
            "simulated_tau": (drafter or {}).get("draftsmith", {}).get("eval", {}).get("tau"),
            "eval": ev, "check": read_json(run / "check.json"), "launch": read_json(run / "launch.json"),
-           "bench": bench, "parity": parity(ev, bench)}
+           "bench": bench, "parity": parity(ev, bench), "k_choice": k_choices(ev, bench)}
     doc["verdict"] = decide(doc)
     return doc
 
@@ -239,8 +263,11 @@ def headline(doc: dict) -> str:
     v, parts = doc["verdict"], []
     if doc.get("bench"):
         ups = [lv["speedup"] for lv in doc["bench"]["levels"] if lv["speedup"] is not None]
+        sweep = doc["bench"].get("sweep")
+        chosen = f" at k={doc['bench']['k']}, chosen from k={','.join(str(r['k']) for r in sweep['rows'])}" \
+            if sweep and len(sweep["rows"]) > 1 else ""
         if ups:
-            parts.append(f"vLLM speed-up {min(ups):.2f}x-{max(ups):.2f}x")
+            parts.append(f"vLLM speed-up {min(ups):.2f}x-{max(ups):.2f}x{chosen}")
     p = doc.get("parity")
     if p:
         ref = f" (reference decoder {p['reference_tau']:.2f})" if p["reference_tau"] is not None else ""
@@ -315,8 +342,11 @@ def draw_acceptance(doc: dict, plt):
         b.plot(ks, [sim[str(k)] if str(k) in sim else sim[k] for k in ks], "o--", label="simulated (training)")
     if ev:
         b.plot([r["k"] for r in ev["sweep"]], [r["tau"] for r in ev["sweep"]], "s-", label="reference decoder")
+    rows = [r for r in ((bench or {}).get("sweep") or {}).get("rows", []) if r["tau"] is not None]
+    if len(rows) > 1:
+        b.plot([r["k"] for r in rows], [r["tau"] for r in rows], "D-", label="vLLM")
     if bench and bench["tau"] is not None:
-        b.plot([bench["k"]], [bench["tau"]], "D", markersize=9, label="vLLM")
+        b.plot([bench["k"]], [bench["tau"]], "D", markersize=9, label="vLLM" if len(rows) < 2 else "vLLM, chosen k")
     b.set(xlabel="k (drafted tokens)", ylabel="tau (tokens per target step)", title="tau against k")
     b.legend(fontsize=7)
     return fig
@@ -406,12 +436,14 @@ def blocks(doc: dict, images: list[str]) -> list[tuple]:
                 ("table", ["", "per-position acceptance"],
                  [["vLLM", fmt(p["engine_per_position"])], ["reference decoder", fmt(p["reference_per_position"])]])]
     out += [("img", n, "acceptance per position and tau against k") for n in images if n == PLOTS[1]]
+    out += k_blocks(doc)
     b = doc.get("bench")
     if b:
         s = b["settings"]
         out += [("h2", "Throughput"),
-                ("p", f"vLLM with and without the drafter, {s['num_prompts']} `{s['prompts']}` prompts per level, "
-                      f"{s['max_tokens']} tokens, temperature {s['temperature']}, {s['warmup']} warm-up request(s)."),
+                ("p", f"vLLM with and without the drafter (k={b['k']}), {s['num_prompts']} `{s['prompts']}` prompts per "
+                      f"level{rounds_phrase(s['rounds'])}, {s['max_tokens']} tokens, temperature "
+                      f"{s['temperature']}, {s['warmup']} warm-up request(s)."),
                 ("table", ["level", "tok/s with drafter", "tok/s without", "speed-up", "tau", "TPOT p50 ms", "failed"],
                  [[f"c={lv['concurrency']}", fmt(lv["output_tokens_per_s"], ".1f"),
                    fmt(lv["baseline_output_tokens_per_s"], ".1f"), f"{fmt(lv['speedup'])}x", fmt(lv["tau"]),
@@ -432,6 +464,37 @@ def blocks(doc: dict, images: list[str]) -> list[tuple]:
         out.append(("p", f"Launch: {la['status']}" + (f", ready after {la['ready_s']:.0f} s" if la.get("ready_s") else "")
                     + (f"; {la['error']}" if la.get("error") else "") + f" (log `{la['log']}`)."))
     return out
+
+
+def k_blocks(doc: dict) -> list[tuple]:
+    """Which k each engine used and why, then vLLM's sweep: one row per k, the reference decoder's tau beside."""
+    choices = doc.get("k_choice") or []
+    if not choices:
+        return []
+    out: list[tuple] = [("h2", "Draft length (k) per engine"),
+                        ("list", [f"{c['engine']}: **k={c['k']}**, {c['why']}." for c in choices])]
+    sweep = ((doc.get("bench") or {}).get("sweep") or {}).get("rows") or []
+    if sweep:
+        ref = {r["k"]: r["tau"] for r in (doc.get("eval") or {}).get("sweep", [])}
+        chosen = doc["bench"]["k"]
+        labels = [lv["level"] for lv in sweep[0]["levels"]]
+        rows = [[f"**{r['k']}** (chosen)" if r["k"] == chosen else r["k"], fmt(r["tau"]), fmt(ref.get(r["k"])),
+                 fmt(r["per_position"])]
+                + [f"{fmt(lv['speedup'])}x ({fmt(lv['output_tokens_per_s'], '.1f')} / "
+                   f"{fmt(lv['baseline_output_tokens_per_s'], '.1f')}{round_range(lv.get('rounds_speedup'))})"
+                   for lv in r["levels"]] for r in sweep]
+        out.append(("table", ["k", "vLLM tau", "reference tau", "vLLM acceptance per position"]
+                    + [f"{label} speed-up (tok/s with / without; per round)" for label in labels], rows))
+    return out
+
+
+def round_range(speedups: list[float] | None) -> str:
+    """`; rounds 1.52-1.66x`: the spread of a level's per-round speed-ups, how far the machine moved."""
+    return f"; rounds {min(speedups):.2f}-{max(speedups):.2f}x" if speedups and len(speedups) > 1 else ""
+
+
+def rounds_phrase(n: int) -> str:
+    return f" in {n} rounds alternating with the baseline" if n > 1 else ""
 
 
 def check_blocks(doc: dict) -> list[tuple]:

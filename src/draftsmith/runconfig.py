@@ -86,10 +86,8 @@ class CheckStage(EngineFlags):
 
 
 class LaunchSection(LaunchSettings):
-    """The launch verb's settings plus the `vllm serve` command `run` composes."""
+    """The launch verb's settings plus the `vllm serve` command `run` composes (its k: the largest of bench.k)."""
 
-    num_speculative_tokens: int | None = None
-    """k the engine drafts; null: the k eval recommends."""
     max_model_len: int = 1024
     """vLLM --max-model-len."""
     dtype: str = "float32"
@@ -104,18 +102,34 @@ LaunchStage = with_defaults(LaunchSection, "LaunchStage", "run's launch section:
 
 
 class BenchSection(BenchSettings):
-    """The bench verb's settings plus the baseline `run` measures against."""
+    """The bench verb's settings plus the draft lengths and the baseline `run` measures."""
 
+    k: tuple[int, ...] = (2, 3, 4)
+    """Draft lengths (num_speculative_tokens) vLLM serves the drafter at, one server at a time (launch's is
+    the largest), each measured against the same baseline; the run chooses the k with the best speed-up at
+    the lowest load level among those never slower than the baseline (sweep.choose_k). One value: that k."""
     baseline: bool = True
     """Measure the speed-up against the target served without speculation."""
     baseline_endpoint: str | None = None
     """An already running server of the target without speculation; null: start one like launch does."""
 
+    @model_validator(mode="after")
+    def check_k(self) -> BenchSection:
+        if not self.k or min(self.k) < 1:
+            raise DraftsmithError("bad bench.k", got=str(list(self.k)), expected="one or more draft lengths >= 1",
+                                  fix="for example bench.k=2,3,4, or bench.k=3 for one k")
+        if len(set(self.k)) > 1 and not (self.baseline or self.baseline_endpoint):
+            raise DraftsmithError("a k sweep needs a baseline", got=f"bench.k {list(self.k)} with bench.baseline false",
+                                  expected="a baseline: the sweep chooses k by measured speed-up",
+                                  fix="set bench.baseline: true (or bench.baseline_endpoint), or one k: bench.k=3")
+        return self
+
 
 # run's bench defaults: cheap on a 2-core CPU (2 levels x 12 requests of 32 tokens per server: three waves at
-# concurrency 4, so one slow wave does not decide the verdict)
+# concurrency 4, so one slow wave does not decide the verdict), in 3 rounds that alternate the drafter's server
+# and the baseline (this CPU is shared: a neighbour's job then slows both, not one)
 BenchStage = with_defaults(BenchSection, "BenchStage", "run's bench section: BenchSettings with run's defaults.",
-                           prompts="chat-eval", num_prompts=12, concurrency=(1, 4), max_tokens=32, warmup=1)
+                           prompts="chat-eval", num_prompts=12, concurrency=(1, 4), max_tokens=32, warmup=1, rounds=3)
 
 
 class RunConfig(Settings):

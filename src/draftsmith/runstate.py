@@ -73,7 +73,9 @@ def stage_settings(cfg: RunConfig, stage: str) -> Any:
     if stage == "regenerate":
         return [cfg.target, cfg.regenerate.model_dump()]
     section = getattr(cfg, stage).model_dump()
-    return [section, cfg.engine_python] if stage in ("check", "launch", "bench") else section
+    if stage in ("check", "launch"):  # both use the largest k that bench measures (RunContext.engine_ks)
+        return [section, cfg.engine_python, max(cfg.bench.k)]
+    return [section, cfg.engine_python] if stage == "bench" else section
 
 
 def skip_reason(cfg: RunConfig, stage: str, python: Path | None) -> str | None:

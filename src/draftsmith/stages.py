@@ -1,7 +1,7 @@
 """`draftsmith run`'s stage runners: each calls its verb with typed settings taken from the run config.
 
 `RUNNERS` maps a stage to its runner; `RunContext` is what the stages share (the run directory, the vLLM
-interpreter, the speculative server while it runs, the engine lock).
+interpreter, the launch stage's speculative server while it runs, the engine lock).
 """
 
 from __future__ import annotations
@@ -35,6 +35,15 @@ def engine_interpreter(cfg: RunConfig) -> Path | None:
 
 
 @dataclass
+class Served:
+    """A vLLM server this run started: its k, its URL, and what stops it (closing twice is harmless)."""
+
+    k: int
+    url: str
+    stop: contextlib.ExitStack
+
+
+@dataclass
 class RunContext:
     """What one `run` shares between stages."""
 
@@ -42,8 +51,8 @@ class RunContext:
     out: Path
     python: Path | None
     stack: contextlib.ExitStack
-    spec_url: str | None = None
-    """The speculative server the launch stage started, while it runs."""
+    launched: Served | None = None
+    """The speculative server the launch stage started, while it runs (bench measures it first)."""
     locked: bool = False
 
     def hold_engine_lock(self) -> None:
@@ -59,12 +68,9 @@ class RunContext:
     def export_dir(self, fmt: str) -> Path:
         return self.out / f"export-{fmt}"
 
-    def k(self) -> int:
-        """Drafted tokens per step in the engine: launch's, else eval's recommendation, else DEFAULT_K."""
-        if self.cfg.launch.num_speculative_tokens:
-            return self.cfg.launch.num_speculative_tokens
-        ev = self.out / "eval.json"
-        return int(json.loads(ev.read_text())["k"]) if ev.exists() else DEFAULT_K
+    def engine_ks(self) -> list[int]:
+        """The draft lengths vLLM serves the drafter at (bench.k), ascending; launch serves the largest."""
+        return sorted(set(self.cfg.bench.k))
 
 
 def do_regenerate(ctx: RunContext) -> None:
@@ -165,7 +171,7 @@ def do_export(ctx: RunContext) -> None:
 
     target_path = str(resolve_target(ctx.cfg.target))
     for fmt in ctx.cfg.export.formats:
-        export(ctx.drafter, ctx.export_dir(fmt), fmt, dtype=ctx.cfg.export.dtype, k=ctx.cfg.export.k or ctx.k(),
+        export(ctx.drafter, ctx.export_dir(fmt), fmt, dtype=ctx.cfg.export.dtype, k=ctx.cfg.export.k or DEFAULT_K,
                target_path=target_path)
 
 
@@ -189,7 +195,7 @@ def do_check(ctx: RunContext) -> None:
     report = {}
     for engine in c.engines:
         drafter = ctx.export_dir(engine)
-        spec_raw = json.dumps({"method": "eagle3", "model": str(drafter), "num_speculative_tokens": ctx.k()}) \
+        spec_raw = json.dumps({"method": "eagle3", "model": str(drafter), "num_speculative_tokens": ctx.engine_ks()[-1]}) \
             if engine == "vllm" else None
         args = c.engine_args + (f" --max-model-len {launch.max_model_len} --dtype {launch.dtype}"
                                 if engine == "vllm" else "")
@@ -223,19 +229,20 @@ def engine_lock() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def engine_server(ctx: RunContext, log: Path, speculative: bool) -> Iterator[tuple[str, Any]]:
-    """vLLM serving the target (with the vLLM export as drafter when `speculative`), supervised by
-    draftsmith.launch: yields (base URL, LaunchResult) once ready; raises with the root cause if it dies."""
+def engine_server(ctx: RunContext, log: Path, k: int | None) -> Iterator[tuple[str, Any]]:
+    """vLLM serving the target, with the vLLM export as drafter at k drafted tokens per step (None: without
+    speculation), supervised by draftsmith.launch: yields (base URL, LaunchResult) once ready; raises with
+    the root cause if it dies."""
     from draftsmith.engine import VLLM_CPU_ENV, VllmServe, free_port, spawn, stop_tree
     from draftsmith.launch import report, supervise
     from draftsmith.target import resolve_target
 
     la = ctx.cfg.launch
-    spec = VllmServe(target=resolve_target(ctx.cfg.target), drafter=ctx.export_dir("vllm") if speculative else None,
-                     num_speculative_tokens=ctx.k(), port=free_port(), dtype=la.dtype,
+    spec = VllmServe(target=resolve_target(ctx.cfg.target), drafter=ctx.export_dir("vllm") if k else None,
+                     num_speculative_tokens=k or DEFAULT_K, port=free_port(), dtype=la.dtype,
                      max_model_len=la.max_model_len, extra_args=la.extra_args)
     url = f"http://127.0.0.1:{spec.port}"
-    print(f"run: starting {'speculative' if speculative else 'baseline'} vLLM server (log {log})")
+    print(f"run: starting {f'speculative (k={k})' if k else 'baseline'} vLLM server (log {log})")
     proc = spawn(spec.command(ctx.python), log, env={**os.environ, **VLLM_CPU_ENV})
     try:
         res = supervise(log, url, proc, la.timeout_s, la.stall_timeout_s)
@@ -255,36 +262,61 @@ def launch_record(res, k: int) -> dict:
 
 
 def do_launch(ctx: RunContext) -> None:
+    """The speculative server at the largest k of bench.k, kept running for bench."""
     ctx.hold_engine_lock()
+    k, server = ctx.engine_ks()[-1], contextlib.ExitStack()
+    ctx.stack.callback(server.close)
     try:
-        url, res = ctx.stack.enter_context(engine_server(ctx, ctx.out / "launch.log", speculative=True))
+        url, res = server.enter_context(engine_server(ctx, ctx.out / "launch.log", k))
     except DraftsmithError as err:
         (ctx.out / "launch.json").write_text(json.dumps({"status": "failed", "error": err.render(),
                                                          "log": str(ctx.out / "launch.log")}, indent=2) + "\n")
         raise
-    ctx.spec_url = url
-    (ctx.out / "launch.json").write_text(json.dumps(launch_record(res, ctx.k()), indent=2, default=str) + "\n")
+    ctx.launched = Served(k, url, server)
+    (ctx.out / "launch.json").write_text(json.dumps(launch_record(res, k), indent=2, default=str) + "\n")
+
+
+@contextlib.contextmanager
+def speculative_server(ctx: RunContext, k: int, log_dir: Path) -> Iterator[str]:
+    """The URL of a speculative server at k: the launch stage's when it serves k, else a new one; stopped
+    when the context closes, so the next k's server never runs beside it."""
+    launched = ctx.launched if ctx.launched and ctx.launched.k == k else None
+    if launched:
+        ctx.launched = None
+        with launched.stop:
+            yield launched.url
+        return
+    with engine_server(ctx, log_dir / f"speculative-k{k}.log", k) as (url, _):
+        yield url
+
+
+def sweep_order(ks: list[int], launched_k: int | None) -> list[int]:
+    """The order bench measures ks in: the one launch already serves first, then the rest descending."""
+    return sorted(ks, key=lambda k: (k != launched_k, -k))
 
 
 def do_bench(ctx: RunContext) -> None:
-    import asyncio
-
-    from draftsmith.bench import BenchSettings, measure, print_report, write_plots
+    from draftsmith.bench import BenchSettings, print_report, write_plots
+    from draftsmith.sweep import choose_from_reports, measure_sweep, sweep_record
 
     b, out = ctx.cfg.bench, ctx.out / "bench"
     out.mkdir(parents=True, exist_ok=True)
     ctx.hold_engine_lock()
-    if ctx.spec_url is None:  # launch finished in an earlier run; its server is gone
-        ctx.spec_url, _ = ctx.stack.enter_context(engine_server(ctx, out / "speculative.log", speculative=True))
     s = BenchSettings(**b.model_dump(include=set(BenchSettings.model_fields)))
-    s = s if s.num_speculative_tokens else s.model_copy(update={"num_speculative_tokens": ctx.k()})
+    ks = sweep_order(ctx.engine_ks(), ctx.launched.k if ctx.launched else None)
     with contextlib.ExitStack() as baseline:
         base_url = None if not b.baseline else b.baseline_endpoint or \
-            baseline.enter_context(engine_server(ctx, out / "baseline.log", speculative=False))[0]
-        result = asyncio.run(measure(s, print, ctx.spec_url, base_url))
+            baseline.enter_context(engine_server(ctx, out / "baseline.log", None))[0]
+        reports = measure_sweep(ks, lambda k: speculative_server(ctx, k, out), base_url, s)
+    for k, report in reports.items():
+        (out / f"k{k}.json").write_text(json.dumps(report, indent=2) + "\n")
+    choice = choose_from_reports(reports)
+    chosen = reports[choice.k if choice.k is not None else max(reports)]
+    result = {**chosen, "sweep": sweep_record(reports, choice)}
     (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
     write_plots(result, out)
     print_report(result)
+    print(f"run: vLLM k={choice.k}: {choice.reason}")
 
 
 RUNNERS = {"regenerate": do_regenerate, "capture": do_capture, "train": do_train, "export": do_export,
