@@ -3,6 +3,7 @@ tree construction, engine aux-id reading."""
 
 from __future__ import annotations
 
+from copy import deepcopy
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from conftest import CORPUS
 from draftsmith.chat import prompt_ids
 from draftsmith.decoder import (DecodeSettings, choose, decode_batch, speculative_decode,
                                 target_decode)
-from draftsmith.drafter import DrafterConfig, Eagle3Drafter
+from draftsmith.drafter import DrafterConfig, Eagle3Drafter, engine_walk_acceptance, simulated_acceptance
 from draftsmith.target import load_target
 from draftsmith.tree import Candidates, DraftTree, accept_path, ancestry_of, chain_tree, select_tree
 from draftsmith.vocab import build_draft_vocab
@@ -330,3 +331,65 @@ def test_eval_summary_without_a_baseline_says_not_measured(tmp_path):
     r2 = summarize(2, [2, 1], spec_tokens=5, spec_s=1.0, base_tokens=0, base_s=0.0, model_s=0.9, identical=None)
     assert recommend([r, r2]) is r  # by tau without a speed-up
     assert all(p.exists() for p in plot([r, r2], tmp_path))
+
+
+def test_engine_walk_of_teacher_forced_steps_equals_decoded_tau(target_and_drafter, reference):
+    """`engine_walk_acceptance` over TTT outputs on the target's own greedy text predicts what decoding measures.
+
+    The drafter is first trained a little on that text, so that it accepts some drafts and misses others (a random
+    drafter accepts nothing, which would prove nothing). The all-starts figure is reported beside it: it is the one
+    that over-states decoded tau.
+    """
+    from copy import deepcopy
+
+
+    from draftsmith.drafter import engine_walk_acceptance, simulated_acceptance, step_masks
+
+    model, tok, drafter = target_and_drafter
+    drafter = deepcopy(drafter)
+    prompts, _ = reference
+    k, n_new = 3, 24
+    # The target's greedy text, k + 1 tokens past what decoding will emit, so the last chain decoding verifies sees
+    # the same continuation in the teacher-forced steps.
+    longer = [target_decode(model, p, DecodeSettings(k=0, max_new_tokens=n_new + k + 1)).tokens for p in prompts]
+    feats = []
+    with torch.no_grad():
+        for p, new in zip(prompts, longer):
+            ids = torch.tensor([p + new])
+            out = model(input_ids=ids, output_hidden_states=True)
+            aux = torch.cat([out.hidden_states[i] for i in AUX], dim=-1)
+            mask = torch.zeros_like(ids)
+            mask[0, len(p):] = 1
+            feats.append((ids, mask, aux, out.hidden_states[-1], len(p)))
+    counts = torch.bincount(torch.tensor([t for new in longer for t in new]), minlength=model.config.vocab_size)
+    vocab = build_draft_vocab(counts, drafter.config.draft_vocab_size)  # the tokens this text uses
+    with torch.no_grad():
+        drafter.d2t.copy_(vocab.d2t)
+        drafter.t2d.copy_(vocab.t2d)
+    head = model.get_output_embeddings().weight.detach()
+    opt = torch.optim.AdamW([q for q in drafter.parameters() if q.requires_grad], lr=1e-2)
+    torch.manual_seed(0)
+    for _ in range(3):  # partly trained
+        for ids, mask, aux, last, _ in feats:
+            opt.zero_grad()
+            drafter(aux, ids, mask, last, head, steps=k).loss.backward()
+            opt.step()
+    drafter.eval()
+
+    walk, every, decoded = [0.0, 0], [0.0, 0], [0, 0]
+    with torch.no_grad():
+        for (ids, mask, aux, last, n_prompt), p in zip(feats, prompts):
+            out = drafter(aux, ids, mask, last, head, steps=k)
+            valid = out.valid.clone()
+            valid[0, 0, n_prompt - 2 + n_new:] = False  # decoding's roots: its first n_new - 1 tokens
+            for acc, fn in ((walk, engine_walk_acceptance), (every, simulated_acceptance)):
+                s, c = fn(out.correct, valid, k)
+                acc[0] += s
+                acc[1] += c
+            res = speculative_decode(model, drafter, p, AUX, DecodeSettings(k=k, max_new_tokens=n_new))
+            decoded[0] += sum(a + 1 for a in res.accepted)
+            decoded[1] += len(res.accepted)
+    tau_walk, tau_every, tau_decoded = walk[0] / walk[1], every[0] / every[1], decoded[0] / decoded[1]
+    assert 1.3 < tau_decoded < k + 0.7, f"partly trained drafter expected, got decoded tau {tau_decoded:.3f}"
+    assert walk[1] == decoded[1] and tau_walk == pytest.approx(tau_decoded, abs=1e-9), (walk, decoded, tau_every)
+    assert tau_every > tau_walk  # the all-starts simulation over-states it

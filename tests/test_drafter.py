@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from draftsmith.drafter import (DrafterConfig, Eagle3Drafter, TTTOutput, apply_rope, rope_cos_sin, simulated_acceptance,
+from draftsmith.drafter import (DrafterConfig, Eagle3Drafter, TTTOutput, apply_rope, rope_cos_sin, engine_walk_acceptance, simulated_acceptance,
                                 step_masks, ttt_forward)
 from draftsmith.kernels import ttt_attention
 from draftsmith.vocab import build_draft_vocab, default_draft_vocab_size
@@ -470,3 +470,20 @@ def test_the_trainers_first_ttt_step_and_the_decoders_step_are_the_same_layer():
     assert not torch.allclose(decoded[:, 1:], drafter.decode_step(ids, h, torch.arange(T).expand(B, T), DrafterCache(),
                                                                   torch.eye(T, dtype=torch.bool).expand(B, T, T))[:, 1:]), \
         "the mask must matter, or the comparison above says nothing"
+
+
+def test_engine_walk_starts_each_chain_where_the_last_one_ended():
+    # tokens 0-1 are the prompt, 2-11 the answer; step i at index t predicts token t+2+i
+    loss_mask = torch.tensor([[0, 0] + [1] * 10])  # (B=1, T=12)
+    correct = torch.zeros(3, 1, 12, dtype=torch.bool)  # (K=3, B, T)
+    for t, steps in {1: (1, 1, 0), 2: (1, 1, 1), 4: (0, 1, 1), 5: (1, 1, 1)}.items():
+        correct[:, 0, t] = torch.tensor(steps, dtype=torch.bool)
+    valid = step_masks(loss_mask, 3)
+    # The first chain is rooted at token 2 (the prefill's token), index 1: accepts 2 -> index 4: 0 -> 5: 3 -> 9: 0
+    # -> 10: no chain (it would predict past the end). Index 2's run of 3 is skipped, as decoding never starts there.
+    assert engine_walk_acceptance(correct, valid, 3) == (3 + 1 + 4 + 1, 4)
+    # k=1: 1 (1) -> 3 (0) -> 4 (0) -> 5 (1) -> 7 (0) -> 8 (0) -> 9 (0)
+    assert engine_walk_acceptance(correct, valid, 1) == (2 + 1 + 1 + 2 + 1 + 1 + 1, 7)
+    # tokens 6-7 a user turn: the walk steps over it and restarts at the next answer's first chain (root 8, index 7)
+    loss_mask[0, 6:8] = 0
+    assert engine_walk_acceptance(correct, step_masks(loss_mask, 3), 3) == (3 + 1 + 1 + 1, 4)

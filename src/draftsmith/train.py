@@ -31,7 +31,7 @@ import os
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -42,7 +42,7 @@ from draftsmith.capture import group_by_tokens
 from draftsmith.config import Settings, add_flags, from_flags
 from draftsmith.checkpoint import drafter_path, load_drafter, save_drafter
 from draftsmith.drafter import (TTT_STEP_LOSS_DECAY, TTT_STEPS, DrafterConfig, Eagle3Drafter, TTTOutput, compile_for_training,
-                               simulated_acceptance)
+                               engine_walk_acceptance, simulated_acceptance)
 from draftsmith.errors import DraftsmithError
 from draftsmith.features import Batch, FeatureSource, OnlineSource, Segment, StoreSource, feature_dtype
 from draftsmith.follow import sane_shard, wait_published
@@ -322,8 +322,11 @@ class EvalResult:
     acc: list[float]
     """Per TTT step: share of supervised positions where the drafter's argmax is the target's."""
     tau: dict[int, float]
-    """Simulated mean acceptance length (bonus token included) of a k-token greedy chain."""
+    """Simulated mean acceptance length (bonus token included) of k-token greedy chains placed as an engine places
+    them, each after the last one ended (`engine_walk_acceptance`): what decoding these samples would measure."""
     loss: float
+    tau_all_starts: dict[int, float] = field(default_factory=dict)
+    """The same with a chain at every supervised index (`simulated_acceptance`): higher than decoded tau for k > 1."""
 
 
 def rank_micro_batches(plan: list[list[int]], offset: int, world: int, grad_accum: int, rank: int) -> list[list[int]]:
@@ -702,7 +705,8 @@ class Trainer:
         """Teacher-forced per-step accuracy and simulated acceptance on the held-back samples."""
         K = self.cfg.ttt_steps
         correct, count, loss, n = torch.zeros(K), torch.zeros(K), 0.0, 0
-        tau_sum, tau_n = [0.0] * K, [0] * K
+        walk = {k: [0.0, 0] for k in range(1, K + 1)}
+        every = {k: [0.0, 0] for k in range(1, K + 1)}
         for mb in self.plan(train=False, epoch=0):
             out = self.forward(self.load(mb), None)
             correct += out.correct_count.cpu()
@@ -710,11 +714,13 @@ class Trainer:
             loss += float(out.loss)
             n += 1
             for k in range(1, K + 1):
-                s, c = simulated_acceptance(out.correct, out.valid, k)
-                tau_sum[k - 1] += s
-                tau_n[k - 1] += c
+                for sums, fn in ((walk, engine_walk_acceptance), (every, simulated_acceptance)):
+                    s, c = fn(out.correct, out.valid, k)
+                    sums[k][0] += s
+                    sums[k][1] += c
         return EvalResult(acc=(correct / count.clamp(min=1)).tolist(),
-                          tau={k: tau_sum[k - 1] / max(tau_n[k - 1], 1) for k in range(1, K + 1)}, loss=loss / max(n, 1))
+                          tau={k: s / max(c, 1) for k, (s, c) in walk.items()}, loss=loss / max(n, 1),
+                          tau_all_starts={k: s / max(c, 1) for k, (s, c) in every.items()})
 
     # -- checkpoints ----------------------------------------------------------------------------------
 
@@ -867,7 +873,7 @@ class Trainer:
         if self.rank == 0:
             taus = " ".join(f"{k}:{v:.2f}" for k, v in result.tau.items())
             print(f"eval  {self.step:05d} | loss {result.loss:.3f} | acc {' '.join(f'{a:.2f}' for a in result.acc)} "
-                  f"| sim tau[k] {taus}", flush=True)
+                  f"| simulated tau[k] (engine walk) {taus}", flush=True)
 
 
 class _null_bar:
