@@ -48,7 +48,9 @@ def training_curve(metrics: Path) -> dict:
     return {"steps": len(steps), "median_tokens_per_s": tok[len(tok) // 2] if tok else None,
             "tokens_trained": sum(r.get("tokens", 0) for r in steps),
             "loss_every_25": [(r["step"], round(r["loss"], 4)) for r in steps if r["step"] % 25 == 0],
-            "eval": [{"step": r["step"], "loss": r["eval"]["loss"], "acc": r["eval"]["acc"], "sim_tau": r["eval"]["tau"]}
+            "eval": [{"step": r["step"], "loss": r["eval"]["loss"], "acc": r["eval"]["acc"],
+                      "sim_tau": r["eval"]["tau"],  # chains placed as an engine places them (engine_walk_acceptance)
+                      "sim_tau_all_starts": r["eval"].get("tau_all_starts")}  # a chain at every index (older runs: absent)
                      for r in evals]}
 
 
