@@ -487,3 +487,25 @@ def test_engine_walk_starts_each_chain_where_the_last_one_ended():
     # tokens 6-7 a user turn: the walk steps over it and restarts at the next answer's first chain (root 8, index 7)
     loss_mask[0, 6:8] = 0
     assert engine_walk_acceptance(correct, step_masks(loss_mask, 3), 3) == (3 + 1 + 1 + 1, 4)
+
+
+def test_engine_walk_equals_a_step_by_step_walk_on_long_packed_rows():
+    """The pointer-doubling sums equal walking chain by chain, over rows with many turns and documents."""
+    g = torch.Generator().manual_seed(0)
+    B, T, K = 3, 3000, 5
+    loss_mask = (torch.rand(B, T, generator=g) > 0.15).long()
+    documents = torch.cumsum(torch.rand(B, T, generator=g) < 0.01, dim=1)
+    valid = step_masks(loss_mask, K, documents)
+    correct = torch.rand(K, B, T, generator=g) < 0.7
+    for k in (1, 3, 5):
+        ok = (correct[:k] & valid[:k]).long().cumprod(dim=0).sum(dim=0)
+        total = chains = 0
+        for b in range(B):
+            t = 0
+            while t < T:
+                if valid[0, b, t] and t > 0 and valid[0, b, t - 1]:
+                    total, chains, t = total + int(ok[b, t]) + 1, chains + 1, t + int(ok[b, t]) + 1
+                else:
+                    t += 1
+        assert engine_walk_acceptance(correct, valid, k) == (total, chains)
+        assert chains > 500

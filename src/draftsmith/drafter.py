@@ -526,21 +526,24 @@ def engine_walk_acceptance(correct: torch.Tensor, valid: torch.Tensor, k: int) -
     a chain (prompts, user turns) are stepped over.
     Returns (sum of accepted lengths, number of chains), like `simulated_acceptance`.
     """
-    ok = (correct[:k] & valid[:k]).long().cumprod(dim=0).sum(dim=0).cpu()  # (B, T) leading correct steps
-    v0 = valid[0].cpu()
+    ok = (correct[:k] & valid[:k]).long().cumprod(dim=0).sum(dim=0)  # (B, T) leading correct steps
+    v0 = valid[0]
     can_start = v0 & F.pad(v0, (1, 0))[:, :-1]  # (B, T) supervised, and so is the root token t + 1
     B, T = can_start.shape
-    # next_start[b, t]: the first index >= t that can start a chain (T where none is left)
-    idx = torch.where(can_start, torch.arange(T).expand(B, T), torch.full((B, T), T))
-    next_start = torch.cat([idx.flip(-1).cummin(dim=-1).values.flip(-1), torch.full((B, 1), T)], dim=1)
-    rows = torch.arange(B)
-    at = next_start[:, 0]
-    total, chains = 0, 0
-    while True:
-        live = at < T
-        if not bool(live.any()):
-            return float(total), int(chains)
-        a = ok[rows, at.clamp(max=T - 1)] * live
-        total += int((a + 1)[live].sum())
-        chains += int(live.sum())
-        at = next_start[rows, (at + a + 1).clamp(max=T)]
+    end = torch.full((B, 1), T, device=ok.device)
+    # next_start[b, t]: the first index >= t that can start a chain; T (a sentinel slot) where none is left
+    idx = torch.where(can_start, torch.arange(T, device=ok.device).expand(B, T), end)
+    next_start = torch.cat([idx.flip(-1).cummin(dim=-1).values.flip(-1), end], dim=1)  # (B, T+1)
+    # Every start index links to the start after its chain; the walk from a row's first start is that linked
+    # list. Its sums come from pointer doubling (log2 T gathers, no loop over chains: packed rows hold 32k
+    # tokens): after j rounds, ptr skips 2^j chains and acc/chains sum what they skipped.
+    ptr = torch.cat([next_start.gather(1, (torch.arange(T, device=ok.device) + ok + 1).clamp(max=T)), end], dim=1)
+    ptr = torch.where(F.pad(can_start, (0, 1)), ptr, end)
+    acc = F.pad(torch.where(can_start, ok + 1, 0), (0, 1))  # (B, T+1)
+    chains = F.pad(can_start.long(), (0, 1))
+    for _ in range(max(1, T.bit_length())):
+        acc = acc + acc.gather(1, ptr)
+        chains = chains + chains.gather(1, ptr)
+        ptr = ptr.gather(1, ptr)
+    first = next_start[:, :1]  # (B, 1)
+    return float(acc.gather(1, first).sum()), int(chains.gather(1, first).sum())
