@@ -303,6 +303,7 @@ def draftsmith_tokens(out: Path) -> tuple[int, float]:
 GRACE_S = 20  # SIGTERM to SIGKILL: speculators saves an `interrupted` checkpoint first (train/graceful_shutdown.py)
 MIN_RUN_S = 30  # a run is not started with less of --max-seconds left than this
 RESERVE_S = 15  # of --max-seconds, kept after the last run for its convert and the JSON
+SUMMARY_TAIL = 12  # log lines a failed run shows in the summary: four fit a 12,000-character output tail
 PROGRESS_MARKS = ("it/s", "\u2501", "%|")  # tqdm / rich progress-bar lines, left out of a log tail
 
 
@@ -366,6 +367,9 @@ def run_one(run: str, args, work: Path, data: Path, target_dir: Path, aux_ids: l
         record["log_tail"] = log_tail(out / "train.log")
         if trainer == "draftsmith" and (out / "train" / "metrics.jsonl").is_file():
             record["partial_train_tokens"] = draftsmith_tokens(out / "train")[0]
+        # speculators saves an epoch before validating it: a run stopped in validation still has its drafter
+        if trainer == "speculators" and any(p.name.isdigit() for p in (out / "checkpoints").glob("*")):
+            record["convert"] = convert_checkpoint(out / "checkpoints", out / "converted", str(target_dir))
         return record
     record.update(json.loads((out / "measured.json").read_text()))
     if trainer == "speculators":
@@ -450,8 +454,8 @@ def run_parent(args, started: float | None = None) -> dict:
 
 
 def summary(result: dict) -> str:
-    """One line per run, and the log tail of each that failed or was stopped: what a 12,000-character
-    tail of the device's output has room for."""
+    """One line per run, and the end of the log tail of each that failed or was stopped: what a
+    12,000-character tail of the device's output has room for."""
     lines = [f"== summary: {result['device']}, torch {result['torch']}, {result['num_samples']} samples"]
     for r in result["runs"]:
         if "skipped" in r:
@@ -463,7 +467,7 @@ def summary(result: dict) -> str:
                      f"{r.get('tokens_per_s', float('nan')):,.0f} tok/s | "
                      f"peak {'-' if peak is None else f'{peak:.1f} GiB'} | convert {conv}"
                      + (f" | {r['timed_out']}" if "timed_out" in r else ""))
-        lines += [f"    {line}" for line in r.get("log_tail", [])]
+        lines += [f"    {line[:200]}" for line in r.get("log_tail", [])[-SUMMARY_TAIL:]]
     return "\n".join(lines)
 
 

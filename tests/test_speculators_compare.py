@@ -226,3 +226,30 @@ def test_cpu_smoke_argv_resolves_in_speculators_own_config():
     flat = SpecConfig.resolve([*argv, *cmp.CPU_SMOKE_ARGV]).flatten()
     assert (flat["draft_attn_impl"], flat["num_workers"], flat["loss_implementation"]) == ("sdpa", 2, "eager")
     assert SpecConfig.resolve(argv).flatten()["draft_attn_impl"] == "simple_flex_attention"  # the GPU keeps its own
+
+
+def test_a_stopped_speculators_run_still_converts_the_epoch_it_saved(checkpoint, tmp_path, monkeypatch):
+    _, ckpt = checkpoint
+    save = tmp_path / "work" / "speculators-matched" / "checkpoints"
+    write_speculators_trained(load_file(str(ckpt / "model.safetensors")), CFG, save / "0")
+    (save / "interrupted").mkdir()  # what its graceful shutdown saves on SIGTERM: not an epoch
+
+    def stopped(cmd, log, timeout):
+        log.write_text("Epoch 0 100% \u2501\u2501 1/1\nValidation epoch 1/1 started\nKilled\n")
+        return cmp.ChildResult(-15, True, timeout + 3)
+
+    monkeypatch.setattr(cmp, "run_logged", stopped)
+    args = cmp.build_parser().parse_args(["--store", str(tmp_path / "store"), "--max-seconds", "120"])
+    record = cmp.run_one("speculators-matched", args, tmp_path / "work", tmp_path / "data",
+                         tiny_target_config(tmp_path / "target"), [2, 15, 27], 96, [10, 20], timeout=100)
+    assert record["timed_out"] == "stopped after 100 s, the time left of --max-seconds 120"
+    assert record["log_tail"] == ["Validation epoch 1/1 started", "Killed"] and "wall_s" not in record
+    assert record["convert"]["ok"] and record["convert"]["source"].endswith("/0")
+
+
+def test_summary_shows_only_the_end_of_a_long_log_tail():
+    tail = [f"line {k}" for k in range(25)]
+    result = {"device": "cpu", "torch": "2.11.0", "num_samples": 1,
+              "runs": [{"run": r, "returncode": 1, "seconds": 1.0, "log_tail": tail} for r in cmp.RUNS]}
+    text = cmp.summary(result)
+    assert text.count("    line") == 4 * cmp.SUMMARY_TAIL and "line 12" not in text and len(text) < 12_000
