@@ -27,13 +27,17 @@ speculators is imported lazily: it is absent on CPU machines; docs/peers.md list
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib.util
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -222,6 +226,45 @@ def train_split_tokens(lengths: list[int], ratio: float) -> int:
 
 # --- one run, in a child process -------------------------------------------------------------------
 
+CPU_SMOKE_ARGV = ("--draft-attn-impl", "sdpa", "--num-workers", "2")
+"""Appended to a speculators run's argv on a CPU smoke run only: torch's FlexAttention, speculators' default
+attention, has no backward on CPU ("FlexAttention does not support backward on CPU"), and its 12 spawned
+data-loader workers take over a minute to start on 2 cores. Neither flag is used or recorded on a GPU."""
+
+
+def speculators_on_cpu() -> dict:
+    """Let speculators 0.9.0 train on a CPU, for a smoke run of the benchmark only (never on a GPU).
+
+    Its single-process `Trainer` puts the model and each batch on `get_local_rank()`, the int 0, which is
+    cuda:0 (train/trainer.py `setup_model`, `train_epoch`, `val_epoch`), and its step timer calls
+    `torch.accelerator.synchronize()`, which a CUDA build of torch without a GPU refuses; everything before
+    the first of these (config, vocab mapping, model build, data loaders) is device-free. Its bf16 autocast
+    names device type "cuda" where no accelerator is found, which CPU tensors ignore (then `fc` meets bf16
+    hidden states with fp32 weights: `--no-norm-before-fc` fails), so it is pointed at "cpu". On CPU it
+    also skips `torch.compile` of the forward (models/utils.py `conditional_torch_compile`), so a smoke run
+    checks arguments, data, loss, checkpoint and convert; SPECULATORS_CPU_COMPILE=aot_eager compiles the
+    forward as the GPU does (dynamo and AOTAutograd, the stage where the fused loss failed on the H200)
+    with a backend that generates no code."""
+    import torch
+
+    import speculators.train.trainer as spec_trainer
+    from speculators.models.eagle3.core import Eagle3DraftModel
+
+    setup_model = spec_trainer.Trainer.setup_model
+
+    def setup_model_on_cpu(self) -> None:
+        self.device_type = "cpu"  # torch.autocast(self.device_type, bf16) in train_epoch and val_epoch
+        setup_model(self)
+
+    spec_trainer.get_local_rank = lambda: "cpu"
+    spec_trainer.Trainer.setup_model = setup_model_on_cpu
+    torch.accelerator.synchronize = lambda *args, **kwargs: None
+    if backend := os.environ.get("SPECULATORS_CPU_COMPILE"):
+        Eagle3DraftModel.forward = torch.compile(Eagle3DraftModel.forward, backend=backend)
+    return {"cpu_smoke": f"speculators' Trainer on 'cpu' (bf16 autocast there), accelerator sync off, forward "
+                         f"compiled with {backend or 'nothing'}, extra argv {' '.join(CPU_SMOKE_ARGV)}"}
+
+
 def run_child(spec: dict) -> dict:
     """Train one run here and measure it; `spec` is what `run_parent` wrote."""
     import torch
@@ -234,8 +277,9 @@ def run_child(spec: dict) -> dict:
         from speculators.train.cli import main
         from speculators.train.config import TrainConfig as SpecConfig
 
-        main(SpecConfig.resolve(spec["argv"]))  # what `speculators train ARGV` runs (cli/train.py)
-        extra = {}
+        extra = {} if cuda else speculators_on_cpu()
+        argv = spec["argv"] if cuda else [*spec["argv"], *CPU_SMOKE_ARGV]
+        main(SpecConfig.resolve(argv))  # what `speculators train ARGV` runs (cli/train.py)
     else:
         from draftsmith.train import TrainConfig, Trainer
 
@@ -256,9 +300,51 @@ def draftsmith_tokens(out: Path) -> tuple[int, float]:
     return sum(r["tokens"] for r in steps), sum(r["ms"] for r in steps) / 1000
 
 
+GRACE_S = 20  # SIGTERM to SIGKILL: speculators saves an `interrupted` checkpoint first (train/graceful_shutdown.py)
+MIN_RUN_S = 30  # a run is not started with less of --max-seconds left than this
+RESERVE_S = 15  # of --max-seconds, kept after the last run for its convert and the JSON
+SUMMARY_TAIL = 12  # log lines a failed run shows in the summary: four fit a 12,000-character output tail
+PROGRESS_MARKS = ("it/s", "\u2501", "%|")  # tqdm / rich progress-bar lines, left out of a log tail
+
+
+@dataclass(frozen=True)
+class ChildResult:
+    returncode: int
+    timed_out: bool
+    seconds: float
+
+
+def run_logged(cmd: list[str], log: Path, timeout: float | None) -> ChildResult:
+    """Run `cmd` in a process group of its own, stdout and stderr to `log`. Past `timeout` seconds the group
+    (data-loader workers included) gets SIGTERM, and SIGKILL GRACE_S later if it is still there."""
+    start = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            return ChildResult(proc.wait(timeout=timeout), False, time.perf_counter() - start)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
+            with contextlib.suppress(ProcessLookupError):  # workers that outlived their parent
+                os.killpg(proc.pid, signal.SIGKILL)
+            return ChildResult(proc.wait(), True, time.perf_counter() - start)
+
+
+def log_tail(log: Path, lines: int = 25) -> list[str]:
+    """The last `lines` lines of a run's log that are not progress bars, each cut to 300 characters."""
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    kept = [line.rstrip()[:300] for line in text.splitlines()
+            if line.strip() and not any(mark in line for mark in PROGRESS_MARKS)]
+    return kept[-lines:]
+
+
 def run_one(run: str, args, work: Path, data: Path, target_dir: Path, aux_ids: list[int], vocab: int,
-            lengths: list[int]) -> dict:
-    """Train one run in a child process; its record for the results JSON."""
+            lengths: list[int], timeout: float | None = None) -> dict:
+    """Train one run in a child process (stopped after `timeout` s); its record for the results JSON."""
     from draftsmith.vocab import default_draft_vocab_size
 
     trainer = run.split("-")[0]
@@ -271,9 +357,19 @@ def run_one(run: str, args, work: Path, data: Path, target_dir: Path, aux_ids: l
         spec = {"trainer": trainer, "values": draftsmith_values(run, Path(args.store), out / "train", args.epochs,
                                                                 vocab)}
     (out / "spec.json").write_text(json.dumps(spec, indent=2) + "\n")
-    child = subprocess.run([sys.executable, __file__, "--child", str(out / "spec.json")], text=True)
-    record: dict[str, Any] = {"run": run, **spec, "returncode": child.returncode}
-    if child.returncode != 0:
+    (out / "measured.json").unlink(missing_ok=True)
+    child = run_logged([sys.executable, __file__, "--child", str(out / "spec.json")], out / "train.log", timeout)
+    print(f"--- {run}: {out / 'train.log'}\n{(out / 'train.log').read_text(errors='replace')}", flush=True)
+    record: dict[str, Any] = {"run": run, **spec, "returncode": child.returncode, "seconds": round(child.seconds, 1)}
+    if child.timed_out:
+        record["timed_out"] = f"stopped after {timeout:.0f} s, the time left of --max-seconds {args.max_seconds:g}"
+    if child.returncode != 0 or child.timed_out:
+        record["log_tail"] = log_tail(out / "train.log")
+        if trainer == "draftsmith" and (out / "train" / "metrics.jsonl").is_file():
+            record["partial_train_tokens"] = draftsmith_tokens(out / "train")[0]
+        # speculators saves an epoch before validating it: a run stopped in validation still has its drafter
+        if trainer == "speculators" and any(p.name.isdigit() for p in (out / "checkpoints").glob("*")):
+            record["convert"] = convert_checkpoint(out / "checkpoints", out / "converted", str(target_dir))
         return record
     record.update(json.loads((out / "measured.json").read_text()))
     if trainer == "speculators":
@@ -287,11 +383,39 @@ def run_one(run: str, args, work: Path, data: Path, target_dir: Path, aux_ids: l
     return record
 
 
-def run_parent(args) -> dict:
+def run_all(runs: list[str], run: Callable[[str, float | None], dict], write: Callable[[list[dict]], None],
+            deadline: float | None) -> list[dict]:
+    """`run(name, seconds left)` for each run while time is left before `deadline` (time.monotonic), a
+    skipped record for each after it; `write` gets the records so far after each, so an overrun keeps them."""
+    records: list[dict] = []
+    for name in runs:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left < MIN_RUN_S:
+            records.append({"run": name, "skipped": f"{max(0.0, left):.0f} s left of --max-seconds"})
+        else:
+            records.append(run(name, left))
+        write(records)
+    return records
+
+
+def write_json(path: Path, result: dict) -> None:
+    """The results JSON, written whole to a temporary name and renamed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def run_parent(args, started: float | None = None) -> dict:
+    """Export the store, train every run and write args.out after each; `started` (time.monotonic) is
+    where --max-seconds counts from."""
+    import torch
+
     from draftsmith.interop import EXPORT_INFO, export_speculators, write_index
     from draftsmith.store import FeatureStore
     from draftsmith.target import resolve_target
 
+    started = time.monotonic() if started is None else started
     runs = args.only or list(RUNS)
     if any(r.startswith("speculators") for r in runs):
         if importlib.util.find_spec("speculators") is None:
@@ -309,18 +433,42 @@ def run_parent(args) -> dict:
             sys.exit(f"the speculators index of {data} is {index}")
     vocab = store.identity["target"]["vocab_size"]
     lengths = [store.sample_length(k) for k in range(len(store))]
-    records = [run_one(r, args, work, data, target_dir, store.identity["aux_layer_ids"], vocab, lengths)
-               for r in runs]
-    import torch
-
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    return {"date": datetime.date.today().isoformat(), "device": device,
-            "torch": torch.__version__, "speculators": SPECULATORS_VERSION, "store": str(Path(args.store).resolve()),
-            "target": str(target_dir), "epochs": args.epochs, "num_samples": len(store),
-            "store_tokens": store.manifest["num_tokens"], "runs": records,
-            "settings": [s.__dict__ for s in SETTINGS],
-            "note": "wall_s covers the whole train call (model build, epochs, validation, checkpoint) for both "
-                    "trainers; step_tokens_per_s (draftsmith only) sums its logged step times"}
+    result = {"date": datetime.date.today().isoformat(), "device": device,
+              "torch": torch.__version__, "speculators": SPECULATORS_VERSION, "store": str(Path(args.store).resolve()),
+              "target": str(target_dir), "epochs": args.epochs, "num_samples": len(store),
+              "store_tokens": store.manifest["num_tokens"], "max_seconds": args.max_seconds, "complete": False,
+              "runs": [], "settings": [s.__dict__ for s in SETTINGS],
+              "note": "wall_s covers the whole train call (model build, epochs, validation, checkpoint) for both "
+                      "trainers; step_tokens_per_s (draftsmith only) sums its logged step times"}
+
+    def one(run: str, left: float | None) -> dict:
+        return run_one(run, args, work, data, target_dir, store.identity["aux_layer_ids"], vocab, lengths, left)
+
+    deadline = None if args.max_seconds is None else started + args.max_seconds - RESERVE_S
+    result["runs"] = run_all(runs, one, lambda records: write_json(Path(args.out), {**result, "runs": records}),
+                             deadline)
+    result["complete"] = True
+    write_json(Path(args.out), result)
+    return result
+
+
+def summary(result: dict) -> str:
+    """One line per run, and the end of the log tail of each that failed or was stopped: what a
+    12,000-character tail of the device's output has room for."""
+    lines = [f"== summary: {result['device']}, torch {result['torch']}, {result['num_samples']} samples"]
+    for r in result["runs"]:
+        if "skipped" in r:
+            lines.append(f"{r['run']:22s} skipped: {r['skipped']}")
+            continue
+        peak, convert = r.get("peak_gpu_mem_gib"), r.get("convert")
+        conv = "-" if convert is None else "ok" if convert["ok"] else "refused: " + convert["error"].splitlines()[0]
+        lines.append(f"{r['run']:22s} rc {r['returncode']} | {r['seconds']:.0f} s | "
+                     f"{r.get('tokens_per_s', float('nan')):,.0f} tok/s | "
+                     f"peak {'-' if peak is None else f'{peak:.1f} GiB'} | convert {conv}"
+                     + (f" | {r['timed_out']}" if "timed_out" in r else ""))
+        lines += [f"    {line[:200]}" for line in r.get("log_tail", [])[-SUMMARY_TAIL:]]
+    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -331,12 +479,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=float, default=1.0, help="epochs for every run (speculators: rounded up)")
     p.add_argument("--only", action="append", choices=RUNS, help="run only these (repeatable; default all four)")
     p.add_argument("--out", default=str(RESULTS), help="results JSON")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="wall-time budget of the whole benchmark: a run still going when it is spent is stopped, "
+                        "later runs are skipped, and the JSON keeps what finished (it is rewritten after each run)")
     p.add_argument("--check-env", action="store_true", help="only list speculators' unmet requirements here")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.monotonic()
     args = build_parser().parse_args(argv)
     if args.child:
         spec_path = Path(args.child)
@@ -349,14 +501,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if problems else 0
     if not args.store:
         build_parser().error("--store is required")
-    result = run_parent(args)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    for r in result["runs"]:
-        peak = r.get("peak_gpu_mem_gib")
-        print(f"{r['run']:22s} rc {r['returncode']} | {r.get('tokens_per_s', float('nan')):,.0f} tok/s | peak "
-              f"{'-' if peak is None else f'{peak:.1f} GiB'} | convert {r.get('convert', {}).get('ok', '-')}")
-    return 0 if all(r["returncode"] == 0 for r in result["runs"]) else 1
+    result = run_parent(args, started)
+    print(summary(result))
+    return 0 if all(r.get("returncode") == 0 and "timed_out" not in r for r in result["runs"]) else 1
 
 
 if __name__ == "__main__":

@@ -126,7 +126,7 @@ def test_without_speculators_the_run_stops_and_says_what_to_carry(monkeypatch, t
 
 def test_parser_takes_repeated_only_and_refuses_unknown_runs(capsys):
     args = cmp.build_parser().parse_args(["--store", "s", "--only", "draftsmith-defaults", "--only", "draftsmith-matched"])
-    assert args.only == ["draftsmith-defaults", "draftsmith-matched"] and args.epochs == 1.0
+    assert args.only == ["draftsmith-defaults", "draftsmith-matched"] and args.epochs == 1.0 and args.max_seconds is None
     with pytest.raises(SystemExit):
         cmp.build_parser().parse_args(["--store", "s", "--only", "eagle"])
     assert "invalid choice" in capsys.readouterr().err
@@ -160,3 +160,96 @@ def test_speculators_train_tokens_are_its_first_rows_shifted_by_one():
     # ArrowDataset: train = rows [0, int(n * ratio)); shift_batch drops one token per sample
     assert cmp.train_split_tokens([10, 20, 30, 40], 0.5) == 9 + 19
     assert cmp.train_split_tokens([10, 20, 30, 40], 0.9) == 9 + 19 + 29
+
+
+def test_a_child_past_its_time_is_stopped_and_its_log_kept(tmp_path):
+    log = tmp_path / "run.log"
+    done = cmp.run_logged([sys.executable, "-c", "print('trained')"], log, timeout=60)
+    assert (done.returncode, done.timed_out) == (0, False) and log.read_text() == "trained\n"
+    slow = cmp.run_logged([sys.executable, "-c", "import time; print('step 1', flush=True); time.sleep(60)"], log, 1)
+    assert slow.timed_out and slow.returncode != 0 and slow.seconds < 30 and "step 1" in log.read_text()
+
+
+def test_a_child_that_ignores_sigterm_is_killed_after_the_grace(tmp_path, monkeypatch):
+    monkeypatch.setattr(cmp, "GRACE_S", 1)
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+    got = cmp.run_logged([sys.executable, "-c", code], tmp_path / "log", timeout=2)
+    assert got.timed_out and got.returncode == -9 and got.seconds < 30
+
+
+def test_log_tail_leaves_out_progress_bars(tmp_path):
+    log = tmp_path / "log"
+    log.write_text("start\n\nEpoch 0  50% \u2501\u2501\u2501 1/2 [ 0:00:01 , 2.0 it/s ]\n 10%|#  | 1/10\n"
+                   + "Traceback\n" + "x" * 400 + "\nRuntimeError: boom\n")
+    assert cmp.log_tail(log) == ["start", "Traceback", "x" * 300, "RuntimeError: boom"]
+    assert cmp.log_tail(log, 1) == ["RuntimeError: boom"] and cmp.log_tail(tmp_path / "none") == []
+
+
+def test_runs_past_the_deadline_are_skipped_and_every_record_is_written_at_once(monkeypatch):
+    clock = iter([0.0, 50.0, 100.0, 200.0])
+    monkeypatch.setattr(cmp.time, "monotonic", lambda: next(clock))
+    written: list[list[str]] = []
+    records = cmp.run_all(list(cmp.RUNS), lambda name, left: {"run": name, "left": left},
+                          lambda recs: written.append([r["run"] for r in recs]), deadline=120.0)
+    assert [r.get("left") for r in records] == [120.0, 70.0, None, None]  # 20 s left < MIN_RUN_S: not started
+    assert "skipped" in records[2] and "skipped" in records[3]
+    assert written == [list(cmp.RUNS[:k]) for k in range(1, 5)]
+    assert cmp.run_all(["a"], lambda name, left: {"run": name, "left": left}, lambda r: None, None)[0]["left"] is None
+
+
+def test_summary_is_a_line_a_run_with_the_log_tail_of_a_failure():
+    result = {"device": "cpu", "torch": "2.11.0", "num_samples": 12, "runs": [
+        {"run": "speculators-defaults", "returncode": 0, "seconds": 230.7, "tokens_per_s": 9.6, "peak_gpu_mem_gib": None,
+         "convert": {"ok": False, "error": "1 tensor(s) have no place\n  got: input_norm.weight"}},
+        {"run": "speculators-matched", "returncode": -15, "seconds": 300.0, "timed_out": "stopped after 300 s",
+         "log_tail": ["Traceback", "KeyboardInterrupt"]},
+        {"run": "draftsmith-defaults", "skipped": "3 s left of --max-seconds"}]}
+    lines = cmp.summary(result).splitlines()
+    assert lines[0].startswith("== summary") and len(lines) == 6
+    assert "convert refused: 1 tensor(s) have no place" in lines[1] and "got:" not in lines[1]
+    assert "stopped after 300 s" in lines[2] and lines[3:5] == ["    Traceback", "    KeyboardInterrupt"]
+    assert lines[5].split() == ["draftsmith-defaults", "skipped:", "3", "s", "left", "of", "--max-seconds"]
+
+
+def test_results_json_is_replaced_whole(tmp_path):
+    out = tmp_path / "r" / "speculators_compare.json"
+    cmp.write_json(out, {"runs": [1]})
+    cmp.write_json(out, {"runs": [1, 2]})
+    assert json.loads(out.read_text()) == {"runs": [1, 2]} and [p.name for p in out.parent.iterdir()] == [out.name]
+
+
+def test_cpu_smoke_argv_resolves_in_speculators_own_config():
+    pytest.importorskip("speculators")
+    from speculators.train.config import TrainConfig as SpecConfig
+
+    argv = cmp.speculators_argv("speculators-defaults", Path("/d"), Path("/t"), Path("/w/c"), [2, 15, 27], 1, 64)
+    flat = SpecConfig.resolve([*argv, *cmp.CPU_SMOKE_ARGV]).flatten()
+    assert (flat["draft_attn_impl"], flat["num_workers"], flat["loss_implementation"]) == ("sdpa", 2, "eager")
+    assert SpecConfig.resolve(argv).flatten()["draft_attn_impl"] == "simple_flex_attention"  # the GPU keeps its own
+
+
+def test_a_stopped_speculators_run_still_converts_the_epoch_it_saved(checkpoint, tmp_path, monkeypatch):
+    _, ckpt = checkpoint
+    save = tmp_path / "work" / "speculators-matched" / "checkpoints"
+    write_speculators_trained(load_file(str(ckpt / "model.safetensors")), CFG, save / "0")
+    (save / "interrupted").mkdir()  # what its graceful shutdown saves on SIGTERM: not an epoch
+
+    def stopped(cmd, log, timeout):
+        log.write_text("Epoch 0 100% \u2501\u2501 1/1\nValidation epoch 1/1 started\nKilled\n")
+        return cmp.ChildResult(-15, True, timeout + 3)
+
+    monkeypatch.setattr(cmp, "run_logged", stopped)
+    args = cmp.build_parser().parse_args(["--store", str(tmp_path / "store"), "--max-seconds", "120"])
+    record = cmp.run_one("speculators-matched", args, tmp_path / "work", tmp_path / "data",
+                         tiny_target_config(tmp_path / "target"), [2, 15, 27], 96, [10, 20], timeout=100)
+    assert record["timed_out"] == "stopped after 100 s, the time left of --max-seconds 120"
+    assert record["log_tail"] == ["Validation epoch 1/1 started", "Killed"] and "wall_s" not in record
+    assert record["convert"]["ok"] and record["convert"]["source"].endswith("/0")
+
+
+def test_summary_shows_only_the_end_of_a_long_log_tail():
+    tail = [f"line {k}" for k in range(25)]
+    result = {"device": "cpu", "torch": "2.11.0", "num_samples": 1,
+              "runs": [{"run": r, "returncode": 1, "seconds": 1.0, "log_tail": tail} for r in cmp.RUNS]}
+    text = cmp.summary(result)
+    assert text.count("    line") == 4 * cmp.SUMMARY_TAIL and "line 12" not in text and len(text) < 12_000
