@@ -337,28 +337,33 @@ def parse_engine_env(text: str) -> dict[str, str]:
 
 
 def parse_engine_args(text: str) -> dict[str, str]:
-    """`--key value` / `--key=value` / `--flag` into {key_with_underscores: value} (environment assignments are
-    `parse_engine_env`'s)."""
+    """`--key value` / `--key=value` / `-k value` / `--flag` / `--key v1 v2` (a list flag such as SGLang's
+    --cuda-graph-bs) into {key_with_underscores: value} (environment assignments are `parse_engine_env`'s). A token
+    is a flag when it starts with `-` and is not a number, so a single-dash flag after a switch (`--trust-remote-code
+    -tp 2`) starts a flag of its own."""
     out: dict[str, str] = {}
     tokens = [tok for tok in shlex.split(text or "") if not ENV_ASSIGNMENT.match(tok)]
+    if tokens and not _is_flag(tokens[0]):
+        raise DraftsmithError("cannot parse --engine-args", got=repr(tokens[0]),
+                              expected="engine flags such as '--tensor-parallel-size 8 --max-model-len 32768'",
+                              fix="quote the whole flag string once: --engine-args '--tp 8 ...'")
     i = 0
     while i < len(tokens):
-        tok = tokens[i]
-        if not tok.startswith("-"):
-            raise DraftsmithError("cannot parse --engine-args", got=repr(tok),
-                                  expected="engine flags such as '--tensor-parallel-size 8 --max-model-len 32768'",
-                                  fix="quote the whole flag string once: --engine-args '--tp 8 ...'")
-        key, _, value = tok.lstrip("-").partition("=")
-        if not value:
-            has_value = i + 1 < len(tokens) and not tokens[i + 1].startswith("--")
-            value = tokens[i + 1] if has_value else "true"
-            i += has_value
-        out[key.replace("-", "_")] = value
+        key, _, value = tokens[i].lstrip("-").partition("=")
+        values = []
+        while i + 1 < len(tokens) and not _is_flag(tokens[i + 1]):
+            values.append(tokens[i + 1])
+            i += 1
+        out[key.replace("-", "_")] = value or " ".join(values) or "true"
         i += 1
     aliases = {"tp": "tensor_parallel_size", "tp_size": "tensor_parallel_size", "pp": "pipeline_parallel_size",
                "pp_size": "pipeline_parallel_size",
                "speculative_draft_model": "speculative_draft_model_path"}
     return {aliases.get(k, k): v for k, v in out.items()}
+
+
+def _is_flag(token: str) -> bool:
+    return token.startswith("-") and not re.fullmatch(r"-\d+(\.\d+)?", token)
 
 
 def speculative_config(engine: str, raw: str | None, args: dict[str, str], drafter: str) -> tuple[dict, bool]:
@@ -479,6 +484,7 @@ def release_facts(rel: EngineRelease) -> dict[str, Any]:
         "engine_sm100_mla_archs": get("sm100_trtllm_mla_archs"), "engine_pp_spec_algorithms": get("pp_spec_algorithms"),
         "engine_speculators_types": get("speculators_types"), "engine_probe_map": get("multimodal_probe_map"),
         "engine_eagle3_naming": get("eagle3_arch_naming"), "engine_mla_drafter_types": get("mla_drafter_model_types"),
+        "engine_embed_head_archs": get("embed_head_archs"),
     }
 
 
@@ -613,6 +619,9 @@ def target_facts(path: Path, book: RuleBook, version: str, rf: dict[str, Any]) -
         "target_arch": arch, "target_module": module,
         "target_config_class": arch.replace("ForConditionalGeneration", "Config").replace("ForCausalLM", "Config"),
         "target_supports_eagle3": supports_eagle3(arch, module, rf),
+        "target_has_embed_head": None if rf["engine_embed_head_archs"] is None or not module
+        else arch in rf["engine_embed_head_archs"],
+        "target_embed_head_first": first_release_listing(facts_table().get(rf["engine"], {}), "embed_head_archs", arch),
         "target_whitelist_blocked": None if whitelist is None else not any(w in spec.model_type for w in whitelist),
         "target_num_heads": spec.num_heads, "target_num_kv_heads": spec.num_kv_heads,
         "target_num_layers": spec.num_layers, "target_hidden_size": spec.hidden_size, "target_vocab_size": spec.vocab_size,
@@ -765,8 +774,13 @@ def norm_facts(f: dict[str, Any], engine: str, book: RuleBook, version: str) -> 
 
 def first_release_reading(rows: dict[str, dict[str, Any]], flag: str) -> str:
     """The first release of one engine's facts-table rows whose EAGLE-3 drafter loader reads `flag`."""
-    reading = [v for v, facts in rows.items() if flag in (facts.get("norm_flags_read") or [])]
-    return min(reading, key=Version) if reading else "no release read so far"
+    return first_release_listing(rows, "norm_flags_read", flag)
+
+
+def first_release_listing(rows: dict[str, dict[str, Any]], fact: str, item: str) -> str:
+    """The first release of one engine's facts-table rows whose list `fact` holds `item`."""
+    listing = [v for v, facts in rows.items() if item in (facts.get(fact) or [])]
+    return min(listing, key=Version) if listing else "no release read so far"
 
 
 def spec_facts(engine: str, spec: dict, args: dict[str, str], f: dict[str, Any]) -> dict[str, Any]:
