@@ -21,6 +21,8 @@ Facts per release (each names the file it came from in `sources`):
          multimodal_probe_map (architecture -> target-config attribute the drafter loader reads as the image token
          of a multimodal target; `*` for any other multimodal target).
   SGLang eagle3_archs (EntryClass names whose class or a parent defines set_eagle3_layers_to_capture),
+         embed_head_archs (EntryClass names whose class or a parent defines get_embed_and_head, which the EAGLE /
+         EAGLE-3 draft worker calls on the target right after loading the drafter),
          arch_modules (EntryClass name -> model file), eagle3_modules with aux_shift per model file, draft_archs (EntryClass of the *eagle3* model files) (plus1 | plus1_if_first_is_1 | plus1_unless_last_boundary
          | as_is | delegates), aux_ids_read, norm_flags_read, mla_drafter (kimi_k25_eagle3.py),
          capture_error (the ValueError text naming set_eagle3_layers_to_capture, when the release has one),
@@ -57,18 +59,13 @@ FIRST = {"vllm": Version("0.8.0"), "sglang": Version("0.4.0")}
 # ---------------------------------------------------------------- releases
 
 def releases(engine: str) -> list[str]:
-    """Every release on the index from FIRST[engine] on; vLLM: all, SGLang: the newest patch of each minor."""
+    """Every release on the index from FIRST[engine] on, post releases included (SGLang fixes model files in them:
+    MiniMax-M2's get_embed_and_head landed between 0.5.5.post1 and 0.5.5.post3, sglang#13297)."""
     out = subprocess.run([sys.executable, "-m", "pip", "index", "versions", engine], capture_output=True,
                          text=True, check=True).stdout
     line = next(ln for ln in out.splitlines() if ln.startswith("Available versions:"))
     found = sorted((Version(v.strip()) for v in line.split(":", 1)[1].split(",")), reverse=False)
-    found = [v for v in found if v >= FIRST[engine] and not v.is_prerelease]
-    if engine == "vllm":
-        return [str(v) for v in found]
-    newest: dict[tuple[int, int, int], Version] = {}
-    for v in found:  # post releases collapse onto their release (0.5.6.post2 stands for 0.5.6)
-        newest[v.release[:3]] = v
-    return [str(v) for v in newest.values()]
+    return [str(v) for v in found if v >= FIRST[engine] and not v.is_prerelease]
 
 
 def download(engine: str, version: str, into: Path) -> Path:
@@ -322,21 +319,14 @@ def sglang_facts(wheel: Wheel) -> dict:
                 break
     all_classes = model_classes(wheel, "sglang/srt/models/")
     found = supporting(all_classes, lambda bases, body: "def set_eagle3_layers_to_capture" in body)
-    entry = {}
-    for name in wheel.under("sglang/srt/models/"):
-        m = re.search(r"^EntryClass\s*=\s*\[?([\w,\s]+)\]?", wheel.text(name), re.M)
-        for cls in (m.group(1).split(",") if m else []):
-            if cls.strip():
-                entry[cls.strip()] = _module(name)
-    draft_archs = set()
-    for name in wheel.under("sglang/srt/models/"):
-        if "eagle3" in _module(name):
-            m = re.search(r"^EntryClass\s*=\s*\[?([\w,\s]+)\]?", wheel.text(name), re.M)
-            draft_archs |= {a.strip() for a in (m.group(1).split(",") if m else []) if a.strip()}
+    embed_head = supporting(all_classes, lambda bases, body: "def get_embed_and_head" in body)
+    entry = {cls: _module(name) for name in wheel.under("sglang/srt/models/") for cls in entry_classes(wheel.text(name))}
+    draft_archs = {cls for cls, module in entry.items() if "eagle3" in module}
     return {
         "eagle3_modules": sorted(shifts),
         "draft_archs": sorted(draft_archs),
         "eagle3_archs": sorted(a for a in entry if a in found and a not in draft_archs),
+        "embed_head_archs": sorted(a for a in entry if a in embed_head and a not in draft_archs),
         "arch_modules": dict(sorted(entry.items())),
         "aux_shift": dict(sorted(shifts.items())),
         "aux_ids_read": bool(readers),
@@ -353,6 +343,13 @@ def sglang_facts(wheel: Wheel) -> dict:
         "pp_spec_algorithms": sglang_pp_spec_algorithms(wheel),
         "sources": {"drafter": eagle3_name, "aux_ids": readers, "capture_error": capture_error},
     }
+
+
+def entry_classes(text: str) -> list[str]:
+    """The names a model file registers: `EntryClass = X` or `EntryClass = [X, Y]` (a bare name ends at its line:
+    `EntryClass = Gemma3ForCausalLM` followed by `AutoModel = ...` registers Gemma3ForCausalLM alone)."""
+    m = re.search(r"^EntryClass\s*=\s*(\[[^\]]*\]|\w+)", text, re.M)
+    return re.findall(r"\w+", m.group(1)) if m else []
 
 
 def sglang_draft_context(wheel: Wheel) -> str | None:

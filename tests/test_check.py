@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith import check
+from draftsmith import check, rulebook
 from draftsmith.cli import main
 from draftsmith.errors import DraftsmithError
 from draftsmith.safetensors_header import read_header, read_model_tensors
@@ -102,7 +102,7 @@ def test_a_malformed_rule_is_rejected_at_load(monkeypatch, tmp_path):
     (tmp_path / "vllm.yaml").write_text(
         "default_version: '0.33.0'\nrules:\n- {id: x, severity: error, when: [{fact: a, op: true}], "
         "message: m, fix: f, source: s}\n")
-    monkeypatch.setattr(check, "RULES_DIR", tmp_path)
+    monkeypatch.setattr(rulebook, "RULES_DIR", tmp_path)
     with pytest.raises(DraftsmithError, match="rule schema") as err:
         check.load_rules("vllm")
     assert "rules[0].when[0]" in err.value.got and "op" in err.value.got
@@ -120,7 +120,7 @@ def test_a_malformed_rule_is_rejected_at_load(monkeypatch, tmp_path):
 def test_the_rule_schema_names_each_problem(monkeypatch, tmp_path, bad, where):
     """The schema holds under `python -O` too (no assert), and the error points at the field."""
     (tmp_path / "vllm.yaml").write_text(f"default_version: '0.33.0'\nrules:\n- {bad}\n")
-    monkeypatch.setattr(check, "RULES_DIR", tmp_path)
+    monkeypatch.setattr(rulebook, "RULES_DIR", tmp_path)
     with pytest.raises(DraftsmithError, match="rule schema") as err:
         check.load_rules("vllm")
     assert f"rules[0].{where}" in err.value.got
@@ -145,7 +145,7 @@ def test_a_misspelled_fact_is_caught(monkeypatch, tmp_path, smol_target):
     (tmp_path / "rules" / "vllm.yaml").write_text(
         "default_version: '0.33.0'\nrules:\n- {id: x, severity: error, when: [{fact: target_num_layer, op: gt, "
         "value: 4}], message: '{target_num_layers} layers', fix: f, source: s}\n")
-    monkeypatch.setattr(check, "RULES_DIR", tmp_path / "rules")
+    monkeypatch.setattr(rulebook, "RULES_DIR", tmp_path / "rules")
     rule = check.load_rules("vllm").rules[0]
     assert check.referenced_facts(rule) - gathered_facts("vllm", tmp_path, smol_target) == {"target_num_layer"}
 

@@ -24,7 +24,7 @@ VLLM_KEYS = {"eagle3_whitelist", "eagle3_modules", "eagle3_archs", "aux_ids_read
              "multimodal_probe_map", "eagle3_arch_naming"}
 SGLANG_KEYS = {"eagle3_modules", "eagle3_archs", "arch_modules", "draft_archs", "aux_shift", "aux_ids_read", "norm_flags_read",
                "mla_drafter", "capture_error", "draft_context", "draft_context_rope_raised", "sm100_trtllm_mla_archs",
-               "pp_spec_algorithms"}
+               "pp_spec_algorithms", "embed_head_archs"}
 
 
 def write(folder: Path, config: dict) -> Path:
@@ -53,7 +53,7 @@ def errors(findings, kind=None) -> list[str]:
 # ---------------------------------------------------------------- the table itself
 
 @pytest.mark.parametrize("engine, keys, oldest, at_least", [
-    ("vllm", VLLM_KEYS, "0.8.0", 40), ("sglang", SGLANG_KEYS, "0.4.0", 25)])
+    ("vllm", VLLM_KEYS, "0.8.0", 40), ("sglang", SGLANG_KEYS, "0.4.0", 90)])
 def test_the_table_covers_every_release_read_with_every_fact(engine, keys, oldest, at_least):
     rows = check.facts_table()[engine]
     assert len(rows) >= at_least
@@ -79,7 +79,11 @@ def test_the_whitelist_per_release_is_the_one_the_wheel_holds(version, whitelist
 
 
 def test_a_post_release_and_an_unlisted_patch_use_the_release_they_belong_to():
-    assert check.engine_release("sglang", "0.5.6").read == "0.5.6.post2"
+    """SGLang is read per post release (model files change in them); an unlisted patch uses the newest release at
+    or below it."""
+    assert check.engine_release("sglang", "0.5.6").read == "0.5.6"
+    assert check.engine_release("sglang", "0.5.5.post2").read == "0.5.5.post2"
+    assert check.engine_release("sglang", "0.5.5.post9").read == "0.5.5.post3"
     assert check.engine_release("vllm", "0.9.0.1").read == "0.9.0.1"
     assert check.engine_release("vllm", "0.13.1").read == "0.13.0"
     assert check.engine_release("vllm", "0.10.1").read == "0.10.1"  # not its later patch 0.10.1.1
@@ -115,6 +119,34 @@ def test_support_is_decided_per_class_with_inheritance_resolved(tmp_path):
     findings, facts = run(target, drafter, engine="sglang", version="0.5.7")
     assert facts["target_module"] and facts["target_supports_eagle3"] is False
     assert "sglang.layer-capture" in errors(findings, "start")
+
+
+def test_entry_classes_are_read_per_name_not_across_lines():
+    """`EntryClass = Gemma3ForCausalLM` followed by `AutoModel = ...` registers Gemma3ForCausalLM (the table once
+    keyed it 'Gemma3ForCausalLM\\nAutoModel', so SGLang's Gemma 3 and Qwen3-Next targets were 'unknown')."""
+    modules = check.engine_release("sglang", "0.5.23").facts["arch_modules"]
+    assert modules["Gemma3ForCausalLM"] == "gemma3_causal" and modules["Qwen3NextForCausalLM"] == "qwen3_next"
+    assert not [name for name in modules if not name.isidentifier()]
+
+
+def test_sglang_targets_without_get_embed_and_head_cannot_start_an_eagle_worker(tmp_path):
+    """The EAGLE draft worker calls get_embed_and_head() on the target right after loading the drafter (EAGLE and
+    EAGLE3): MiniMax-M2 lacked it until 0.5.5.post3 (sglang#13297), Qwen3-VL-MoE lacks it (sglang#17935)."""
+    target = write(tmp_path / "minimax-m2", {
+        "architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2", "hidden_size": 3072,
+        "num_hidden_layers": 62, "num_attention_heads": 48, "num_key_value_heads": 8, "head_dim": 128,
+        "vocab_size": 200064, "max_position_embeddings": 196608})
+    drafter = llama_drafter(tmp_path, hidden_size=3072, num_attention_heads=48, vocab_size=200064,
+                            max_position_embeddings=196608)
+    findings, facts = run(target, drafter, engine="sglang", version="0.5.5.post2")
+    assert facts["target_has_embed_head"] is False
+    rule = next(f for f in findings if f.rule == "sglang.embed-and-head")
+    assert (rule.severity, rule.kind) == ("error", "start") and "0.5.5.post3" in rule.fix
+    findings, facts = run(target, drafter, engine="sglang", version="0.5.5.post3")
+    assert facts["target_has_embed_head"] is True and "sglang.embed-and-head" not in errors(findings)
+    eagle = "--speculative-algorithm EAGLE --speculative-draft-model-path D"
+    findings, _ = run(target, drafter, engine="sglang", version="0.5.5.post2", engine_args=eagle)
+    assert errors(findings)[0] == "sglang.embed-and-head"  # a start error outranks EAGLE's silent accept collapse
 
 
 def test_explicit_aux_ids_are_ignored_by_releases_that_do_not_read_them(tmp_path):
@@ -306,13 +338,13 @@ def test_an_mha_drafter_inheriting_sglangs_mla_backend_will_not_start(tmp_path, 
 
 
 def test_the_mla_default_follows_the_release_list_and_spares_mla_drafters(tmp_path):
-    """DeepSeek-V3 is on the SM100 trtllm_mla list from 0.5.3.post3 (the table's first release with it); an MLA
+    """DeepSeek-V3 is on the SM100 trtllm_mla list from 0.5.3.post2 (the table's first release with it, read per post release); an MLA
     drafter runs on that backend."""
     drafter = write(tmp_path / "ds-eagle3", {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
                                              "hidden_size": 7168, "vocab_size": 129280, "num_attention_heads": 56,
                                              "max_position_embeddings": 163840})
     first = min((v for v, f in check.facts_table()["sglang"].items() if f["sm100_trtllm_mla_archs"]), key=Version)
-    assert first == "0.5.3.post3"
+    assert first == "0.5.3.post2"
     for version, fires in (("0.5.2", False), (first, True)):
         findings, _ = check.run_checks(TARGETS / "deepseek-v3", drafter, "sglang", version, None, SG_ARGS, gpu="B200")
         assert ("sglang.draft-attention-mla-backend" in errors(findings)) is fires, version
@@ -349,6 +381,16 @@ def test_a_drafter_with_a_shorter_context_than_the_target_on_sglang(version, env
     findings, _ = check.run_checks(TARGETS / "llama-3.1-8b", DRAFTERS / "eagle3-llama3.1-8b-original", "sglang",
                                    version, None, env + "--speculative-algorithm EAGLE3 --context-length 2048")
     assert not [f for f in findings if f.rule.startswith("sglang.draft-context")]
+
+
+def test_engine_args_read_single_dash_flags_negative_numbers_and_lists():
+    """A single-dash flag after a switch starts a flag of its own (vllm#22872's '--trust-remote-code -tp 1' was
+    once read as trust_remote_code='-tp' and then refused); '-1' is a value; SGLang's list flags keep every value."""
+    args = check.parse_engine_args("--trust-remote-code -tp 2 --chunked-prefill-size -1 --cuda-graph-bs 32 40")
+    assert args == {"trust_remote_code": "true", "tensor_parallel_size": "2", "chunked_prefill_size": "-1",
+                    "cuda_graph_bs": "32 40"}
+    with pytest.raises(DraftsmithError):
+        check.parse_engine_args("tp 2")
 
 
 def test_environment_assignments_in_engine_args_are_the_servers_environment():
