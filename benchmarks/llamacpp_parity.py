@@ -106,7 +106,7 @@ def main() -> None:
                                    capture_output=True, text=True)
         log = (tmp / "llama.log").read_text(errors="replace")
         result["llamacpp"] = window(before, after) | {
-            "timings_draft_n": sum(c.draft_n for c in done), "timings_draft_n_accepted": sum(c.draft_n_accepted for c in done),
+            "timings_draft_n": sum(c.timings.draft_n for c in done), "timings_draft_n_accepted": sum(c.timings.draft_n_accepted for c in done),
             "tokens_equal_to_llamacpp_without_drafter": [c.tokens == p.tokens for c, p in zip(done, plain)],
             "extract_layers_line": next((ln.strip() for ln in log.splitlines() if "extract_layers =" in ln), None),
             "texts": [tok.decode(c.tokens, skip_special_tokens=True) for c in done]}

@@ -142,6 +142,37 @@ def test_server_command_drafts_exactly_k_on_loopback_with_metrics():
     assert cut[cut.index("--spec-draft-p-min") + 1] == "0.4" and cut[cut.index("--spec-draft-n-max") + 1] == "5"
 
 
+def test_server_command_ends_with_the_extra_flags():
+    cmd = llamacpp.LlamaServe(Path("t.gguf"), Path("d.gguf"), extra_args=("-lv", "4")).command(Path("llama-server"))
+    assert cmd[-2:] == ["-lv", "4"] and "--spec-draft-p-min" in cmd
+
+
+# Real `timings` of llama-server (0.3.36, SmolLM2 q8_0, shipped drafter, k=3): a 64-token generation after a
+# cached 199-token prefix, and a prompt extension by 4 tokens on the plain server (no draft fields then).
+SPEC_TIMINGS = {"cache_n": 199, "prompt_n": 1, "prompt_ms": 8.294, "prompt_per_token_ms": 8.294,
+                "prompt_per_second": 120.56908608632746, "predicted_n": 64, "predicted_ms": 539.134,
+                "predicted_per_token_ms": 8.55768253968254, "predicted_per_second": 116.85406596504764,
+                "draft_n": 63, "draft_n_accepted": 41}
+EXTENSION_TIMINGS = {"cache_n": 200, "prompt_n": 4, "prompt_ms": 17.384, "prompt_per_token_ms": 4.346,
+                     "prompt_per_second": 230.09664058904738, "predicted_n": 1, "predicted_ms": 0.001,
+                     "predicted_per_token_ms": 0.0, "predicted_per_second": 0.0}
+
+
+def test_timings_count_the_target_forwards_of_a_generation():
+    t = llamacpp.parse_timings({"timings": SPEC_TIMINGS})
+    assert (t.predicted_n, t.draft_n, t.draft_n_accepted) == (64, 63, 41)
+    # 63 tokens after the first (which the prompt's logits give): 41 came as accepted drafts, 22 from forwards
+    assert t.target_steps == 22
+    ext = llamacpp.parse_timings({"timings": EXTENSION_TIMINGS})
+    assert (ext.cache_n, ext.prompt_n, ext.prompt_ms, ext.draft_n, ext.target_steps) == (200, 4, 17.384, 0, 0)
+
+
+def test_a_response_without_timings_names_the_missing_fields():
+    with pytest.raises(DraftsmithError, match="timings") as err:
+        llamacpp.parse_timings({"content": "hi", "timings": {"prompt_n": 3}})
+    assert "predicted_ms" in str(err.value)
+
+
 def test_real_llama_server_metrics_parse_to_the_shared_definition():
     """Captured from llama-server (llama-cpp-python 0.3.36) serving SmolLM2 with an EAGLE-3 drafter, k=3."""
     before = parse_spec_counters((FIXTURES / "llamacpp_spec_before.prom").read_text())
@@ -230,8 +261,8 @@ def test_llama_server_serves_the_exported_drafter_losslessly_with_the_acceptance
     # llama.cpp's two reports agree with each other: per-response timings and the Prometheus counters
     window = after[1].minus(before[1])
     assert window.drafts > 0, "llama-server ran no drafts: the drafter was not used"
-    assert sum(c.draft_n for c in served) == window.draft_tokens
-    assert sum(c.draft_n_accepted for c in served) == window.accepted
+    assert sum(c.timings.draft_n for c in served) == window.draft_tokens
+    assert sum(c.timings.draft_n_accepted for c in served) == window.accepted
     tau_llamacpp = acceptance_from_counters(window, "llamacpp").tau
     # (b) parity with draftsmith eval on the same prompts, k and length. Both count accepted drafts + 1 per
     # verification over the same greedy tokens; they can differ only where the drafter's argmax is a

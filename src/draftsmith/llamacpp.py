@@ -229,6 +229,8 @@ class LlamaServe:
     ctx_size: int = 2048
     threads: int = 2
     parallel: int = 1
+    extra_args: tuple[str, ...] = ()
+    """Further llama-server flags, last (benchmarks: `-lv 4` logs the drafter's own timings per request)."""
 
     def command(self, binary: Path) -> list[str]:
         cmd = [str(binary), "-m", str(self.target), "--host", "127.0.0.1", "--port", str(self.port),
@@ -236,7 +238,7 @@ class LlamaServe:
                "--metrics", "--no-webui"]
         if self.drafter is not None:
             cmd += draft_args(self.drafter, self.k, self.p_min)
-        return cmd
+        return cmd + list(self.extra_args)
 
 
 @contextlib.contextmanager
@@ -251,22 +253,60 @@ def serve(spec: LlamaServe, log: Path, timeout_s: float = 300.0) -> Iterator[str
 
 
 @dataclass(frozen=True)
+class Timings:
+    """One response's `timings` (tools/server/server-common.cpp `server_slot_stats::to_json`).
+
+    `prompt_ms` runs from the slot's start to the last prompt batch; `predicted_ms` from there to the last
+    generated token, so it holds every generation step but not the prompt (server-common.h `t_gen_us`)."""
+
+    cache_n: int
+    """Prompt tokens reused from the slot's cache (cache_prompt)."""
+    prompt_n: int
+    prompt_ms: float
+    predicted_n: int
+    predicted_ms: float
+    draft_n: int = 0
+    draft_n_accepted: int = 0
+
+    @property
+    def target_steps(self) -> int:
+        """Target forwards during generation: the first token comes from the prompt's logits
+        (server-common.h `n_gen_steps`), and each later forward yields one token plus its accepted drafts."""
+        return self.predicted_n - 1 - self.draft_n_accepted
+
+
+def parse_timings(response: dict[str, Any]) -> Timings:
+    """The `timings` of a `/completion` response; draft fields are absent when nothing was drafted."""
+    t = response.get("timings") or {}
+    missing = [f for f in ("cache_n", "prompt_n", "prompt_ms", "predicted_n", "predicted_ms") if f not in t]
+    if missing:
+        raise DraftsmithError("llama-server's response lacks timings", got=f"timings keys {sorted(t)}",
+                              expected=f"also {missing}", fix=f"serve with the llama-server of {LLAMACPP_SPEC}")
+    return Timings(cache_n=int(t["cache_n"]), prompt_n=int(t["prompt_n"]), prompt_ms=float(t["prompt_ms"]),
+                   predicted_n=int(t["predicted_n"]), predicted_ms=float(t["predicted_ms"]),
+                   draft_n=int(t.get("draft_n", 0)), draft_n_accepted=int(t.get("draft_n_accepted", 0)))
+
+
+@dataclass(frozen=True)
 class Completion:
-    """One greedy `/completion` answer: the token ids and llama.cpp's own draft statistics."""
+    """One greedy `/completion` answer: the token ids and llama.cpp's own timings and draft statistics."""
 
     tokens: list[int]
-    draft_n: int
-    draft_n_accepted: int
+    timings: Timings
 
 
-def complete(base: str, prompt_ids: list[int], max_tokens: int, timeout_s: float = 300.0) -> Completion:
-    """Greedy completion of token ids (no tokenizer round trip), prompt cache off."""
+def complete(base: str, prompt_ids: list[int], max_tokens: int, timeout_s: float = 300.0,
+             cache_prompt: bool = False, ignore_eos: bool = False) -> Completion:
+    """Greedy completion of token ids (no tokenizer round trip).
+
+    Args:
+        cache_prompt: reuse the slot's cached prefix (then `timings.prompt_n` counts only the new tokens).
+        ignore_eos: generate exactly `max_tokens` tokens.
+    """
     body = {"prompt": prompt_ids, "n_predict": max_tokens, "temperature": 0.0, "return_tokens": True,
-            "cache_prompt": False}
+            "cache_prompt": cache_prompt, "ignore_eos": ignore_eos}
     req = urllib.request.Request(base + "/completion", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout_s) as r:
         res = json.loads(r.read())
-    timings = res.get("timings") or {}
-    return Completion(tokens=list(res["tokens"]), draft_n=int(timings.get("draft_n", 0)),
-                      draft_n_accepted=int(timings.get("draft_n_accepted", 0)))
+    return Completion(tokens=list(res["tokens"]), timings=parse_timings(res))

@@ -1,0 +1,354 @@
+"""What one speculative cycle costs in llama.cpp's `llama-server` on this CPU, piece by piece, and the speed-up
+bound that follows (batch 1, greedy, SmolLM2-135M target with the shipped EAGLE-3 drafter).
+
+A cycle at draft length k is: k drafter steps (llama.cpp's `draft()`: a seed step, then one step per further
+token, each with its top-10 sampling), one target forward over the k+1 tokens (verification), and the rest:
+llama.cpp runs the drafter's fc and layer again over the whole verified batch (`process()`, also over rejected
+rows: common/speculative.cpp, the comment above `common_speculative_impl_draft_eagle3`), logits for k+1 rows
+instead of 1, sampling and acceptance of k+1 tokens. Against plain decoding at T_plain per token,
+
+    speedup(k) = tau(k) * T_plain / (T_verify(k+1) + k * T_draft + overhead)
+
+All servers (one plain, one per k) run at once and are measured in turns, each round in another order, so drift
+of the shared machine reaches all alike. What is measured, at a context of about --context tokens:
+
+- T_plain: a plain server's generation, `timings.predicted_ms / (predicted_n - 1)`;
+- T_verify(n), n = 1..8: a prompt extension by n new tokens after a cached context (`cache_prompt`,
+  `timings.prompt_ms` with `prompt_n == n`) on the plain server: the target's forward over n tokens (logits for
+  the last row only, so the k extra logit rows of a verification land in the overhead);
+- the same extension on each speculative server: minus T_verify(n), what llama.cpp's `process()` adds;
+- T_cycle(k): a speculative server's generation (`ignore_eos`), `predicted_ms / target forwards`;
+- T_draft: the drafter's own time, from llama.cpp's statistics line (`-lv 4`: `dur(b,g,a)`, the g part summed
+  over `draft()` calls), per call / k;
+- tau(k) and the speed-up each server gets over the plain one, on --prompts chat-eval prompts (generation
+  time per token from `timings`, prefill excluded; tau from the `/metrics` counters as `draftsmith bench`).
+
+Each block of samples records how much CPU other processes took meanwhile and the machine's major page faults
+(machine_load.py); a block where other processes passed --max-foreign cores is dropped and counted. The servers
+map their weights as llama-server does by default (`-lm none`, reading them into memory instead, measured 7 %
+slower per plain token at q8_0 on this CPU, 9.65 against 8.99 ms, interleaved).
+Run under the shared lock, one outtype per run (3-5 minutes each):
+
+    flock /tmp/draftsmith-engine.lock .venv/bin/python benchmarks/llamacpp_step_costs.py --outtype f32
+    flock /tmp/draftsmith-engine.lock .venv/bin/python benchmarks/llamacpp_step_costs.py --outtype q8_0
+
+Writes (merges its outtype into) benchmarks/results/llamacpp_step_costs.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from draftsmith import llamacpp
+from machine_load import Meter, wait_quiet  # benchmarks/ is on sys.path when run as a script
+
+OUT = Path(__file__).parent / "results" / "llamacpp_step_costs.json"
+TRACE = ("-lv", "4")  # log verbosity 4 (trace) prints the statistics line after each request (speculative.cpp)
+STATS_RE = re.compile(r"statistics\s+(?P<impl>[\w-]+): #calls\(b,g,a\) =\s*(?P<b>\d+)\s+(?P<g>\d+)\s+(?P<a>\d+),"
+                      r".*#gen tokens =\s*(?P<gen>\d+), #acc tokens =\s*(?P<acc>\d+)"
+                      r".*dur\(b,g,a\) = (?P<tb>[\d.]+), (?P<tg>[\d.]+), (?P<ta>[\d.]+) ms")
+
+
+# ---------------------------------------------------------------- pure parts (tests/test_llamacpp_step_costs.py)
+
+@dataclass(frozen=True)
+class SpecStats:
+    """One `statistics` line of llama.cpp's speculative decoding (common_speculative_print_stats), cumulative
+    since the server started."""
+
+    draft_calls: int
+    draft_ms: float
+    """Time inside `draft()`, summed over its calls."""
+    gen_tokens: int
+    acc_tokens: int
+
+    def minus(self, before: SpecStats) -> SpecStats:
+        return SpecStats(self.draft_calls - before.draft_calls, self.draft_ms - before.draft_ms,
+                         self.gen_tokens - before.gen_tokens, self.acc_tokens - before.acc_tokens)
+
+
+def parse_spec_stats(line: str) -> SpecStats | None:
+    m = STATS_RE.search(line)
+    if m is None:
+        return None
+    return SpecStats(draft_calls=int(m["g"]), draft_ms=float(m["tg"]), gen_tokens=int(m["gen"]),
+                     acc_tokens=int(m["acc"]))
+
+
+@dataclass(frozen=True)
+class CycleCosts:
+    """One speculative cycle at draft length k against one plain decoding step, in ms."""
+
+    k: int
+    plain_ms: float
+    verify_ms: float
+    """Target forward over k+1 tokens."""
+    draft_step_ms: float
+    overhead_ms: float
+    """Everything else in a cycle."""
+
+    @property
+    def cycle_ms(self) -> float:
+        return self.verify_ms + self.k * self.draft_step_ms + self.overhead_ms
+
+    def speedup(self, tau: float) -> float:
+        """tau tokens per cycle against one token per plain step."""
+        return tau * self.plain_ms / self.cycle_ms
+
+    def tau_needed(self, speedup: float) -> float:
+        """The tau at which a cycle yields `speedup` (at most k+1 is reachable)."""
+        return speedup * self.cycle_ms / self.plain_ms
+
+
+def split_cycle(k: int, plain_ms: float, cycle_ms: float, verify_ms: float, draft_call_ms: float) -> CycleCosts:
+    """A measured cycle split into its parts: the overhead is what verification and drafting leave of it."""
+    return CycleCosts(k=k, plain_ms=plain_ms, verify_ms=verify_ms, draft_step_ms=draft_call_ms / k,
+                      overhead_ms=cycle_ms - verify_ms - draft_call_ms)
+
+
+# ---------------------------------------------------------------- measuring
+
+def next_stats(log: Path, after: SpecStats | None, timeout_s: float = 5.0) -> SpecStats:
+    """The newest statistics line once it counts more `draft()` calls than `after` (llama.cpp prints one per
+    request, drafting or not, from an asynchronous logger thread)."""
+    calls = after.draft_calls if after else -1
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = [s for s in map(parse_spec_stats, log.read_text(errors="replace").splitlines()) if s]
+        if found and found[-1].draft_calls > calls:
+            return found[-1]
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no new speculative statistics line in {log}: is the server at -lv 4?")
+        time.sleep(0.02)
+
+
+def metrics_text(base: str) -> str:
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+@dataclass
+class Server:
+    name: str
+    k: int | None
+    base: str
+    log: Path
+    stats: SpecStats | None = None
+    """The last statistics line read."""
+    blocks: int = 0
+    dropped: int = 0
+    major_faults: int = 0
+    """Pages read back from disk machine-wide during this server's blocks."""
+
+
+def context_ids(tok, n: int) -> list[int]:
+    """A chat prompt of exactly n tokens: chat-eval questions joined into one user turn, cut to length in the
+    turn's text, the assistant header kept."""
+    from draftsmith.chat import prompt_ids
+    from draftsmith.prompts import load_prompts
+
+    one = prompt_ids(tok, [{"role": "user", "content": "x"}])
+    tail = one[one.index(tok.convert_tokens_to_ids("x")) + 1:]  # end of the user turn + assistant header
+    lines: list[str] = []
+    for p in load_prompts("chat-eval"):
+        lines.append(p.messages[-1]["content"])
+        ids = prompt_ids(tok, [{"role": "user", "content": "\n".join(lines)}])
+        if len(ids) >= n:
+            assert ids[-len(tail):] == tail, "the chat template ends a user turn differently than expected"
+            return ids[:n - len(tail)] + tail
+    raise SystemExit(f"chat-eval holds fewer than {n} tokens")
+
+
+def measure_block(srv: Server, ctx: list[int], fresh, order: list[int], gen_tokens: int, samples: dict) -> None:
+    """One server's turn: prompt extensions by n tokens (the order given), then one generation."""
+    ext = {}
+    for n in order:
+        c = llamacpp.complete(srv.base, ctx + fresh(n), 1, cache_prompt=True)
+        t = c.timings
+        if t.prompt_n == n and t.cache_n == len(ctx):
+            ext[n] = t.prompt_ms
+    t = llamacpp.complete(srv.base, ctx + fresh(1), gen_tokens, cache_prompt=True, ignore_eos=True).timings
+    row = {"ext": ext, "plain_ms" if srv.k is None else "cycle_ms": t.predicted_ms / t.target_steps}
+    if srv.k is not None:
+        after = next_stats(srv.log, srv.stats)
+        window = after.minus(srv.stats)
+        srv.stats = after
+        row["draft_call_ms"] = window.draft_ms / window.draft_calls
+    samples.setdefault(srv.name, []).append(row)
+
+
+def chat_phase(servers: list[Server], prompts: list[list[int]], max_tokens: int) -> dict:
+    """Each prompt on every server (rotating order): generation ms per token, tau from /metrics, same tokens?"""
+    from draftsmith.metrics import acceptance_from_counters, parse_spec_counters
+
+    before = {s.name: parse_spec_counters(metrics_text(s.base)) for s in servers if s.k}
+    done: dict[str, list] = {s.name: [] for s in servers}
+    for i, ids in enumerate(prompts):
+        for s in servers[i % len(servers):] + servers[:i % len(servers)]:
+            done[s.name].append(llamacpp.complete(s.base, ids, max_tokens))
+            time.sleep(0.05)  # the finished server's OpenMP workers spin briefly before they sleep
+    time.sleep(0.5)
+    out = {}
+    for s in servers:
+        steps = sum(c.timings.predicted_n - 1 for c in done[s.name])
+        out[s.name] = {"ms_per_token": sum(c.timings.predicted_ms for c in done[s.name]) / steps,
+                       "tokens": sum(len(c.tokens) for c in done[s.name])}
+        if s.k:
+            source, after = parse_spec_counters(metrics_text(s.base))
+            acc = acceptance_from_counters(after.minus(before[s.name][1]), source)
+            out[s.name] |= {"tau": acc.tau, "per_position": acc.per_position,
+                            "same_tokens_as_plain": [c.tokens for c in done[s.name]] == [c.tokens for c in done["plain"]]}
+    return out
+
+
+def median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def summarize(samples: dict, ks: list[int], chat: dict) -> dict:
+    ext = {name: {n: median([r["ext"].get(n) for r in rows]) for n in range(1, 9)} for name, rows in samples.items()}
+    plain_ms = median([r["plain_ms"] for r in samples["plain"]])
+    rows = []
+    for k in ks:
+        name = f"k{k}"
+        cycle_ms = median([r["cycle_ms"] for r in samples[name]])
+        draft_call_ms = median([r["draft_call_ms"] for r in samples[name]])
+        costs = split_cycle(k, plain_ms, cycle_ms, ext["plain"][k + 1], draft_call_ms)
+        tau = chat[name]["tau"]
+        rows.append({"k": k, "tau": tau, "cycle_ms": cycle_ms, "verify_ms": costs.verify_ms,
+                     "draft_step_ms": costs.draft_step_ms, "drafts_ms": k * costs.draft_step_ms,
+                     "overhead_ms": costs.overhead_ms,
+                     "reprocess_ms": ext[name][k + 1] - ext["plain"][k + 1],
+                     "bound_speedup": costs.speedup(tau),
+                     "ceiling_free_drafter": tau * plain_ms / costs.verify_ms,
+                     "measured_speedup": chat["plain"]["ms_per_token"] / chat[name]["ms_per_token"],
+                     "tau_for_1x": costs.tau_needed(1.0), "tau_for_1_5x": costs.tau_needed(1.5), "max_tau": k + 1})
+    return {"plain_ms": plain_ms, "verify_ms": ext["plain"], "extension_ms": ext, "per_k": rows, "chat": chat}
+
+
+def print_table(s: dict) -> None:
+    print(f"plain step {s['plain_ms']:.2f} ms; verify(n) " +
+          " ".join(f"{n}:{v:.1f}" for n, v in s["verify_ms"].items() if v is not None))
+    for r in s["per_k"]:
+        print(f"k={r['k']}: cycle {r['cycle_ms']:.1f} = verify({r['k'] + 1}) {r['verify_ms']:.1f} + {r['k']} x draft "
+              f"{r['draft_step_ms']:.2f} + overhead {r['overhead_ms']:.1f} (re-run of the drafter over the batch "
+              f"{r['reprocess_ms']:.1f}); tau {r['tau']:.2f} -> bound {r['bound_speedup']:.2f}x "
+              f"(measured {r['measured_speedup']:.2f}x); tau for 1.5x {r['tau_for_1_5x']:.2f} (max {r['max_tau']})",
+              flush=True)
+
+
+def measure_rounds(servers: list[Server], ctx: list[int], fresh, args) -> tuple[dict, float]:
+    """args.rounds rounds, every server one block per round, the order rotating; blocks under foreign load dropped."""
+    samples: dict[str, list] = {}
+    waited = 0.0
+    for r in range(args.rounds):
+        for s in servers[r % len(servers):] + servers[:r % len(servers)]:
+            waited += wait_quiet(args.max_foreign / 2, 60.0)
+            order = list(range(1, 9))[r % 8:] + list(range(1, 9))[:r % 8]
+            block: dict[str, list] = {}
+            with Meter() as m:
+                measure_block(s, ctx, fresh, order, args.gen_tokens, block)
+            s.blocks += 1
+            s.major_faults += m.major_faults
+            if m.cores > args.max_foreign:
+                s.dropped += 1
+            else:
+                samples.setdefault(s.name, []).extend(block[s.name])
+        print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    return samples, waited
+
+
+def start_servers(stack: contextlib.ExitStack, target_gguf: Path, drafter_gguf: Path, ks: list[int],
+                  extra: tuple[str, ...], tmp: Path) -> list[Server]:
+    """One plain server and one per k, all running at once."""
+    specs = [("plain", None, llamacpp.LlamaServe(target_gguf, extra_args=extra))]
+    specs += [(f"k{k}", k, llamacpp.LlamaServe(target_gguf, drafter_gguf, k=k, extra_args=extra)) for k in ks]
+    return [Server(name, k, stack.enter_context(llamacpp.serve(spec, tmp / f"{name}.log")), tmp / f"{name}.log")
+            for name, k, spec in specs]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--outtype", default="f32", help="GGUF type of target and drafter (f32 is what `draftsmith "
+                    "export --format llamacpp` writes by default; q8_0)")
+    ap.add_argument("--drafter", default="smollm2")
+    ap.add_argument("--target", default="smollm2")
+    ap.add_argument("--k", default="2,3,4")
+    ap.add_argument("--context", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--gen-tokens", type=int, default=64, help="tokens per timed generation (ignore_eos)")
+    ap.add_argument("--prompts", type=int, default=8, help="chat-eval prompts for tau and the measured speed-up "
+                    "(the set's 2nd to 9th: what `llamacpp_bench.py` sends after its warm-up prompt)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-foreign", type=float, default=0.25, help="drop a block where other processes kept more "
+                    "than this many cores busy")
+    ap.add_argument("--server-args", default="", help="extra llama-server flags for every server (e.g. '-td 1')")
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args()
+    from transformers import AutoTokenizer
+
+    from draftsmith.chat import prompt_ids
+    from draftsmith.prompts import load_prompts
+    from draftsmith.target import resolve_target
+    from llamacpp_bench import gguf_pair  # benchmarks/ is on sys.path when run as a script
+
+    ks = [int(k) for k in args.k.split(",")]
+    tok = AutoTokenizer.from_pretrained(resolve_target(args.target))
+    ctx = context_ids(tok, args.context)
+    chat_prompts = [prompt_ids(tok, p.messages) for p in load_prompts("chat-eval", args.prompts + 1)][1:]
+    pool = [t for ids in chat_prompts for t in ids[3:]]  # real tokens for the extensions
+    cursor = [0]
+
+    # n new tokens, starting elsewhere in the pool than the last request's did; should the server still reuse
+    # more than ctx from its cache, measure_block drops that sample (prompt_n != n)
+    def fresh(n: int) -> list[int]:
+        cursor[0] += 1
+        return [pool[(cursor[0] * 7 + i) % len(pool)] for i in range(n)]
+
+    extra = (*TRACE, *args.server_args.split())
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        tmp = Path(tmp)
+        target_gguf, drafter_gguf = gguf_pair(args.drafter, args.target, args.outtype, tmp)
+        servers = start_servers(stack, target_gguf, drafter_gguf, ks, extra, tmp)
+        for s in servers:  # warm-up: the context in the cache, one generation, the first statistics line
+            llamacpp.complete(s.base, ctx, args.gen_tokens, cache_prompt=True, ignore_eos=True)
+            s.stats = next_stats(s.log, None) if s.k else None
+        samples, waited = measure_rounds(servers, ctx, fresh, args)
+        wait_quiet(args.max_foreign / 2, 60.0)
+        with Meter() as chat_meter:
+            chat = chat_phase(servers, chat_prompts, args.max_tokens)
+        command = llamacpp.LlamaServe(target_gguf, drafter_gguf, k=ks[0], extra_args=extra).command(Path("llama-server"))
+    summary = summarize(samples, ks, chat)
+    print_table(summary)
+    key = " ".join([args.outtype, args.server_args]).strip()
+    result = {"what": f"llama-server ({args.outtype} target + {args.outtype} EAGLE-3 drafter GGUF of {args.drafter}): "
+                      "the pieces of one speculative cycle, batch 1, greedy", "outtype": args.outtype,
+              "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+              "command": f"flock /tmp/draftsmith-engine.lock .venv/bin/python benchmarks/llamacpp_step_costs.py "
+                         + " ".join(sys.argv[1:]),
+              "server_command_k_first": command, "context_tokens": len(ctx), "rounds": args.rounds,
+              "blocks_dropped_for_foreign_load": {s.name: f"{s.dropped}/{s.blocks}" for s in servers},
+              "major_faults_during_blocks": {s.name: s.major_faults for s in servers},
+              "foreign_cores_during_chat": chat_meter.cores, "major_faults_during_chat": chat_meter.major_faults,
+              "quiet_gate_waits_s_total": waited,
+              "load_average_1m_at_end": os.getloadavg()[0], **summary, "samples": samples}
+    old = json.loads(args.out.read_text()) if args.out.is_file() else {}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(old | {key: result}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
