@@ -127,7 +127,8 @@ def test_table_engines_read_ids_exactly_where_the_facts_table_says(engine):
 
 def test_a_release_between_table_rows_reads_like_the_one_before_it():
     assert aux_reading("vllm", "0.13.1").versions == "==0.13.0"
-    assert aux_reading("sglang", "0.5.6").versions == "==0.5.6.post2"  # a post release counts for its release
+    assert aux_reading("sglang", "0.5.6.post3").versions == "==0.5.6.post2"  # no wheel read for post3: the row before
+    assert aux_reading("sglang", "0.5.6").versions == "==0.5.6"  # every release's wheel is read (scripts/engine_facts.py)
     assert aux_reading("vllm", "99.0.0").versions == f"=={max(facts_table()['vllm'], key=Version)}"
 
 
