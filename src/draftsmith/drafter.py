@@ -537,8 +537,8 @@ def engine_walk_acceptance(correct: torch.Tensor, valid: torch.Tensor, k: int) -
     # Every start index links to the start after its chain; the walk from a row's first start is that linked
     # list. Its sums come from pointer doubling (log2 T gathers, no loop over chains: packed rows hold 32k
     # tokens): after j rounds, ptr skips 2^j chains and acc/chains sum what they skipped.
+    # (pointers of indices that cannot start a chain are never followed: every pointer lands on a start or on T)
     ptr = torch.cat([next_start.gather(1, (torch.arange(T, device=ok.device) + ok + 1).clamp(max=T)), end], dim=1)
-    ptr = torch.where(F.pad(can_start, (0, 1)), ptr, end)
     acc = F.pad(torch.where(can_start, ok + 1, 0), (0, 1))  # (B, T+1)
     chains = F.pad(can_start.long(), (0, 1))
     for _ in range(max(1, T.bit_length())):
