@@ -95,7 +95,8 @@ def main() -> None:
         manifest = json.loads((gguf / "llamacpp.json").read_text())
         with llamacpp.serve(llamacpp.LlamaServe(Path(manifest["target_gguf"])), tmp / "plain.log") as base:
             plain = [llamacpp.complete(base, ids, args.max_tokens) for ids in prompts]
-        spec = llamacpp.LlamaServe(Path(manifest["target_gguf"]), gguf / manifest["drafter_gguf"], k=args.k)
+        spec = llamacpp.LlamaServe(Path(manifest["target_gguf"]), gguf / manifest["drafter_gguf"], k=args.k,
+                                   p_min=0.0)  # k-token drafts: tau comparable with draftsmith eval
         with llamacpp.serve(spec, tmp / "llama.log") as base:
             before = metrics_text(base)
             done = [llamacpp.complete(base, ids, args.max_tokens) for ids in prompts]

@@ -32,7 +32,15 @@ Run under the shared lock, one outtype per run (3-5 minutes each):
     flock /tmp/draftsmith-engine.lock .venv/bin/python benchmarks/llamacpp_step_costs.py --outtype f32
     flock /tmp/draftsmith-engine.lock .venv/bin/python benchmarks/llamacpp_step_costs.py --outtype q8_0
 
-Writes (merges its outtype into) benchmarks/results/llamacpp_step_costs.json.
+With `--p-min 0,0.5 --rounds 0 --chat-repeats N` it is an A/B of llama.cpp's draft cut-off: one server per
+(k, p-min) beside the plain one, each chat prompt answered by all of them back to back, N times over; the
+speed-up of a server is the plain server's generation ms per token over its own, summed over the prompts (and
+per prompt, as a median), tau from its counters:
+
+    flock /tmp/draftsmith-engine.lock .venv/bin/python benchmarks/llamacpp_step_costs.py --outtype f32 --k 3,4 \
+        --p-min 0,0.3,0.5 --rounds 0 --chat-repeats 3 --out benchmarks/results/llamacpp_p_min_ab.json
+
+Writes (merges its outtype, and --server-args, into) benchmarks/results/llamacpp_step_costs.json or --out.
 """
 
 from __future__ import annotations
@@ -143,6 +151,7 @@ def metrics_text(base: str) -> str:
 class Server:
     name: str
     k: int | None
+    p_min: float
     base: str
     log: Path
     stats: SpecStats | None = None
@@ -189,27 +198,44 @@ def measure_block(srv: Server, ctx: list[int], fresh, order: list[int], gen_toke
     samples.setdefault(srv.name, []).append(row)
 
 
-def chat_phase(servers: list[Server], prompts: list[list[int]], max_tokens: int) -> dict:
-    """Each prompt on every server (rotating order): generation ms per token, tau from /metrics, same tokens?"""
+def chat_phase(servers: list[Server], prompts: list[list[int]], args) -> dict:
+    """Each prompt on every server back to back (the order rotating), --chat-repeats times: generation ms per
+    token from `timings` (prefill excluded), tau from /metrics, and whether the tokens equal the plain server's.
+    A prompt's group is dropped when other processes kept more than --max-foreign cores busy meanwhile."""
     from draftsmith.metrics import acceptance_from_counters, parse_spec_counters
 
     before = {s.name: parse_spec_counters(metrics_text(s.base)) for s in servers if s.k}
-    done: dict[str, list] = {s.name: [] for s in servers}
-    for i, ids in enumerate(prompts):
-        for s in servers[i % len(servers):] + servers[:i % len(servers)]:
-            done[s.name].append(llamacpp.complete(s.base, ids, max_tokens))
-            time.sleep(0.05)  # the finished server's OpenMP workers spin briefly before they sleep
+    groups, dropped = [], 0
+    for j, ids in enumerate(prompts * args.chat_repeats):
+        wait_quiet(args.max_foreign / 2, 60.0)
+        with Meter() as m:
+            group = {}
+            for s in servers[j % len(servers):] + servers[:j % len(servers)]:
+                group[s.name] = llamacpp.complete(s.base, ids, args.max_tokens)
+                time.sleep(0.05)  # the finished server's OpenMP workers spin briefly before they sleep
+        if m.cores > args.max_foreign:
+            dropped += 1
+        else:
+            groups.append(group)
     time.sleep(0.5)
-    out = {}
+
+    def ms_per_token(cs: list) -> float:
+        return sum(c.timings.predicted_ms for c in cs) / sum(c.timings.predicted_n - 1 for c in cs)
+
+    out: dict = {"groups_kept": f"{len(groups)}/{len(groups) + dropped}"}
+    plain = ms_per_token([g["plain"] for g in groups])
     for s in servers:
-        steps = sum(c.timings.predicted_n - 1 for c in done[s.name])
-        out[s.name] = {"ms_per_token": sum(c.timings.predicted_ms for c in done[s.name]) / steps,
-                       "tokens": sum(len(c.tokens) for c in done[s.name])}
+        mine = ms_per_token([g[s.name] for g in groups])
+        out[s.name] = {"ms_per_token": mine, "speedup": plain / mine}
         if s.k:
             source, after = parse_spec_counters(metrics_text(s.base))
             acc = acceptance_from_counters(after.minus(before[s.name][1]), source)
-            out[s.name] |= {"tau": acc.tau, "per_position": acc.per_position,
-                            "same_tokens_as_plain": [c.tokens for c in done[s.name]] == [c.tokens for c in done["plain"]]}
+            paired = [ms_per_token([g["plain"]]) / ms_per_token([g[s.name]]) for g in groups]
+            out[s.name] |= {"k": s.k, "p_min": s.p_min, "tau": acc.tau, "per_position": acc.per_position,
+                            "speedup_per_prompt_median": statistics.median(paired),
+                            "speedup_per_prompt_quartiles": statistics.quantiles(paired, n=4),
+                            "prompts_with_the_plain_tokens": f"{sum(g[s.name].tokens == g['plain'].tokens for g in groups)}"
+                                                             f"/{len(groups)}"}
     return out
 
 
@@ -219,6 +245,9 @@ def median(values: list) -> float | None:
 
 
 def summarize(samples: dict, ks: list[int], chat: dict) -> dict:
+    """The cost rows of the servers at p_min 0 (fixed k), from the rounds' medians and the chat phase's tau."""
+    if not samples:
+        return {"chat": chat}
     ext = {name: {n: median([r["ext"].get(n) for r in rows]) for n in range(1, 9)} for name, rows in samples.items()}
     plain_ms = median([r["plain_ms"] for r in samples["plain"]])
     rows = []
@@ -234,12 +263,18 @@ def summarize(samples: dict, ks: list[int], chat: dict) -> dict:
                      "reprocess_ms": ext[name][k + 1] - ext["plain"][k + 1],
                      "bound_speedup": costs.speedup(tau),
                      "ceiling_free_drafter": tau * plain_ms / costs.verify_ms,
-                     "measured_speedup": chat["plain"]["ms_per_token"] / chat[name]["ms_per_token"],
+                     "measured_speedup": chat[name]["speedup"],
                      "tau_for_1x": costs.tau_needed(1.0), "tau_for_1_5x": costs.tau_needed(1.5), "max_tau": k + 1})
     return {"plain_ms": plain_ms, "verify_ms": ext["plain"], "extension_ms": ext, "per_k": rows, "chat": chat}
 
 
 def print_table(s: dict) -> None:
+    for name, c in s["chat"].items():
+        if isinstance(c, dict) and "tau" in c:
+            print(f"{name}: {c['speedup']:.2f}x on the chat prompts (per prompt: median {c['speedup_per_prompt_median']:.2f}x), "
+                  f"tau {c['tau']:.2f}", flush=True)
+    if "plain_ms" not in s:
+        return
     print(f"plain step {s['plain_ms']:.2f} ms; verify(n) " +
           " ".join(f"{n}:{v:.1f}" for n, v in s["verify_ms"].items() if v is not None))
     for r in s["per_k"]:
@@ -271,13 +306,14 @@ def measure_rounds(servers: list[Server], ctx: list[int], fresh, args) -> tuple[
     return samples, waited
 
 
-def start_servers(stack: contextlib.ExitStack, target_gguf: Path, drafter_gguf: Path, ks: list[int],
-                  extra: tuple[str, ...], tmp: Path) -> list[Server]:
-    """One plain server and one per k, all running at once."""
-    specs = [("plain", None, llamacpp.LlamaServe(target_gguf, extra_args=extra))]
-    specs += [(f"k{k}", k, llamacpp.LlamaServe(target_gguf, drafter_gguf, k=k, extra_args=extra)) for k in ks]
-    return [Server(name, k, stack.enter_context(llamacpp.serve(spec, tmp / f"{name}.log")), tmp / f"{name}.log")
-            for name, k, spec in specs]
+def start_servers(stack: contextlib.ExitStack, target_gguf: Path, drafter_gguf: Path,
+                  settings: list[tuple[int, float]], extra: tuple[str, ...], tmp: Path) -> list[Server]:
+    """One plain server and one per (k, p_min), all running at once; `k3` is k=3 at p_min 0, `k3@0.5` at 0.5."""
+    specs = [("plain", None, 0.0, llamacpp.LlamaServe(target_gguf, extra_args=extra))]
+    specs += [(f"k{k}" if p == 0 else f"k{k}@{p:g}", k, p,
+               llamacpp.LlamaServe(target_gguf, drafter_gguf, k=k, p_min=p, extra_args=extra)) for k, p in settings]
+    return [Server(name, k, p, stack.enter_context(llamacpp.serve(spec, tmp / f"{name}.log")), tmp / f"{name}.log")
+            for name, k, p, spec in specs]
 
 
 def main() -> None:
@@ -287,12 +323,15 @@ def main() -> None:
     ap.add_argument("--drafter", default="smollm2")
     ap.add_argument("--target", default="smollm2")
     ap.add_argument("--k", default="2,3,4")
+    ap.add_argument("--p-min", default="0", help="drafter-probability cut-offs, a comma list: one server per (k, p-min); "
+                    "the cost rows are for p-min 0 (fixed k), the chat phase compares them all")
     ap.add_argument("--context", type=int, default=200)
-    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--rounds", type=int, default=15, help="rounds of cost blocks (0: the chat phase only, an A/B)")
     ap.add_argument("--gen-tokens", type=int, default=64, help="tokens per timed generation (ignore_eos)")
     ap.add_argument("--prompts", type=int, default=8, help="chat-eval prompts for tau and the measured speed-up "
                     "(the set's 2nd to 9th: what `llamacpp_bench.py` sends after its warm-up prompt)")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--chat-repeats", type=int, default=1, help="times each chat prompt is sent to every server")
     ap.add_argument("--max-foreign", type=float, default=0.25, help="drop a block where other processes kept more "
                     "than this many cores busy")
     ap.add_argument("--server-args", default="", help="extra llama-server flags for every server (e.g. '-td 1')")
@@ -306,6 +345,7 @@ def main() -> None:
     from llamacpp_bench import gguf_pair  # benchmarks/ is on sys.path when run as a script
 
     ks = [int(k) for k in args.k.split(",")]
+    settings = [(k, float(p)) for k in ks for p in args.p_min.split(",")]
     tok = AutoTokenizer.from_pretrained(resolve_target(args.target))
     ctx = context_ids(tok, args.context)
     chat_prompts = [prompt_ids(tok, p.messages) for p in load_prompts("chat-eval", args.prompts + 1)][1:]
@@ -322,16 +362,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         tmp = Path(tmp)
         target_gguf, drafter_gguf = gguf_pair(args.drafter, args.target, args.outtype, tmp)
-        servers = start_servers(stack, target_gguf, drafter_gguf, ks, extra, tmp)
+        servers = start_servers(stack, target_gguf, drafter_gguf, settings, extra, tmp)
         for s in servers:  # warm-up: the context in the cache, one generation, the first statistics line
             llamacpp.complete(s.base, ctx, args.gen_tokens, cache_prompt=True, ignore_eos=True)
             s.stats = next_stats(s.log, None) if s.k else None
         samples, waited = measure_rounds(servers, ctx, fresh, args)
-        wait_quiet(args.max_foreign / 2, 60.0)
-        with Meter() as chat_meter:
-            chat = chat_phase(servers, chat_prompts, args.max_tokens)
-        command = llamacpp.LlamaServe(target_gguf, drafter_gguf, k=ks[0], extra_args=extra).command(Path("llama-server"))
-    summary = summarize(samples, ks, chat)
+        chat = chat_phase(servers, chat_prompts, args)
+        first = llamacpp.LlamaServe(target_gguf, drafter_gguf, k=settings[0][0], p_min=settings[0][1], extra_args=extra)
+        command = first.command(Path("llama-server"))
+    summary = summarize(samples, [k for k in ks if f"k{k}" in samples], chat)
     print_table(summary)
     key = " ".join([args.outtype, args.server_args]).strip()
     result = {"what": f"llama-server ({args.outtype} target + {args.outtype} EAGLE-3 drafter GGUF of {args.drafter}): "
@@ -339,10 +378,9 @@ def main() -> None:
               "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
               "command": f"flock /tmp/draftsmith-engine.lock .venv/bin/python benchmarks/llamacpp_step_costs.py "
                          + " ".join(sys.argv[1:]),
-              "server_command_k_first": command, "context_tokens": len(ctx), "rounds": args.rounds,
+              "first_speculative_server": command, "context_tokens": len(ctx), "rounds": args.rounds,
               "blocks_dropped_for_foreign_load": {s.name: f"{s.dropped}/{s.blocks}" for s in servers},
               "major_faults_during_blocks": {s.name: s.major_faults for s in servers},
-              "foreign_cores_during_chat": chat_meter.cores, "major_faults_during_chat": chat_meter.major_faults,
               "quiet_gate_waits_s_total": waited,
               "load_average_1m_at_end": os.getloadavg()[0], **summary, "samples": samples}
     old = json.loads(args.out.read_text()) if args.out.is_file() else {}

@@ -131,15 +131,27 @@ def test_spec_flags_that_break_the_comparison_are_flagged(tmp_path, tiny_target)
     assert {"llamacpp.spec-type", "llamacpp.p-min"} <= rules(findings, "warning")
 
 
-def test_server_command_drafts_exactly_k_on_loopback_with_metrics():
+def test_server_command_drafts_up_to_k_on_loopback_with_metrics():
     cmd = llamacpp.LlamaServe(Path("t.gguf"), Path("d.gguf"), k=5, port=1234).command(Path("llama-server"))
     text = " ".join(cmd)
     for part in ("--host 127.0.0.1", "-md d.gguf", "--spec-type draft-eagle3", "--spec-draft-n-max 5",
-                 "--spec-draft-n-min 0", "--spec-draft-p-min 0", "--metrics"):
+                 "--spec-draft-n-min 0", "--metrics"):
         assert part in text, part
     assert "-md" not in llamacpp.LlamaServe(Path("t.gguf")).command(Path("llama-server"))
-    cut = llamacpp.LlamaServe(Path("t.gguf"), Path("d.gguf"), k=5, p_min=0.4).command(Path("llama-server"))
-    assert cut[cut.index("--spec-draft-p-min") + 1] == "0.4" and cut[cut.index("--spec-draft-n-max") + 1] == "5"
+    fixed = llamacpp.LlamaServe(Path("t.gguf"), Path("d.gguf"), k=5, p_min=0.0).command(Path("llama-server"))
+    assert fixed[fixed.index("--spec-draft-p-min") + 1] == "0" and fixed[fixed.index("--spec-draft-n-max") + 1] == "5"
+
+
+def test_draftsmith_serves_with_the_measured_draft_cut_off_and_measures_tau_without_it():
+    """The cut-off that measured faster on this CPU (SERVE_P_MIN, docs/eval.md) is what LlamaServe and the exported
+    serve command use; 0, for tau at a fixed k, only when asked."""
+    assert 0 < llamacpp.SERVE_P_MIN < 1
+    served = llamacpp.LlamaServe(Path("t.gguf"), Path("d.gguf")).command(Path("llama-server"))
+    assert float(served[served.index("--spec-draft-p-min") + 1]) == llamacpp.SERVE_P_MIN
+    exported = llamacpp.serve_command("t.gguf", "d.gguf", 3)
+    assert float(exported[exported.index("--spec-draft-p-min") + 1]) == llamacpp.SERVE_P_MIN
+    card = llamacpp.model_card(Path("out"), "drafter-f32.gguf", "t.gguf", [2, 15, 27], 3, True)
+    assert f"--spec-draft-p-min {llamacpp.SERVE_P_MIN:g}" in card and "--spec-draft-p-min 0`" in card
 
 
 def test_server_command_ends_with_the_extra_flags():
@@ -244,7 +256,7 @@ def test_llama_server_serves_the_exported_drafter_losslessly_with_the_acceptance
     tgt = Path(manifest["target_gguf"])
     with llamacpp.serve(llamacpp.LlamaServe(tgt), tmp_path / "plain.log") as base:
         plain = greedy(base, prompts, ENGINE_MAX_TOKENS)
-    spec = llamacpp.LlamaServe(tgt, out / manifest["drafter_gguf"], k=E2E_K)
+    spec = llamacpp.LlamaServe(tgt, out / manifest["drafter_gguf"], k=E2E_K, p_min=0.0)  # k-token drafts, as eval
     with llamacpp.serve(spec, tmp_path / "spec.log") as base:
         before = scrape(base)
         served = greedy(base, prompts, ENGINE_MAX_TOKENS)

@@ -48,6 +48,13 @@ OUTTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 EAGLE3_ARCH = "eagle3"  # gguf-py MODEL_ARCH_NAMES[MODEL_ARCH.EAGLE3]
 NUM_AUX = 3  # src/models/eagle3.cpp:9 "EAGLE3 requires exactly 3 entries in 'extract_layers'"
 MANIFEST = "llamacpp.json"
+# The drafter-probability cut-off draftsmith serves with. llama.cpp stops a draft chain at the first token whose
+# probability (softmax over the drafter's 10 best logits) is below it (common/speculative.cpp:812). On this 2-core
+# CPU a target forward over 2+ tokens costs 1.2-2.6 one-token steps, so drafting only what the drafter is sure of
+# pays: SmolLM2 with the shipped drafter, chat-eval, A/B against 0 (benchmarks/results/llamacpp_p_min_ab*.json,
+# docs/eval.md "In llama.cpp"): f32 1.02x -> 1.11x at k=3, 0.96x -> 1.14x at k=4; q8_0 0.67x -> 0.80x at k=3.
+# Measuring tau at a fixed k (parity with `draftsmith eval`) needs 0.
+SERVE_P_MIN = 0.5
 
 
 # ---------------------------------------------------------------- where llama.cpp lives
@@ -157,10 +164,10 @@ def llamacpp_config(config: dict[str, Any]) -> dict[str, Any]:
             "draftsmith": {**config["draftsmith"], "aux_id_convention": "llamacpp"}}
 
 
-def draft_args(drafter: str | Path, k: int, p_min: float = 0.0) -> list[str]:
+def draft_args(drafter: str | Path, k: int, p_min: float = SERVE_P_MIN) -> list[str]:
     """EAGLE-3 with up to k draft tokens, no minimum (common/arg.cpp:4140-4200). p_min 0 drafts all k; above 0 the
     chain stops at the first draft token whose drafter probability is below it (common/speculative.cpp: the greedy
-    top candidate's p), which spares the target verifying tokens it would likely reject."""
+    top candidate's p), which spares the target verifying tokens it would likely reject (SERVE_P_MIN)."""
     return ["-md", str(drafter), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(k),
             "--spec-draft-n-min", "0", "--spec-draft-p-min", f"{p_min:g}"]
 
@@ -185,6 +192,10 @@ def model_card(out: Path, drafter_gguf: str, target: str, ids: list[int], k: int
 ```
 {cmd} --host 127.0.0.1 --port 8080
 ```
+
+`--spec-draft-p-min {SERVE_P_MIN:g}` ends a draft at a token the drafter is less sure of (faster on CPUs, where
+verifying several tokens costs more than one step; draftsmith's docs/eval.md, "In llama.cpp"); with
+`--spec-draft-p-min 0` every draft is k tokens long, as `draftsmith eval` measures tau.
 
 Responses carry `timings.draft_n` and `timings.draft_n_accepted`; `/metrics` carries
 `llamacpp:spec_decode_*`, which `draftsmith bench --endpoint http://127.0.0.1:8080` reads.
@@ -218,13 +229,13 @@ def llamacpp_facts(drafter_dir: Path, target_num_layers: int) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class LlamaServe:
-    """Everything that defines one `llama-server` start (greedy-comparable EAGLE-3 settings)."""
+    """Everything that defines one `llama-server` start (greedy EAGLE-3 settings)."""
 
     target: Path
     drafter: Path | None = None
     k: int = 3
-    p_min: float = 0.0
-    """Drafter-probability cut-off of a draft chain (0: always k tokens)."""
+    p_min: float = SERVE_P_MIN
+    """Drafter-probability cut-off of a draft chain (SERVE_P_MIN; 0: always k tokens, for tau at a fixed k)."""
     port: int = 0
     ctx_size: int = 2048
     threads: int = 2
