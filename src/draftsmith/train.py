@@ -104,6 +104,12 @@ class TrainSettings(Settings):
     init_from: str | None = None
     """Start from an existing draftsmith drafter checkpoint, or a shipped one by short name (smollm2); `run` also
     takes auto (the drafter shipped for its target, when there is one)."""
+    head_init: str = "target"
+    """The draft head of a new drafter: target (the target's own lm_head rows for the draft vocabulary, as
+    speculators initialises it; the drafter then starts out predicting the target's next token from a state
+    like the target's last one) or random (nn.Linear's default). Ignored with --init-from."""
+    train_head: bool = True
+    """Train the draft head; --no-train-head keeps it frozen at its initial value (speculators' way)."""
     compile: bool = False
     """torch.compile the drafter's TTT step and the loss's pass over the logits (`compile_for_training`: fuses
     their elementwise work; for GPU runs, where it pays back the compile time; varying sequence lengths
@@ -123,6 +129,9 @@ class TrainSettings(Settings):
                                   f"{self.batch_tokens}, --pack-long {self.pack_long}",
                                   expected="1 <= row tokens <= batch tokens; --pack-long split or truncate",
                                   fix="fix the flags (or pass --no-pack)")
+        if self.head_init not in ("target", "random"):
+            raise DraftsmithError("unknown --head-init", got=self.head_init, expected="target or random",
+                                  fix="pass --head-init target (default) or --head-init random")
         if self.parallel not in ("ddp", "fsdp"):
             raise DraftsmithError("unknown --parallel", got=self.parallel, expected="ddp or fsdp",
                                   fix="pass --parallel ddp (default) or --parallel fsdp")
@@ -410,7 +419,13 @@ class Trainer:
         return min(self.total_steps, self.epoch0_steps) if self.cfg.delete_consumed else self.total_steps
 
     def build_drafter(self) -> Eagle3Drafter:
+        drafter = self.new_drafter()
+        drafter.lm_head.weight.requires_grad_(self.cfg.train_head)
+        return drafter
+
+    def new_drafter(self) -> Eagle3Drafter:
         spec = self.data.target_spec
+        self.head_source = "from --init-from"
         if self.cfg.init_from:
             drafter = load_drafter(drafter_path(self.cfg.init_from), self.data.embed_tokens())
             if drafter.config.vocab_size != spec.vocab_size or drafter.config.target_hidden_size != spec.hidden_size:
@@ -428,6 +443,9 @@ class Trainer:
             drafter.embed_tokens.weight.copy_(self.data.embed_tokens())
             drafter.d2t.copy_(vocab.d2t)
             drafter.t2d.copy_(vocab.t2d)
+            if self.cfg.head_init == "target":  # (V_d, H): the target's head rows, in draft-id order
+                drafter.lm_head.weight.copy_(self.data.target_head()[vocab.token_ids])
+            self.head_source = "the target's rows" if self.cfg.head_init == "target" else "random"
         self.vocab_coverage = vocab.coverage
         return drafter
 
@@ -802,7 +820,8 @@ class Trainer:
                        f"({len(self.train_pieces)} documents)" if self.cfg.pack
                        else "unpacked")
             print(f"train: {len(self.train_idx)} train / {len(self.eval_idx)} eval samples, {packing}, {self.total_steps} "
-                  f"steps ({self.steps_per_epoch}/epoch), world {self.world}, device {self.device}"
+                  f"steps ({self.steps_per_epoch}/epoch), world {self.world}, device {self.device}, draft head "
+                  f"{self.head_source}{'' if self.cfg.train_head else ', frozen'}"
                   + (f", resumed at step {self.step}" if resumed else ""))
         from draftsmith.progress import progress_bar
 
