@@ -1,9 +1,8 @@
 """How the draft head starts, measured: the target's head rows (trained or frozen) against a random head.
 
-Issue #23's first H200 run found speculators' drafter learning much faster than draftsmith's under the same
-settings; one difference that no setting names is the head: speculators 0.9.0 copies the target's lm_head rows
-of the draft vocabulary into the drafter and freezes them (`speculators/model.py`, `_load_verifier_weights`),
-draftsmith started from nn.Linear's random init. This benchmark trains the same drafter on the same store with
+One difference between speculators' and draftsmith's trainers that no setting names (issue #23) is the
+head: speculators 0.9.0 copies the target's lm_head rows of the draft vocabulary into the drafter and freezes
+them (`speculators/model.py`, `_load_verifier_weights`); draftsmith started from nn.Linear's random init. This benchmark trains the same drafter on the same store with
 each `--head-init` / `--train-head` choice, same seed and data order, and records the held-back accuracy and
 simulated tau (engine walk) at every eval.
 
