@@ -5,17 +5,18 @@ engine doc, with the outcome that thread reports: `start` (the server did not co
 and died on a request), `accept` (it served with collapsed acceptance) or `fine`. check's prediction is the
 kind of its first error finding (start before serve before accept), else `fine`.
 
-Two sets, gathered independently: `set1` (cases.yaml) and `set2` (cases_set2.yaml, gathered after set 1's
-held-back half had been read). Each is split into `development` and `held-back` by the SHA-256 of the case's
-source URL (README.md in the corpus folder). Rules may be tuned on set 1 (both halves: its held-back misses have
-been read, so it no longer scores anything honestly) and on set 2's development half; set 2's held-back half is
-the honest score.
+Three sets, gathered independently: `set1` (cases.yaml), `set2` (cases_set2.yaml, gathered after set 1's
+held-back half had been read) and `set3` (cases_set3.yaml, gathered after set 2's development half had been tuned
+on). Each is split into `development` and `held-back` by the SHA-256 of the case's source URL (README.md in the
+corpus folder). Rules may be tuned on set 1 (both halves: its held-back misses have been read, so it no longer
+scores anything honestly) and on the development halves of sets 2 and 3; their held-back halves are the honest
+scores.
 
 Run: `PYTHONPATH=src .venv/bin/python scripts/check_corpus.py` -> benchmarks/results/check_corpus.json (the
 command, the per-half scores of the result it replaces under `previous`, a summary of every half, and the rows of
-every half rules may be tuned on). Set 2's held-back rows are neither printed nor written. `--half development`
-scores only what rules may be tuned on and writes nothing: the command to run while changing rules, so that the
-held-back half is scored only when a pass is done.
+every half rules may be tuned on). Held-back rows of sets 2 and 3 are neither printed nor written. `--half
+development` scores only what rules may be tuned on and writes nothing: the command to run while changing rules,
+so that the held-back halves are scored only when a pass is done.
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ TARGETS = ROOT / "tests" / "fixtures" / "configs" / "targets"
 DRAFTERS = ROOT / "tests" / "fixtures" / "configs" / "drafters"
 RESULT = ROOT / "benchmarks" / "results" / "check_corpus.json"
 OUTCOMES = ("start", "serve", "accept", "fine")
-CASE_FILES = {"set1": "cases.yaml", "set2": "cases_set2.yaml"}
-HONEST = ("set2", "held-back")
-"""The one half no rule was tuned on."""
+CASE_FILES = {"set1": "cases.yaml", "set2": "cases_set2.yaml", "set3": "cases_set3.yaml"}
+HONEST = ("set2/held-back", "set3/held-back")
+"""The halves no rule was tuned on: scored as counts, their rows never printed or written."""
 
 
 def half(source: str) -> str:
@@ -53,8 +54,8 @@ def load_cases() -> list[dict]:
 
 
 def tunable(case: dict) -> bool:
-    """Whether rules may be changed in answer to this case: everything but set 2's held-back half."""
-    return (case["set"], half(case["source"])) != HONEST
+    """Whether rules may be changed in answer to this case: everything but the held-back halves of sets 2 and 3."""
+    return f"{case['set']}/{half(case['source'])}" not in HONEST
 
 
 def split_table(cases: list[dict]) -> dict[str, dict[str, list[str]]]:
@@ -131,14 +132,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--half", choices=("both", "development"), default="both",
                    help="both (default): score every half and write the result file; development: score only "
-                        "the cases rules may be tuned on (set 1, set 2's development half), print, write nothing")
+                        "the cases rules may be tuned on (set 1, the development halves of sets 2 and 3), print, "
+                        "write nothing")
     args = p.parse_args(argv)
     cases = load_cases()
     (CORPUS / "split.json").write_text(json.dumps(split_table(cases), indent=1) + "\n")
     if args.half == "development":
         cases = [c for c in cases if tunable(c)]
     scored = score(cases)
-    dev_rows = [row for row in scored["cases"] if row["half"] != "/".join(HONEST)]
+    dev_rows = [row for row in scored["cases"] if row["half"] not in HONEST]
     result = {"command": COMMAND, "previous": previous_halves(), "summary": scored["summary"], "cases": dev_rows}
     if args.half == "both":
         RESULT.parent.mkdir(parents=True, exist_ok=True)

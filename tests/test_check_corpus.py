@@ -1,7 +1,7 @@
 """The check corpus score (scripts/check_corpus.py): CI fails only when a half rules are tuned on drops.
 
-Every half is scored; set 2's held-back half is reported in benchmarks/results/check_corpus.json and never
-asserted on (rules are not tuned on it). The split itself must follow its committed rule.
+Every half is scored; the held-back halves of sets 2 and 3 are reported in benchmarks/results/check_corpus.json as
+counts and never asserted on (rules are not tuned on them). The split itself must follow its committed rule.
 """
 
 from __future__ import annotations
@@ -34,13 +34,14 @@ def test_the_committed_split_follows_the_hash_rule():
 def test_the_sets_share_no_source():
     sources = {name: {c["source"] for c in scorer.load_cases() if c["set"] == name} for name in scorer.CASE_FILES}
     assert not sources["set1"] & sources["set2"]
+    assert not (sources["set1"] | sources["set2"]) & sources["set3"]
 
 
 def test_no_half_rules_are_tuned_on_drops_below_its_committed_score():
     summary = json.loads(RESULT.read_text())["summary"]
     scored = scorer.score([c for c in scorer.load_cases() if scorer.tunable(c)])["summary"]
     for key in scorer.HALVES:
-        if key == "/".join(scorer.HONEST) or key not in summary:
+        if key in scorer.HONEST or key not in summary:
             continue
         assert scored[key]["correct"] >= summary[key]["correct"], (
             f"{key}: {scored[key]['correct']} correct, committed {summary[key]['correct']}")

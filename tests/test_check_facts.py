@@ -469,3 +469,18 @@ def test_the_drafter_class_vllm_builds_must_be_in_its_registry(tmp_path, arch, v
                           spec={"method": "eagle3", "num_speculative_tokens": 3})
     assert facts["spec_draft_arch_registered"] is registered
     assert ("vllm.draft-arch-unregistered" in errors(findings, "start")) is not registered
+
+
+@pytest.mark.parametrize("version, env, topk, kind", [
+    ("0.5.5.post3", "SGLANG_ENABLE_SPEC_V2=1 ", 4, "serve"), ("0.5.6", "SGLANG_ENABLE_SPEC_V2=true ", 4, "serve"),
+    ("0.5.7", "SGLANG_ENABLE_SPEC_V2=1 ", 4, "start"), ("0.5.9", "SGLANG_ENABLE_SPEC_V2=1 ", 2, "start"),
+    ("0.5.9", "SGLANG_ENABLE_SPEC_V2=1 ", 1, None), ("0.5.9", "", 4, None), ("0.5.14", "SGLANG_ENABLE_SPEC_V2=1 ", 4, None)])
+def test_sglang_spec_v2_runs_chain_drafts_only(tmp_path, version, env, topk, kind):
+    """The V2 (overlap) EAGLE worker: 0.5.5-0.5.6 take topk > 1 and die on the first decode batch (sglang#14077);
+    0.5.7-0.5.13 refuse it in server-args validation; 0.5.14 removed SGLANG_ENABLE_SPEC_V2."""
+    drafter = llama_drafter(tmp_path, vocab_size=151936, max_position_embeddings=40960)
+    args = (f"{env}--speculative-algorithm EAGLE3 --speculative-draft-model-path D --speculative-num-steps 5 "
+            f"--speculative-eagle-topk {topk} --speculative-num-draft-tokens 8")
+    findings, _ = check.run_checks(TARGETS / "qwen3-8b", drafter, "sglang", version, None, args)
+    rules = {f.rule: f.kind for f in findings if f.severity == "error" and f.rule.startswith("sglang.spec-v2")}
+    assert rules == ({} if kind is None else {"sglang.spec-v2-topk" + ("-refused" if kind == "start" else ""): kind})

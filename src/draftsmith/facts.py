@@ -417,6 +417,10 @@ def spec_facts(engine: str, spec: dict, args: dict[str, str], f: dict[str, Any])
         "sg_draft_attention_backend": args.get("speculative_draft_attention_backend"),
         "sg_cuda_graph": args.get("disable_cuda_graph", "false").lower() in ("false", "0"),
     })
+    # SGLang 0.5.5-0.5.13 run the overlap (V2) EAGLE worker when SGLANG_ENABLE_SPEC_V2 is set (0.5.14 removed the
+    # variable: the V2 worker always runs); server_args.py / environ.py per release.
+    spec_v2 = f["engine_env"].get("SGLANG_ENABLE_SPEC_V2")
+    out["sg_spec_v2"] = spec_v2 is not None and spec_v2.lower() in ("1", "true")
     allowed = f["engine_pp_spec_algorithms"]
     out["sg_pp_refuses_algorithm"] = (None if allowed is None or out["pipeline_parallel_size"] == 1
                                       else out["sg_algorithm"] is not None and out["sg_algorithm"] not in allowed)
