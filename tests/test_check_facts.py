@@ -484,3 +484,21 @@ def test_sglang_spec_v2_runs_chain_drafts_only(tmp_path, version, env, topk, kin
     findings, _ = check.run_checks(TARGETS / "qwen3-8b", drafter, "sglang", version, None, args)
     rules = {f.rule: f.kind for f in findings if f.severity == "error" and f.rule.startswith("sglang.spec-v2")}
     assert rules == ({} if kind is None else {"sglang.spec-v2-topk" + ("-refused" if kind == "start" else ""): kind})
+
+
+@pytest.mark.parametrize("version, over, engine_args, fires", [
+    ("0.10.2", {"num_attention_heads": 64}, "", True),  # no head_dim: 4096 / 64 = 64 against the target's 128
+    ("0.9.2", {"num_attention_heads": 64}, "", True),
+    ("0.11.0", {"num_attention_heads": 64}, "", False),  # UniformTypeKVCacheSpecs groups them
+    ("0.10.2", {"num_attention_heads": 64, "head_dim": 128}, "", False),
+    ("0.10.2", {"num_key_value_heads": 4}, "", True),  # 4 x 128 against 8 x 128 per rank
+    ("0.10.2", {"num_key_value_heads": 4}, "--tensor-parallel-size 8", False)])  # 1 x 128 on every rank either way
+def test_vllm_before_0_11_refuses_a_drafter_whose_kv_pages_differ_from_the_target(tmp_path, version, over,
+                                                                                   engine_args, fires):
+    """vLLM < 0.11 allocates the drafter's KV cache with the target's and raises NotImplementedError unless every
+    layer's KV spec, or page size, is the same (v1/core/kv_cache_utils.py get_kv_cache_config; vllm#25125)."""
+    drafter = llama_drafter(tmp_path, vocab_size=151936, max_position_embeddings=40960, **over)
+    findings, facts = run(TARGETS / "qwen3-8b", drafter, version=version,
+                          spec={"method": "eagle3", "num_speculative_tokens": 3}, engine_args=engine_args)
+    assert facts["kv_page_mismatch"] is (fires or version == "0.11.0")
+    assert ("vllm.kv-page-mismatch" in errors(findings, "start")) is fires

@@ -245,6 +245,8 @@ def drafter_facts(path: Path, hidden: int, vocab: int) -> dict[str, Any]:
         "drafter_arch": d.architectures[0] if d.architectures else None, "drafter_model_type": d.model_type,
         "drafter_is_mla": d.is_mla,
         "drafter_num_heads": (raw.get("transformer_layer_config") or raw).get("num_attention_heads"),
+        "drafter_num_kv_heads": (filled.get("transformer_layer_config") or filled).get("num_key_value_heads")
+        or (filled.get("transformer_layer_config") or filled).get("num_attention_heads"),
         "drafter_hidden_size": d.hidden_size, "drafter_target_hidden_size": d.target_hidden_size,
         "drafter_vocab_size": d.vocab_size, "drafter_draft_vocab_size": d.draft_vocab_size or d.vocab_size,
         "drafter_max_position": d.max_position_embeddings, "drafter_dtype": d.dtype,
@@ -460,6 +462,20 @@ def sglang_context_facts(args: dict[str, str], f: dict[str, Any]) -> dict[str, A
             "sg_draft_rope_raised": mode == "extended" and bool(f["engine_draft_context_rope_raised"])}
 
 
+def kv_page_facts(f: dict[str, Any]) -> dict[str, Any]:
+    """Per-rank KV-cache width (KV heads x head_dim) of the target's attention and of the drafter's, as vLLM sizes
+    each layer's KV page (v1/kv_cache_interface.py AttentionSpec.page_size_bytes: block x 2 x KV heads x head_size x
+    dtype; KV heads per rank = max(1, heads // tp), as in QKVParallelLinear), and whether they differ. None for MLA,
+    whose layers have a KV spec of their own."""
+    tp = f["target_tp"]
+    if f["target_is_mla"] or f["drafter_is_mla"] or None in (f["target_num_kv_heads"], f["target_head_dim"],
+                                                            f["drafter_num_kv_heads"], f["drafter_head_dim"]):
+        return {"target_kv_heads_per_rank": None, "drafter_kv_heads_per_rank": None, "kv_page_mismatch": None}
+    target_heads, drafter_heads = max(1, f["target_num_kv_heads"] // tp), max(1, f["drafter_num_kv_heads"] // tp)
+    return {"target_kv_heads_per_rank": target_heads, "drafter_kv_heads_per_rank": drafter_heads,
+            "kv_page_mismatch": target_heads * f["target_head_dim"] != drafter_heads * f["drafter_head_dim"]}
+
+
 def gather_facts(target: Path, drafter: Path, engine: str, version: str, book: RuleBook,
                  spec: dict, args: dict[str, str], env: dict[str, str] | None = None,
                  gpu: str | None = None) -> dict[str, Any]:
@@ -474,6 +490,7 @@ def gather_facts(target: Path, drafter: Path, engine: str, version: str, book: R
 
         f |= llamacpp_facts(drafter, f["target_num_layers"])
     f |= spec_facts(engine, spec, args, f)
+    f |= kv_page_facts(f)
     f |= aux_facts(f, engine, version, read_dir_config(drafter))
     f |= norm_facts(f, engine, book, version)
     f["dtype_mismatch"] = (f["drafter_dtype"] or f["drafter_header_dtype"]) is not None and _dtype_name(
