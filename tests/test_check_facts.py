@@ -502,3 +502,20 @@ def test_vllm_before_0_11_refuses_a_drafter_whose_kv_pages_differ_from_the_targe
                           spec={"method": "eagle3", "num_speculative_tokens": 3}, engine_args=engine_args)
     assert facts["kv_page_mismatch"] is (fires or version == "0.11.0")
     assert ("vllm.kv-page-mismatch" in errors(findings, "start")) is fires
+
+
+@pytest.mark.parametrize("version, rope, k, fires", [
+    ("0.15.1", {"rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}}, 3, True),
+    ("0.15.0", {"rope_parameters": {"rope_type": "default", "mrope_section": [16, 24, 24]}}, 2, True),
+    ("0.15.1", {"rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}}, 1, False),  # exits before
+    ("0.14.1", {"rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}}, 3, False),
+    ("0.16.0", {"rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}}, 3, False),
+    ("0.15.1", {}, 3, False)])
+def test_vllm_0_15_dies_on_the_first_request_with_an_mrope_drafter(tmp_path, version, rope, k, fires):
+    """vLLM 0.15.x allocates only mrope_positions for an M-RoPE drafter and then reads self.positions in propose
+    (v1/spec_decode/eagle.py:406; vllm#34607)."""
+    drafter = llama_drafter(tmp_path, hidden_size=3584, num_attention_heads=28, num_key_value_heads=4,
+                            vocab_size=152064, **rope)
+    findings, _ = run(TARGETS / "qwen2.5-vl-7b", drafter, version=version,
+                      spec={"method": "eagle3", "num_speculative_tokens": k})
+    assert ("vllm.mrope-drafter-positions" in errors(findings, "serve")) is fires

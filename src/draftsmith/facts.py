@@ -254,6 +254,7 @@ def drafter_facts(path: Path, hidden: int, vocab: int) -> dict[str, Any]:
         "drafter_header_dtype": max(header_dtypes, key=header_dtypes.get) if header_dtypes else None,
         "drafter_spec_tokens": d.speculative_tokens, "drafter_aux_ids": list(d.aux_ids) if d.aux_ids else None,
         "drafter_aux_location": d.aux_location, "drafter_norm_flags": d.norm_flags,
+        "drafter_uses_mrope": uses_mrope(raw.get("transformer_layer_config") or raw),
         "drafter_has_weights": bool(t), "drafter_has_bin": any(path.glob("*.bin")),
         "drafter_key_layout": prefix, "drafter_missing_keys": (missing_keys(tensors, prefix, d.is_mla) or []) if t else None,
         "drafter_has_lm_head": "lm_head.weight" in t if t else None,
@@ -271,6 +272,12 @@ def drafter_facts(path: Path, hidden: int, vocab: int) -> dict[str, Any]:
         "has_input_norm_tensor": "input_norm.weight" in t, "has_fc_norm_tensor": any(n.startswith("fc_norm.") for n in t),
         "draftsmith": d.draftsmith,
     }
+
+
+def uses_mrope(layer: dict[str, Any]) -> bool:
+    """Whether a config's rotary settings are M-RoPE (vLLM transformers_utils/config.py `_uses_mrope`: 'mrope_section'
+    in rope_parameters, which vLLM fills from rope_scaling)."""
+    return any(isinstance(layer.get(k), dict) and "mrope_section" in layer[k] for k in ("rope_parameters", "rope_scaling"))
 
 
 def head_dim_facts(layer: dict[str, Any], q_rows: int | None) -> dict[str, Any]:
