@@ -206,14 +206,14 @@ def test_draft_head_starts_as_the_targets_rows_and_stays_frozen_when_asked(store
     nn.Linear's init with every other weight the same; --no-train-head leaves the head untouched by training."""
     cfg = dict(store=str(store), batch_tokens=256, draft_vocab_size=128, ttt_steps=2, eval_fraction=0.0, max_steps=3,
                lr=3e-3, eval_every=10**6, save_every=10**6, log_every=10**6)
-    target = Trainer(TrainConfig(out=str(tmp_path / "target"), **cfg))
+    target = Trainer(TrainConfig(out=str(tmp_path / "target"), head_init="target", **cfg))
     rows = target.data.target_head()[torch.arange(128) + target.drafter.d2t.cpu()]
     assert torch.equal(target.drafter.lm_head.weight.detach().cpu(), rows.to(target.drafter.lm_head.weight.dtype))
-    random = Trainer(TrainConfig(out=str(tmp_path / "random"), head_init="random", **cfg))
+    random = Trainer(TrainConfig(out=str(tmp_path / "random"), **cfg))  # the default
     assert not torch.allclose(random.drafter.lm_head.weight.detach().cpu(), rows, atol=1e-3)
     assert torch.equal(random.drafter.fc.weight, target.drafter.fc.weight)  # same seed: only the head differs
 
-    frozen = Trainer(TrainConfig(out=str(tmp_path / "frozen"), train_head=False, **cfg))
+    frozen = Trainer(TrainConfig(out=str(tmp_path / "frozen"), head_init="target", train_head=False, **cfg))
     head, fc = frozen.drafter.lm_head.weight.detach().clone(), frozen.drafter.fc.weight.detach().clone()
     frozen.run(progress=False)
     assert torch.equal(frozen.drafter.lm_head.weight, head)
