@@ -82,8 +82,7 @@ def main() -> None:
     result: dict = {"drafter": str(args.drafter), "k": args.k, "prompts": args.prompts, "prompt_set": args.prompt_set, "max_tokens": args.max_tokens,
                     "dtype": "float32", "host": platform.node(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "command": "flock /tmp/draftsmith-engine.lock .venv/bin/python benchmarks/llamacpp_parity.py "
-                               f"--drafter {args.drafter} --k {args.k} --prompts {args.prompts} --prompt-set {args.prompt_set} "
-                               f"--max-tokens {args.max_tokens}"}
+                               + " ".join(sys.argv[1:])}
     if not args.skip_eval:
         [ours] = run_eval("smollm2", args.drafter, args.prompt_set, [args.k], args.prompts, 0.0, args.max_tokens, "vllm",
                           "float32", True, 0)
