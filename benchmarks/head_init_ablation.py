@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         result["runs"].append({"variant": name, "lr": float(lr), "seconds": time.monotonic() - t, "evals": ev})
         last = ev[-1]
         print(f"{name:15s} lr {lr}: step {last['step']} loss {last['loss']:.3f} acc0 {last['acc'][0]:.3f} "
-              f"tau4 {last['tau'].get('4', last['tau'].get(4)):.3f}", flush=True)
+              f"tau4 {last['tau']['4']:.3f}", flush=True)
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0
 

@@ -240,13 +240,13 @@ def drafter_facts(path: Path, hidden: int, vocab: int) -> dict[str, Any]:
     shape = lambda name, i: t[name].shape[i] if name in t and len(t[name].shape) > i else None  # noqa: E731
     header_dtypes = tensors.dtypes()
     fc_width = d.target_hidden_size or d.hidden_size
+    layer = filled.get("transformer_layer_config") or filled  # speculators nests the layer's config
     return {
         "drafter_path": str(path), "drafter_format": d.format, "drafter_speculators_type": raw.get("speculators_model_type"),
         "drafter_arch": d.architectures[0] if d.architectures else None, "drafter_model_type": d.model_type,
         "drafter_is_mla": d.is_mla,
         "drafter_num_heads": (raw.get("transformer_layer_config") or raw).get("num_attention_heads"),
-        "drafter_num_kv_heads": (filled.get("transformer_layer_config") or filled).get("num_key_value_heads")
-        or (filled.get("transformer_layer_config") or filled).get("num_attention_heads"),
+        "drafter_num_kv_heads": layer.get("num_key_value_heads") or layer.get("num_attention_heads"),
         "drafter_hidden_size": d.hidden_size, "drafter_target_hidden_size": d.target_hidden_size,
         "drafter_vocab_size": d.vocab_size, "drafter_draft_vocab_size": d.draft_vocab_size or d.vocab_size,
         "drafter_max_position": d.max_position_embeddings, "drafter_dtype": d.dtype,

@@ -386,6 +386,7 @@ class Trainer:
                     document_pieces(idx, self.data.lengths, self.row_tokens, cfg.pack_long, self.data.loss_mask)
                     for idx in (self.train_idx, self.eval_idx))
         self.drafter = self.build_drafter().to(self.device)
+        self.drafter.lm_head.weight.requires_grad_(self.cfg.train_head)
         self.fsdp = self.world > 1 and cfg.parallel == "fsdp"
         if not self.fsdp:  # the frozen embedding is a lookup: in the features' dtype (FSDP2 wants one dtype)
             self.drafter.embed_tokens.to(feature_dtype(self.device))
@@ -420,13 +421,7 @@ class Trainer:
         return min(self.total_steps, self.epoch0_steps) if self.cfg.delete_consumed else self.total_steps
 
     def build_drafter(self) -> Eagle3Drafter:
-        drafter = self.new_drafter()
-        drafter.lm_head.weight.requires_grad_(self.cfg.train_head)
-        return drafter
-
-    def new_drafter(self) -> Eagle3Drafter:
         spec = self.data.target_spec
-        self.head_source = "from --init-from"
         if self.cfg.init_from:
             drafter = load_drafter(drafter_path(self.cfg.init_from), self.data.embed_tokens())
             if drafter.config.vocab_size != spec.vocab_size or drafter.config.target_hidden_size != spec.hidden_size:
@@ -446,7 +441,6 @@ class Trainer:
             drafter.t2d.copy_(vocab.t2d)
             if self.cfg.head_init == "target":  # (V_d, H): the target's head rows, in draft-id order
                 drafter.lm_head.weight.copy_(self.data.target_head()[vocab.token_ids])
-            self.head_source = "the target's rows" if self.cfg.head_init == "target" else "random"
         self.vocab_coverage = vocab.coverage
         return drafter
 
@@ -822,7 +816,8 @@ class Trainer:
                        else "unpacked")
             print(f"train: {len(self.train_idx)} train / {len(self.eval_idx)} eval samples, {packing}, {self.total_steps} "
                   f"steps ({self.steps_per_epoch}/epoch), world {self.world}, device {self.device}, draft head "
-                  f"{self.head_source}{'' if self.cfg.train_head else ', frozen'}"
+                  f"{'from --init-from' if self.cfg.init_from else self.cfg.head_init}"
+                  f"{'' if self.cfg.train_head else ', frozen'}"
                   + (f", resumed at step {self.step}" if resumed else ""))
         from draftsmith.progress import progress_bar
 
