@@ -22,6 +22,12 @@ speculators is imported lazily: it is absent on CPU machines; docs/peers.md list
 
     python benchmarks/speculators_compare.py --store runs/smollm2/store --target smollm2 --work /tmp/cmp
     python benchmarks/speculators_compare.py --store S --target T --work W --only draftsmith-defaults
+    python benchmarks/speculators_compare.py --store S --work W --only draftsmith-defaults+compile \
+        --only draftsmith-defaults+lr=1e-3     # variants: a draftsmith run with TrainConfig fields changed
+
+A variant is a draftsmith run's name followed by `+FIELD=VALUE` (or `+compile` for `+compile=true`) per
+changed `TrainConfig` field: the ablations of #23's deliverable 4, and `--compile` beside the eager default,
+trained over the same store in the same call.
 """
 
 from __future__ import annotations
@@ -50,6 +56,26 @@ SPECULATORS_VERSION = "0.9.0"
 SPECULATORS_MISSING = (f"speculators {SPECULATORS_VERSION} is not importable here: carry its wheels and those of "
                        "its missing dependencies (docs/peers.md, 'Running it on the H200'), or run with "
                        "--only draftsmith-defaults --only draftsmith-matched")
+
+
+def run_variant(name: str) -> tuple[str, dict[str, Any]]:
+    """(base run, TrainConfig overrides) of a run name: `draftsmith-defaults+compile+lr=1e-3` is
+    ("draftsmith-defaults", {"compile": "true", "lr": "1e-3"}); values stay strings for TrainConfig to
+    validate. Only draftsmith runs take overrides (speculators' are its own argv)."""
+    base, *changes = name.split("+")
+    if base not in RUNS:
+        raise argparse.ArgumentTypeError(f"run {name!r}: {base!r} is not one of {', '.join(RUNS)}")
+    if changes and not base.startswith("draftsmith"):
+        raise argparse.ArgumentTypeError(f"run {name!r}: only draftsmith runs take +FIELD=VALUE variants")
+    from draftsmith.train import TrainConfig
+
+    overrides: dict[str, Any] = {}
+    for change in changes:
+        key, _, value = change.partition("=")
+        if key not in TrainConfig.model_fields:
+            raise argparse.ArgumentTypeError(f"run {name!r}: {key!r} is not a TrainConfig field")
+        overrides[key] = value or "true"
+    return base, overrides
 
 
 @dataclass(frozen=True)
@@ -145,9 +171,18 @@ torch.compile, `AssertionError: ListVariable(length=21) is already tracked for m
 `loss_backward_kernel.configs` (benchmarks/results/speculators_compare.json, `first_try`)."""
 
 
+SPECULATORS_WINDOW = 2048
+"""speculators 0.9.0's default sliding window (every layer, `--full-attention-indices` []). Its mask
+(models/eagle3/attention.py) is the document mask AND `kv_idx > q_idx - window`, so on a store whose longest
+conversation is at most this long the window never binds, and `--full-attention-indices 0` trains the same
+numbers; speculators-defaults gets it there, so that the drafter converts (draftsmith's drafter attends fully)
+and serves in every engine the same way. On longer data it keeps the window and convert refuses it."""
+
+
 def speculators_argv(run: str, data: Path, target: Path, save: Path, aux_ids: list[int], epochs: float,
-                     draft_vocab: int) -> list[str]:
-    """The exact `speculators train` arguments of a run (aux ids as is: speculators reads boundaries)."""
+                     draft_vocab: int, max_length: int | None = None) -> list[str]:
+    """The exact `speculators train` arguments of a run (aux ids as is: speculators reads boundaries;
+    `max_length`, the store's longest sample: SPECULATORS_WINDOW)."""
     from draftsmith.conventions import TRAINER_CONVENTIONS, from_boundary
 
     ids = from_boundary(tuple(aux_ids), TRAINER_CONVENTIONS["speculators"])
@@ -156,15 +191,19 @@ def speculators_argv(run: str, data: Path, target: Path, save: Path, aux_ids: li
             "--epochs", str(max(1, math.ceil(epochs))), "--on-missing", "raise", *SPECULATORS_LOSS]
     if run == "speculators-matched":
         argv += [*speculators_matched_args(), "--draft-vocab-size", str(draft_vocab)]
+    elif max_length is not None and max_length <= SPECULATORS_WINDOW:
+        argv += ["--full-attention-indices", "0"]
     return argv
 
 
 def draftsmith_values(run: str, store: Path, out: Path, epochs: float, vocab: int) -> dict[str, Any]:
-    """TrainConfig fields of a draftsmith run (matched: speculators' full vocabulary too)."""
+    """TrainConfig fields of a draftsmith run (matched: speculators' full vocabulary too; a variant's
+    overrides last)."""
+    base, overrides = run_variant(run)
     values: dict[str, Any] = {"store": str(store), "out": str(out), "epochs": epochs}
-    if run == "draftsmith-matched":
+    if base == "draftsmith-matched":
         values.update(draftsmith_matched_values(), draft_vocab_size=vocab)
-    return values
+    return {**values, **overrides}
 
 
 def requirement_problems(root: str = "speculators") -> list[str]:
@@ -352,7 +391,8 @@ def run_one(run: str, args, work: Path, data: Path, target_dir: Path, aux_ids: l
     out.mkdir(parents=True, exist_ok=True)
     if trainer == "speculators":
         spec = {"trainer": trainer, "argv": speculators_argv(run, data, target_dir, out / "checkpoints", aux_ids,
-                                                             args.epochs, default_draft_vocab_size(vocab))}
+                                                             args.epochs, default_draft_vocab_size(vocab),
+                                                             max(lengths, default=0))}
     else:
         spec = {"trainer": trainer, "values": draftsmith_values(run, Path(args.store), out / "train", args.epochs,
                                                                 vocab)}
@@ -471,13 +511,21 @@ def summary(result: dict) -> str:
     return "\n".join(lines)
 
 
+def checked_run(name: str) -> str:
+    """--only's type: a run name, variants checked (run_variant raises what argparse reports)."""
+    run_variant(name)
+    return name
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--store", help="feature store (draftsmith capture)")
     p.add_argument("--target", default=None, help="target name or directory (default: the store's)")
     p.add_argument("--work", default="/tmp/speculators_compare", help="working directory for the four runs")
     p.add_argument("--epochs", type=float, default=1.0, help="epochs for every run (speculators: rounded up)")
-    p.add_argument("--only", action="append", choices=RUNS, help="run only these (repeatable; default all four)")
+    p.add_argument("--only", action="append", type=checked_run, metavar="RUN",
+                   help=f"run only these (repeatable; default all four: {', '.join(RUNS)}); a draftsmith run may "
+                        "carry +FIELD=VALUE changes of TrainConfig (+compile for +compile=true)")
     p.add_argument("--out", default=str(RESULTS), help="results JSON")
     p.add_argument("--max-seconds", type=float, default=None,
                    help="wall-time budget of the whole benchmark: a run still going when it is spent is stopped, "

@@ -136,11 +136,32 @@ def test_speculators_trainer_checkpoint_with_matched_settings_converts(checkpoin
     assert_same_tensors(state_of(back), want)
 
 
-def test_speculators_default_recipe_is_refused_with_its_extra_norms(checkpoint, tmp_path):
+def test_speculators_default_recipe_converts_with_its_input_norm_and_normed_output(checkpoint, tmp_path):
     _, ckpt = checkpoint
-    src = write_speculators_trained(state_of(ckpt), CFG, tmp_path / "save" / "0", defaults=True)
-    with pytest.raises(DraftsmithError, match="no place") as err:
-        read_drafter(src, 30, drop_embeddings=True)
+    state = state_of(ckpt)
+    src = write_speculators_trained(state, CFG, tmp_path / "save" / "0", defaults=True)
+    config = json.loads((src / "config.json").read_text())  # as trained with --full-attention-indices 0
+    config["transformer_layer_config"].update(layer_types=["full_attention"], use_sliding_window=False)
+    (src / "config.json").write_text(json.dumps(config))
+    source = read_drafter(src, 30, drop_embeddings=True)
+    assert (source.config.norm_before_fc, source.config.norm_output) == (True, True)
+    assert source.tensors["input_norm.weight"].shape == (3 * CFG.target_hidden_size,)
+    out = convert(src, tmp_path / "vllm", "vllm", target_layers=30, drop_embeddings=True).out
+    served = json.loads((out / "config.json").read_text())
+    assert served["norm_before_fc"] and served["eagle_config"]["norm_before_fc"] and served["norm_output"]
+    assert "input_norm.weight" in load_file(str(out / "model.safetensors"))
+    with pytest.raises(DraftsmithError, match="does not compute") as err:  # SGLang would drop both silently
+        convert(src, tmp_path / "sglang", "sglang", target_layers=30, drop_embeddings=True)
+    assert "norm_before_fc true, norm_output true" in err.value.got and not (tmp_path / "sglang").exists()
+
+
+def test_an_input_norm_tensor_without_its_flag_is_refused(checkpoint, tmp_path):
+    _, ckpt = checkpoint
+    src = WRITERS["specforge"](state_of(ckpt), CFG, tmp_path / "s")
+    save_file({**load_file(str(src / "model.safetensors")), "input_norm.weight": torch.ones(120)},
+              str(src / "model.safetensors"))
+    with pytest.raises(DraftsmithError, match="do not match") as err:
+        read_drafter(src, 30)
     assert "input_norm.weight" in err.value.got
 
 
@@ -185,12 +206,12 @@ def test_mla_drafter_is_refused_with_the_reason(tmp_path):
 def test_unknown_tensors_are_listed_not_dropped(checkpoint, tmp_path):
     _, ckpt = checkpoint
     src = WRITERS["specforge"](state_of(ckpt), CFG, tmp_path / "s")
-    extra = {**load_file(str(src / "model.safetensors")), "input_norm.weight": torch.ones(120),
+    extra = {**load_file(str(src / "model.safetensors")), "fc_norm.0.weight": torch.ones(40),
              "midlayers.1.mlp.up_proj.weight": torch.ones(64, 32)}
     save_file(extra, str(src / "model.safetensors"))
     with pytest.raises(DraftsmithError) as err:
         convert(src, tmp_path / "out", "draftsmith", target_layers=30)
-    assert "input_norm.weight" in err.value.got and "midlayers.1.mlp.up_proj.weight" in err.value.got
+    assert "fc_norm.0.weight" in err.value.got and "midlayers.1.mlp.up_proj.weight" in err.value.got
 
 
 def test_embed_tokens_copy_needs_an_explicit_drop(checkpoint, tmp_path):
@@ -205,7 +226,7 @@ def test_embed_tokens_copy_needs_an_explicit_drop(checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize("field,value,reason", [
-    ("norm_before_fc", True, "norm_before_fc"), ("fc_norm", True, "fc_norm"), ("num_hidden_layers", 2, "num_hidden_layers"),
+    ("fc_norm", True, "fc_norm"), ("num_hidden_layers", 2, "num_hidden_layers"),
     ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}, "rope_scaling"), ("attention_bias", True, "attention_bias")])
 def test_settings_the_drafter_lacks_are_refused(checkpoint, tmp_path, field, value, reason):
     _, ckpt = checkpoint

@@ -333,7 +333,9 @@ def test_eval_summary_without_a_baseline_says_not_measured(tmp_path):
     assert all(p.exists() for p in plot([r, r2], tmp_path))
 
 
-def test_engine_walk_of_teacher_forced_steps_equals_decoded_tau(target_and_drafter, reference):
+@pytest.mark.parametrize("norms", [{}, {"norm_before_fc": True, "norm_output": True}],
+                         ids=["plain", "input-norm-and-normed-output"])
+def test_engine_walk_of_teacher_forced_steps_equals_decoded_tau(target_and_drafter, reference, norms):
     """`engine_walk_acceptance` over TTT outputs on the target's own greedy text predicts what decoding measures.
 
     The drafter is first trained a little on that text, so that it accepts some drafts and misses others (a random
@@ -347,6 +349,14 @@ def test_engine_walk_of_teacher_forced_steps_equals_decoded_tau(target_and_draft
 
     model, tok, drafter = target_and_drafter
     drafter = deepcopy(drafter)
+    if norms:
+        from dataclasses import replace
+
+        plain = drafter
+        drafter = Eagle3Drafter(replace(plain.config, **norms)).eval()
+        assert drafter.load_state_dict(plain.state_dict(), strict=False).missing_keys == ["input_norm.weight"]
+        with torch.no_grad():
+            drafter.input_norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(0))
     prompts, _ = reference
     k, n_new = 3, 24
     # The target's greedy text, k + 1 tokens past what decoding will emit, so the last chain decoding verifies sees

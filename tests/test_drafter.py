@@ -137,7 +137,8 @@ def naive_ttt_loss(drafter, aux, ids, mask, last, head, steps, decay=0.8):
     p = torch.softmax(last @ head[torch.arange(cfg.draft_vocab_size) + d.d2t].T, -1)  # (B, T, Vd)
     in_vocab = d.t2d[(last @ head.T).argmax(-1)]
     valid = step_masks(mask, steps)
-    h, keys, values, loss, tops = d.fc(aux), [], [], 0.0, []
+    a_in = d.input_norm(aux) if cfg.norm_before_fc else aux
+    h, keys, values, loss, tops = d.fc(a_in), [], [], 0.0, []
     for i in range(steps):
         tok = torch.cat([ids[:, 1 + i:], torch.zeros(B, 1 + i, dtype=ids.dtype)], 1)
         hn = d.midlayer.hidden_norm(h)
@@ -149,6 +150,8 @@ def naive_ttt_loss(drafter, aux, ids, mask, last, head, steps, decay=0.8):
         o = dense_reference(q, keys[0], values[0], keys[1:], values[1:])
         h = d.midlayer.finish(a.o_proj(o.transpose(1, 2).reshape(B, T, -1)), hn if cfg.norm_before_residual else h)
         logits = d.lm_head(d.norm(h))
+        if cfg.norm_output:  # the next step is fed the normed state
+            h = d.norm(h)
         n = T - 1 - i
         ce = -(p[:, 1 + i:] * torch.log_softmax(logits[:, :n], -1)).sum(-1)
         w = (valid[i, :, :n] & in_vocab[:, 1 + i:]).to(ce.dtype)
@@ -157,9 +160,13 @@ def naive_ttt_loss(drafter, aux, ids, mask, last, head, steps, decay=0.8):
     return loss, tops
 
 
-@pytest.mark.parametrize("norm_before_residual, head_rows", [(False, 16384), (True, 16384), (False, 30), (True, 60)])
-def test_ttt_forward_equals_the_naive_unroll_in_loss_argmax_and_every_gradient(norm_before_residual, head_rows,
-                                                                               monkeypatch):
+SPECULATORS_NORMS = {"norm_before_residual": True, "norm_before_fc": True, "norm_output": True}
+
+
+@pytest.mark.parametrize("norms, head_rows", [({}, 16384), ({"norm_before_residual": True}, 16384), ({}, 30),
+                                              ({"norm_before_residual": True}, 60), (SPECULATORS_NORMS, 16384),
+                                              (SPECULATORS_NORMS, 30)])
+def test_ttt_forward_equals_the_naive_unroll_in_loss_argmax_and_every_gradient(norms, head_rows, monkeypatch):
     """The training path's shortcuts (embedding half of q/k/v projected once and shifted, the diagonal
     folded into one SDPA, the head + loss + argmax fused with gradients computed in the forward, in
     groups of steps: all 4 at once, 1 or 2 per group here) must not change the math: float64, against
@@ -168,7 +175,7 @@ def test_ttt_forward_equals_the_naive_unroll_in_loss_argmax_and_every_gradient(n
 
     monkeypatch.setattr(draftsmith.kernels, "HEAD_GEMM_ROWS", head_rows)
     torch.manual_seed(0)
-    cfg = tiny_config(norm_before_residual=norm_before_residual)
+    cfg = tiny_config(**norms)
     drafter = Eagle3Drafter(cfg).double()
     vocab = build_draft_vocab(torch.arange(96, 0, -1), 48)
     drafter.d2t.copy_(vocab.d2t)

@@ -59,6 +59,14 @@ def test_speculators_defaults_run_sets_nothing_but_data_paths_ids_length_and_the
     assert f["--loss-implementation"] == ["eager"]  # the fused loss fails under torch 2.11's compile (SPECULATORS_LOSS)
 
 
+def test_speculators_defaults_attends_fully_only_where_its_window_cannot_bind():
+    def argv(longest):
+        return flags(cmp.speculators_argv("speculators-defaults", Path("/d"), Path("/t"), Path("/w/c"), [2, 15, 27],
+                                          1, 64, longest))
+    assert argv(cmp.SPECULATORS_WINDOW)["--full-attention-indices"] == ["0"]
+    assert "--full-attention-indices" not in argv(cmp.SPECULATORS_WINDOW + 1)
+
+
 def test_draftsmith_matched_builds_a_train_config_with_speculators_defaults(tmp_path):
     values = cmp.draftsmith_values("draftsmith-matched", tmp_path / "s", tmp_path / "o", 1.0, 49152)
     cfg = TrainConfig(**values)
@@ -108,9 +116,11 @@ def test_convert_takes_speculators_last_epoch_folder(checkpoint, tmp_path):
 
 def test_convert_refusal_is_recorded_with_its_reason(checkpoint, tmp_path):
     _, ckpt = checkpoint
-    write_speculators_trained(load_file(str(ckpt / "model.safetensors")), CFG, tmp_path / "save" / "0", defaults=True)
+    src = write_speculators_trained(load_file(str(ckpt / "model.safetensors")), CFG, tmp_path / "save" / "0")
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "fc_norm": True}))  # per-chunk norms: not representable
     got = cmp.convert_checkpoint(tmp_path / "save", tmp_path / "out", str(tiny_target_config(tmp_path / "target")))
-    assert not got["ok"] and "input_norm.weight" in got["error"]
+    assert not got["ok"] and "fc_norm true" in got["error"]
     (tmp_path / "none").mkdir()
     empty = cmp.convert_checkpoint(tmp_path / "none", tmp_path / "o2", None)
     assert not empty["ok"] and "no <epoch>/ folder" in empty["error"]
@@ -129,7 +139,21 @@ def test_parser_takes_repeated_only_and_refuses_unknown_runs(capsys):
     assert args.only == ["draftsmith-defaults", "draftsmith-matched"] and args.epochs == 1.0 and args.max_seconds is None
     with pytest.raises(SystemExit):
         cmp.build_parser().parse_args(["--store", "s", "--only", "eagle"])
-    assert "invalid choice" in capsys.readouterr().err
+    assert "'eagle' is not one of" in capsys.readouterr().err
+
+
+def test_a_draftsmith_variant_changes_only_the_fields_it_names(tmp_path, capsys):
+    args = cmp.build_parser().parse_args(["--store", "s", "--only", "draftsmith-matched+compile+lr=5e-4"])
+    assert args.only == ["draftsmith-matched+compile+lr=5e-4"]
+    variant = TrainConfig(**cmp.draftsmith_values(args.only[0], tmp_path / "s", tmp_path / "o", 1.0, 49152))
+    matched = TrainConfig(**cmp.draftsmith_values("draftsmith-matched", tmp_path / "s", tmp_path / "o", 1.0, 49152))
+    assert (variant.compile, variant.lr) == (True, 5e-4) and matched.compile is False and matched.lr == 1e-3
+    assert variant.model_copy(update={"compile": False, "lr": 1e-3}) == matched
+    for bad, said in (("draftsmith-defaults+no_such_field=1", "not a TrainConfig field"),
+                      ("speculators-defaults+compile", "only draftsmith runs")):
+        with pytest.raises(SystemExit):
+            cmp.build_parser().parse_args(["--store", "s", "--only", bad])
+        assert said in capsys.readouterr().err
 
 
 def test_requirement_check_names_what_is_missing(monkeypatch):

@@ -59,7 +59,7 @@ from draftsmith.export import DEFAULT_K, DTYPES, FORMATS
 LAYOUTS = ("draftsmith", "eagle", "specforge", "modelopt", "speculators")
 MLA_KEY_PARTS = ("q_a_proj", "kv_a_proj_with_mqa", "kv_b_proj", "q_b_proj")
 # Tensors of the drafter module that a public file may carry under these names.
-PLAIN_KEYS = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")
+PLAIN_KEYS = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "input_norm.weight")
 LAYER_PREFIXES = {"midlayer.": "midlayer.", "layers.0.": "midlayer."}
 
 
@@ -158,9 +158,9 @@ def rename_tensors(tensors: dict[str, torch.Tensor], drop_embeddings: bool) -> t
         raise DraftsmithError(
             f"{len(unknown)} tensor(s) have no place in draftsmith's EAGLE-3 drafter",
             got=", ".join(sorted(unknown)[:12]) + (" ..." if len(unknown) > 12 else ""),
-            expected="fc, midlayer.* / layers.0.*, norm, lm_head, d2t, t2d",
+            expected="fc, midlayer.* / layers.0.*, norm, lm_head, d2t, t2d (input_norm with norm_before_fc)",
             fix=("pass --drop-embeddings if the drafter's embed_tokens is the target's own copy; " if embed else "")
-            + "a second decoder layer or extra norms (input_norm, fc_norm) cannot be represented faithfully")
+            + "a second decoder layer or per-chunk fc norms (fc_norm) cannot be represented faithfully")
     return out, notes
 
 
@@ -195,9 +195,7 @@ def unfaithful_fields(cfg: dict, layout: str) -> list[str]:
     eagle = cfg.get("eagle_config") or {}
     checks = [
         (cfg.get("num_hidden_layers", 1) != 1, f"num_hidden_layers {cfg.get('num_hidden_layers')} (one layer only)"),
-        (bool(cfg.get("norm_before_fc") or eagle.get("norm_before_fc")), "norm_before_fc true (an input_norm)"),
         (bool(cfg.get("fc_norm")), "fc_norm true"),
-        (bool(cfg.get("norm_output")), "norm_output true"),
         (bool(cfg.get("attention_bias")), "attention_bias true"),
         (bool(cfg.get("mlp_bias") or cfg.get("bias")), "mlp / fc bias"),
         (cfg.get("hidden_act", "silu") != "silu", f"hidden_act {cfg.get('hidden_act')!r}"),
@@ -215,6 +213,11 @@ def unfaithful_fields(cfg: dict, layout: str) -> list[str]:
         ((eagle.get("parallel_draft_step") or 1) > 1, f"parallel_draft_step {eagle.get('parallel_draft_step')}"),
     ]
     return [msg for bad, msg in checks if bad]
+
+
+def eagle_flag(config: dict, key: str) -> Any:
+    """A flag vLLM's llama_eagle3 also reads from the config's eagle_config (norm_before_fc)."""
+    return (config.get("eagle_config") or {}).get(key)
 
 
 def boundary_ids(ids: list[int] | None, convention: str, target_layers: int) -> tuple[int, int, int]:
@@ -303,7 +306,9 @@ def read_drafter(src: Path, target_layers: int | None = None, aux_convention: st
                         draft_vocab_size=draft_vocab, target_hidden_size=fc.shape[1] // 3,
                         target_num_layers=target_layers, aux_layer_ids=ids,
                         rms_norm_eps=flat.get("rms_norm_eps", 1e-6), rope_theta=flat.get("rope_theta", 10000.0),
-                        max_position_embeddings=max_pos, norm_before_residual=bool(nbr))
+                        max_position_embeddings=max_pos, norm_before_residual=bool(nbr),
+                        norm_before_fc=bool(flat.get("norm_before_fc") or eagle_flag(config, "norm_before_fc")),
+                        norm_output=bool(flat.get("norm_output")))
     vocab_maps(tensors, vocab, draft_vocab, notes)
     verifier = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
     meta = {"target": verifier} if verifier else {}

@@ -228,20 +228,21 @@ def prefill(target, prompts: list[list[int]], aux_ids: tuple[int, ...], settings
 
 
 def catch_up(drafter: Eagle3Drafter, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor]:
-    """Feed the pending target features to the drafter; returns each row's last (log-probs (B, Vd), h (B, H))."""
+    """Feed the pending target features to the drafter; returns each row's last (log-probs (B, Vd), h (B, H)),
+    h being the state the next draft step is fed (`Eagle3Drafter.fed_back`)."""
     p = state.pending
     B, n = p.ids.shape
     causal = torch.ones(n, n, dtype=torch.bool, device=p.ids.device).tril()
     allowed = block_mask(state.drafter_valid, causal & p.valid[:, None, :] | torch.eye(n, dtype=torch.bool,
                                                                                            device=p.ids.device))
     with timed(state.timings, "drafter", p.ids.device):
-        h = drafter.decode_step(p.ids, drafter.fc(p.aux), p.pos, state.drafter_cache, allowed)  # (B, n, H)
+        h = drafter.decode_step(p.ids, drafter.project_aux(p.aux), p.pos, state.drafter_cache, allowed)  # (B, n, H)
     state.drafter_valid = torch.cat([state.drafter_valid, p.valid], dim=1)
     last = n - 1 - p.valid.flip(-1).int().argmax(-1)  # (B,) index of each row's last valid entry
     h_last = h[torch.arange(B, device=h.device), last]  # (B, H)
     with timed(state.timings, "drafter", p.ids.device):
         logp = draft_head(drafter, h_last)
-    return logp, h_last
+    return logp, drafter.fed_back(h_last)
 
 
 @torch.inference_mode()
@@ -273,6 +274,7 @@ def draft(drafter: Eagle3Drafter | None, state: DecodeState, settings: DecodeSet
         cands.append((child_tok, frontier.repeat_interleave(topk, dim=1), child_score, depth + 1))
         score, sel = child_score.topk(topk, dim=-1)  # EAGLE-2: expand only the best topk next
         slot = sel // topk  # which frontier node each new frontier node descends from
+        h_out = drafter.fed_back(h_out)
         tok, h = child_tok.gather(1, sel), h_out.gather(1, slot[:, :, None].expand(B, topk, h_out.shape[-1]))
         frontier = offset + sel
         offset += topk * topk

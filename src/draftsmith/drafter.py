@@ -4,16 +4,19 @@ Letters: B batch, T sequence, H drafter hidden, Ht target hidden, V target vocab
 K TTT steps, nh / nkv heads / KV heads, hd head dim, I MLP width.
 
     a = cat(aux_low, aux_mid, aux_high)        (B, T, 3Ht)   from the target
+    a = input_norm(a)                          (B, T, 3Ht)   only with norm_before_fc (speculators' default)
     h = fc(a)                                  (B, T, H)
     e = embed_tokens(next token)               (B, T, H)     frozen copy of the target's
     x = cat(input_layernorm(e), hidden_norm(h))  (B, T, 2H)  embedding first
     h = h + o_proj(attn(q, k, v of x))         residual is the un-normed h
     h = h + mlp(post_attention_layernorm(h))   SwiGLU
     logits = lm_head(norm(h))                  (B, T, Vd)    h (pre-norm) is fed back for the next step
+                                                             (norm(h) with norm_output, speculators' default)
 
 Attribute names are the checkpoint keys of the `LlamaForCausalLMEagle3` layout that vLLM
 (`llama_eagle3.py`) and SGLang load: `fc`, `midlayer.{hidden_norm, input_layernorm, self_attn.*,
-post_attention_layernorm, mlp.*}`, `norm`, `lm_head`, buffers `d2t`, `t2d`. `embed_tokens` is not
+post_attention_layernorm, mlp.*}`, `norm`, `lm_head`, buffers `d2t`, `t2d`, and `input_norm` where
+`norm_before_fc` is set. `embed_tokens` is not
 exported (engines share the target's).
 
 Training-time test (docs/training.md §4): step 0 starts from fc(aux); step i > 0 is fed the
@@ -64,6 +67,12 @@ class DrafterConfig:
     max_position_embeddings: int = 8192
     norm_before_residual: bool = False
     """False: the residual is the un-normed fc output (EAGLE / SpecForge / SGLang); True: speculators."""
+    norm_before_fc: bool = False
+    """True: an RMSNorm (`input_norm`, 3Ht wide) over the concatenated aux states before fc (speculators
+    0.9.0's default; vLLM's llama_eagle3 reads it from the config or its eagle_config)."""
+    norm_output: bool = False
+    """True: the state fed back to the next draft step is the final norm's output, not the pre-norm sum
+    (speculators 0.9.0's default; vLLM's llama_eagle3 `aux_output`)."""
 
     @classmethod
     def from_target(cls, spec: TargetSpec, draft_vocab_size: int, aux_layer_ids: tuple[int, int, int]) -> DrafterConfig:
@@ -247,6 +256,8 @@ class Eagle3Drafter(nn.Module):
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
+        if cfg.norm_before_fc:
+            self.input_norm = RMSNorm(3 * cfg.target_hidden_size, cfg.rms_norm_eps)
         self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -254,6 +265,17 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
         self.soft_ce_rows = soft_ce_rows  # the loss's elementwise pass; `compile_for_training` swaps in a compiled copy
+
+    def project_aux(self, aux: torch.Tensor) -> torch.Tensor:
+        """h = fc(a), through input_norm first where norm_before_fc is set. (B, T, 3Ht) -> (B, T, H)"""
+        return self.fc(self.input_norm(aux) if self.config.norm_before_fc else aux)
+
+    def fed_back(self, h_out: torch.Tensor, normed: torch.Tensor | None = None) -> torch.Tensor:
+        """The state the next draft step is fed: h_out (B, T, H) pre-norm, or norm(h_out) with norm_output
+        (`normed`, if the caller has it already)."""
+        if not self.config.norm_output:
+            return h_out
+        return self.norm(h_out).to(h_out.dtype) if normed is None else normed
 
     def step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor,
              sin: torch.Tensor, attend) -> torch.Tensor:
@@ -291,7 +313,8 @@ class Eagle3Drafter(nn.Module):
             and keys; cache: keys and values of steps 0..i-1; `first` marks step 0 (whose keys become the
             causal keys); mask: packed rows' step-0 mask (`document_mask` / `document_block_mask`) or None.
         Returns:
-            (norm(h_out) (B, T, H) in h's dtype, the head's input; h_out (B, T, H) pre-norm, fed to the next step).
+            (norm(h_out) (B, T, H) in h's dtype, the head's input; the state fed to the next step: h_out (B, T, H)
+            pre-norm, or norm(h_out) with norm_output).
         """
         mid, attn_mod = self.midlayer, self.midlayer.self_attn
         hn = mid.hidden_norm(h)
@@ -318,7 +341,8 @@ class Eagle3Drafter(nn.Module):
                              mask=mask, **extra)  # (B, nh, T, hd)
 
         h_out = self.step(*qkv.split([nq, nk, nk], dim=-1), residual, cos, sin, attend)
-        return self.norm(h_out).to(h_out.dtype), h_out
+        normed = self.norm(h_out).to(h_out.dtype)
+        return normed, self.fed_back(h_out, normed)
 
     def decode_step(self, ids: torch.Tensor, h: torch.Tensor, pos: torch.Tensor, cache: DrafterCache,
                     allowed: torch.Tensor) -> torch.Tensor:
@@ -471,7 +495,7 @@ def ttt_forward(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tens
     ahead = torch.cat([input_ids[:, 1:], input_ids.new_zeros(B, steps)], dim=1)  # (B, T-1+K)
     e_qkv = F.linear(drafter.midlayer.input_layernorm(drafter.embed_tokens(ahead)), w_qkv[:, :H])  # (B, T-1+K, .)
     w_h = w_qkv[:, H:]
-    h = drafter.fc(aux)  # (B, T, H)
+    h = drafter.project_aux(aux)  # (B, T, H)
     cache = StepCache()
     xs = []
     for i in range(steps):

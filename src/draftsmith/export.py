@@ -60,9 +60,9 @@ def speculators_config(cfg: DrafterConfig, dtype: str, target: str, k: int, extr
         "target_hidden_size": cfg.target_hidden_size,
         "eagle_aux_hidden_state_layer_ids": aux_ids_for_format(cfg.aux_layer_ids, "speculators"),
         "norm_before_residual": cfg.norm_before_residual,
-        "norm_before_fc": False,
+        "norm_before_fc": cfg.norm_before_fc,
         "fc_norm": False,
-        "norm_output": False,
+        "norm_output": cfg.norm_output,
         "torch_dtype": dtype,
         "transformer_layer_config": layer,
         "speculators_config": {
@@ -125,15 +125,36 @@ Check before a long load: `draftsmith check --target {target} --drafter {out} --
 """
 
 
+# Norm variants each format's engine computes (others it computes as False, silently: a drafter trained with
+# them then drafts from other numbers and accepts little). vLLM's llama_eagle3 reads both (0.32.0 source);
+# SGLang's llama_eagle3 neither (docs/engines.md §2.4); llama.cpp's eagle3 graph norm_before_fc only
+# (rules/llamacpp.yaml `norm_flags_read`).
+NORMS_READ = {"vllm": ("norm_before_fc", "norm_output"), "speculators": ("norm_before_fc", "norm_output"),
+              "sglang": (), "llamacpp": ("norm_before_fc",)}
+
+
+def refuse_unread_norms(config: dict, fmt: str) -> None:
+    """Refuse a format whose engine would silently compute a norm variant the drafter was trained with."""
+    drafter = (config.get("draftsmith") or {}).get("drafter") or {}
+    unread = [f for f in ("norm_before_fc", "norm_output") if drafter.get(f) and f not in NORMS_READ.get(fmt, ())]
+    if unread:
+        raise DraftsmithError(f"the {fmt} layout's engine does not compute this drafter's {', '.join(unread)}",
+                              got=f"{', '.join(f + ' true' for f in unread)} (trained so, e.g. speculators' defaults)",
+                              expected=f"a format whose engine reads them: "
+                                       f"{', '.join(f for f, read in NORMS_READ.items() if set(unread) <= set(read))}",
+                              fix="export --format vllm (vLLM reads both), or retrain without them")
+
+
 def export(src: Path, out: Path, fmt: str, dtype: str = "bfloat16", k: int = DEFAULT_K, target_path: str | None = None,
            target_gguf: str | None = None) -> Path:
     """Export a draftsmith checkpoint directory to `fmt` in `out` (`target_gguf`: llamacpp only)."""
     if fmt not in FORMATS + GGUF_FORMATS:
         raise DraftsmithError("unknown export format", got=fmt, expected=" | ".join(FORMATS + GGUF_FORMATS),
                               fix="pick one")
+    config = json.loads((Path(src) / "config.json").read_text())
+    refuse_unread_norms(config, fmt)
     if fmt == "llamacpp":
         return export_llamacpp(src, out, dtype, k, target_path, target_gguf)
-    config = json.loads((Path(src) / "config.json").read_text())
     if "draftsmith" not in config:
         raise DraftsmithError("export reads draftsmith checkpoints", got=f"{src} has no draftsmith block",
                               expected="a directory written by `draftsmith train`",
