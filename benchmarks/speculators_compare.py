@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from draftsmith.train import SCRATCH_LR  # noqa: E402  (the package is light to import: no engine, no GPU)
 
 RUNS = ("speculators-defaults", "speculators-matched", "draftsmith-defaults", "draftsmith-matched")
 RESULTS = Path(__file__).resolve().parent / "results" / "speculators_compare.json"
@@ -104,7 +105,7 @@ class Setting:
 SETTINGS = (
     Setting("ttt_steps", "--ttt-steps", 7, 3),
     Setting("step_loss_decay", "--ttt-step-loss-decay", 0.8, 1.0),
-    Setting("lr", "--lr", 1e-4, 1e-3),
+    Setting("lr", "--lr", None, 1e-3, "draftsmith's null: 1e-3 for a new drafter (1e-4 before session 12)"),
     Setting("weight_decay", "--weight-decay", 0.0, 0.01),
     Setting("batch_tokens", "--total-seq-len", 4096, 8192, "tokens per packed row and optimizer step"),
     Setting("eval_fraction", "--train-data-ratio", 0.05, 0.9, "speculators' value is 1 - draftsmith's"),
@@ -117,16 +118,17 @@ SETTINGS = (
     Setting("(AdamW)", "--optimizer", "adamw", "muon"),
     Setting("(cosine to lr x min_lr_ratio 0.1)", "--scheduler-type", "cosine", "linear",
             "speculators' cosine decays to 0: the floor is not matched"),
-    Setting("(no input norm)", "--norm-before-fc", False, True, "an RMSNorm over the 3 concatenated aux states"),
-    Setting("(pre-norm state fed back)", "--norm-output", False, True, "the state carried across TTT steps"),
-    Setting("(DrafterConfig.norm_before_residual)", "--norm-before-residual", False, True,
-            "draftsmith train has no flag for it: matched one way"),
+    Setting("norm_before_fc", "--norm-before-fc", False, True, "an RMSNorm over the 3 concatenated aux states"),
+    Setting("norm_output", "--norm-output", False, True, "the state carried across TTT steps: normed"),
+    Setting("norm_before_residual", "--norm-before-residual", False, True, "the residual: the normed state"),
     Setting("(full attention)", "--full-attention-indices", [0], [], "[]: sliding window 2048 in every layer"),
     Setting("(soft cross-entropy to the target)", "--loss-fn", "kl_div", "kl_div", "the same gradient"),
 )
 PER_RUN = ("epochs", "draft_vocab_size")  # set by the benchmark for every run, not by the mapping
-# Value maps, the same both ways: train ratio = 1 - eval fraction; speculators' unset warm-up is 1 % of steps.
-CONVERT = {"eval_fraction": lambda x: round(1 - x, 6), "warmup_ratio": lambda x: 0.01 if x is None else x}
+# Value maps, the same both ways: train ratio = 1 - eval fraction; speculators' unset warm-up is 1 % of steps;
+# draftsmith's unset lr is SCRATCH_LR for a new drafter (every run here starts one).
+CONVERT = {"eval_fraction": lambda x: round(1 - x, 6), "warmup_ratio": lambda x: 0.01 if x is None else x,
+           "lr": lambda x: SCRATCH_LR if x is None else x}
 
 
 def settings_table() -> str:

@@ -44,7 +44,7 @@ def test_speculators_matched_gets_draftsmiths_values():
     argv = cmp.speculators_argv("speculators-matched", Path("/d"), Path("/t"), Path("/w/ckpt"), [2, 15, 27], 1.5, 8192)
     f = flags(argv)
     assert f["--ttt-steps"] == [str(TRAIN_DEFAULTS["ttt_steps"])] and f["--ttt-step-loss-decay"] == ["0.8"]
-    assert f["--lr"] == [str(TRAIN_DEFAULTS["lr"])] and f["--total-seq-len"] == [str(TRAIN_DEFAULTS["batch_tokens"])]
+    assert f["--lr"] == [str(TrainConfig(store="s", out="o").peak_lr)] and f["--total-seq-len"] == [str(TRAIN_DEFAULTS["batch_tokens"])]
     assert f["--train-data-ratio"] == ["0.95"] and f["--optimizer"] == ["adamw"] and f["--scheduler-type"] == ["cosine"]
     assert {"--no-norm-before-fc", "--no-norm-output", "--no-norm-before-residual"} <= set(f)
     assert f["--full-attention-indices"] == ["0"] and f["--draft-vocab-size"] == ["8192"]

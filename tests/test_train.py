@@ -201,6 +201,28 @@ def test_packed_micro_batches_keep_one_shape_and_every_supervised_token(store, t
     assert supervised == expected
 
 
+def test_a_new_drafter_takes_speculators_norm_variants_and_the_learning_rate_default_follows_init_from(store,
+                                                                                                      tmp_path):
+    """--norm-before-fc / --norm-output / --norm-before-residual build a drafter that has them, trains its input
+    norm and writes them where vLLM reads them; an unset lr is 1e-3 for a new drafter and 2e-4 with --init-from."""
+    from draftsmith.train import FINE_TUNE_LR, SCRATCH_LR
+
+    cfg = dict(store=str(store), batch_tokens=256, draft_vocab_size=128, ttt_steps=2, eval_fraction=0.0, max_steps=3,
+               eval_every=10**6, save_every=10**6, log_every=10**6)
+    trainer = Trainer(TrainConfig(out=str(tmp_path / "norms"), norm_before_fc=True, norm_output=True,
+                                  norm_before_residual=True, **cfg))
+    c = trainer.drafter.config
+    assert (c.norm_before_fc, c.norm_output, c.norm_before_residual) == (True, True, True)
+    before = trainer.drafter.input_norm.weight.detach().clone()
+    trainer.run(progress=False)
+    assert not torch.equal(trainer.drafter.input_norm.weight.detach(), before), "the input norm was not trained"
+    written = json.loads((tmp_path / "norms" / "drafter" / "config.json").read_text())
+    assert written["norm_before_fc"] and written["eagle_config"]["norm_before_fc"] and written["norm_output"]
+    assert json.loads((tmp_path / "norms" / "train_config.json").read_text())["peak_lr"] == SCRATCH_LR
+    assert TrainConfig(out="o", init_from=str(tmp_path / "norms" / "drafter"), **cfg).peak_lr == FINE_TUNE_LR
+    assert TrainConfig(out="o", lr=5e-4, init_from="smollm2", **cfg).peak_lr == 5e-4
+
+
 def test_draft_head_starts_as_the_targets_rows_and_stays_frozen_when_asked(store, tmp_path):
     """--head-init target copies the target's lm_head rows of the draft vocabulary (draft-id order); random keeps
     nn.Linear's init with every other weight the same; --no-train-head leaves the head untouched by training."""

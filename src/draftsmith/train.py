@@ -31,7 +31,7 @@ import os
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -49,6 +49,10 @@ from draftsmith.follow import sane_shard, wait_published
 from draftsmith.target import pick_device
 from draftsmith.vocab import build_draft_vocab, default_draft_vocab_size
 
+SCRATCH_LR = 1e-3
+"""Default peak lr of a new drafter (TrainSettings.lr)."""
+FINE_TUNE_LR = 2e-4
+"""Default peak lr with --init-from: the shipped-drafter fine-tunes of `run` and the embedded builds use it."""
 EVAL_SPLIT_SEED = 1234  # fixed: the held-back samples do not move when --seed changes
 
 
@@ -61,9 +65,10 @@ class TrainSettings(Settings):
     """Training-time-test unroll length (EAGLE-3 / SpecForge: 7)."""
     step_loss_decay: float = TTT_STEP_LOSS_DECAY
     """Weight of TTT step i is decay**i (EAGLE-3: 0.8)."""
-    lr: float = 1e-4
-    """Peak learning rate of the cosine schedule (SpecForge's recipe: 1e-4; fine-tuning a shipped drafter: 2e-4;
-    a small drafter from scratch: ~1e-3)."""
+    lr: float | None = None
+    """Peak learning rate of the cosine schedule; default 1e-3 for a new drafter, 2e-4 with --init-from
+    (fine-tuning a trained one). On one H200 epoch of 3 M SmolLM2 tokens, 1e-3 drafted tau 1.67 at k=4 against
+    1.36 at SpecForge's 1e-4 (2e-3: 1.65; docs/peers.md, "Session 12"); long runs on large data may prefer 1e-4."""
     min_lr_ratio: float = 0.1
     """The cosine schedule ends at lr * min_lr_ratio."""
     warmup_ratio: float = 0.015
@@ -111,6 +116,15 @@ class TrainSettings(Settings):
     is not the default until a longer run decides. Ignored with --init-from."""
     train_head: bool = True
     """Train the draft head; --no-train-head keeps it frozen at its initial value (speculators' way)."""
+    norm_before_fc: bool = False
+    """A new drafter gets an RMSNorm over the concatenated aux states before fc (speculators' default; vLLM
+    serves it, SGLang does not: export refuses). Ignored with --init-from (the drafter keeps its own)."""
+    norm_output: bool = False
+    """A new drafter feeds its normed output state to the next draft step (speculators' default; vLLM serves
+    it, SGLang and llama.cpp do not). Ignored with --init-from."""
+    norm_before_residual: bool = False
+    """A new drafter's residual is the normed hidden state (speculators' default; SGLang computes False).
+    Ignored with --init-from."""
     compile: bool = False
     """torch.compile the drafter's TTT step and the loss's pass over the logits (`compile_for_training`: fuses
     their elementwise work; for GPU runs, where it pays back the compile time; varying sequence lengths
@@ -133,10 +147,20 @@ class TrainSettings(Settings):
         if self.head_init not in ("target", "random"):
             raise DraftsmithError("unknown --head-init", got=self.head_init, expected="target or random",
                                   fix="pass --head-init random (default) or --head-init target")
+        if self.lr is not None and not self.lr > 0:
+            raise DraftsmithError("bad --lr", got=str(self.lr), expected="a peak learning rate > 0",
+                                  fix="pass e.g. --lr 1e-3, or leave it out for the default")
         if self.parallel not in ("ddp", "fsdp"):
             raise DraftsmithError("unknown --parallel", got=self.parallel, expected="ddp or fsdp",
                                   fix="pass --parallel ddp (default) or --parallel fsdp")
         return self
+
+    @property
+    def peak_lr(self) -> float:
+        """lr, or its default: FINE_TUNE_LR with init_from, else SCRATCH_LR."""
+        if self.lr is not None:
+            return self.lr
+        return FINE_TUNE_LR if self.init_from else SCRATCH_LR
 
 
 class TrainConfig(TrainSettings):
@@ -188,12 +212,12 @@ class TrainConfig(TrainSettings):
 
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
-    """Linear warm-up to cfg.lr, then cosine down to cfg.lr * min_lr_ratio."""
+    """Linear warm-up to the peak lr, then cosine down to it times min_lr_ratio."""
     warmup = max(1, int(cfg.warmup_ratio * total))
     if step < warmup:
-        return cfg.lr * (step + 1) / warmup
+        return cfg.peak_lr * (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    return cfg.peak_lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def split_indices(n: int, eval_fraction: float) -> tuple[list[int], list[int]]:
@@ -403,7 +427,7 @@ class Trainer:
             self.model = torch.nn.parallel.DistributedDataParallel(
                 self.drafter, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         params = [p for p in self.drafter.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.peak_lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
                                            fused=self.device.type == "cuda")
         per_step = self.world * cfg.grad_accum
         if not cfg.follow:  # following: set once the store is complete (`land`)
@@ -434,7 +458,8 @@ class Trainer:
         size = self.cfg.draft_vocab_size or default_draft_vocab_size(spec.vocab_size)
         vocab = build_draft_vocab(self.data.token_counts(), size)
         torch.manual_seed(self.cfg.seed)
-        drafter = Eagle3Drafter(DrafterConfig.from_target(spec, size, self.data.aux_ids))
+        norms = {f: getattr(self.cfg, f) for f in ("norm_before_fc", "norm_output", "norm_before_residual")}
+        drafter = Eagle3Drafter(replace(DrafterConfig.from_target(spec, size, self.data.aux_ids), **norms))
         with torch.no_grad():
             drafter.embed_tokens.weight.copy_(self.data.embed_tokens())
             drafter.d2t.copy_(vocab.d2t)
@@ -810,7 +835,7 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         resumed = self.try_resume()
         if self.rank == 0:
-            (self.out / "train_config.json").write_text(json.dumps(self.cfg.model_dump(), indent=2) + "\n")
+            (self.out / "train_config.json").write_text(json.dumps({**self.cfg.model_dump(), "peak_lr": self.cfg.peak_lr}, indent=2) + "\n")
             packing = (f"packed rows of {self.row_tokens} tokens x {self.rows_per_batch} per micro-batch "
                        f"({len(self.train_pieces)} documents)" if self.cfg.pack
                        else "unpacked")
