@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from draftsmith.cli import main
-from draftsmith.causes import HINTS, weight_shape_detail
+from draftsmith.causes import HINTS, step_of, weight_shape_detail
 from draftsmith.diagnose import (
     analyze_file,
     iter_log,
@@ -461,3 +461,59 @@ def test_nccl_heartbeat_report_is_a_hang_with_its_wait():
     rc = analyze(["INFO 10-30 11:46:00 model_runner.py:1] Loading model weights took 12.0 GB",
                   SAMPLES["nccl_heartbeat_stuck"]]).root_cause
     assert (rc.kind, rc.line, rc.hint_name, rc.silence_s) == ("hang", 2, "nccl_heartbeat", 600.0)
+
+
+# --- where a traceback was raised, when no recognised cause names it (diagnose corpus set 2, dev half) ---
+
+SET2 = CORPUS / "set2"
+
+
+def test_step_of_tells_serving_from_start_up():
+    spec = "sglang/srt/managers/scheduler.py run_batch\nsglang/srt/speculative/eagle_worker_v2.py verify"
+    assert step_of(spec).name == "serving_drafter"
+    assert step_of("vllm/v1/worker/gpu_model_runner.py load_model\nvllm/v1/spec_decode/eagle.py load_model").name == "drafter"
+    # vLLM's worker loop also carries start-up calls: capture under worker_busy_loop is still start-up
+    capture = "vllm/v1/executor/multiproc_executor.py worker_busy_loop\nvllm/v1/worker/gpu_model_runner.py capture_model"
+    assert step_of(capture).name == "cuda_graph_capture"
+    assert step_of("vllm/v1/worker/worker_base.py execute_model").name == "serving"
+    assert step_of("sglang/srt/model_executor/cuda_graph_runner.py replay\nscheduler.py run_batch").name == "serving_cuda_graph"
+    assert step_of("app.py main") is None
+
+
+def test_exception_without_a_recognised_cause_is_hinted_by_where_it_was_raised():
+    rc = analyze(read_log(SET2 / "sglang_gh24215_standalone_hidden_mismatch.log")).root_cause
+    assert (rc.line, rc.kind, rc.hint_name) == (4, "exception", "drafter")
+    assert rc.hint.startswith("raised during the drafter (speculative decoding) code") and "draftsmith check" in rc.hint
+
+
+def test_a_users_directory_named_draft_is_not_read_as_the_engines_drafter_code():
+    log = ('  File "/home/u/fast-draft/app.py", line 3, in main\n'
+           "    run()\n"
+           "RuntimeError: Sizes of tensors must match except in dimension 0. Expected size 4096 but got size 2048")
+    rc = _diagnose_text(log).root_cause
+    assert (rc.line, rc.kind, rc.hint_name, rc.hint) == (3, "exception", None, None)
+
+
+def test_cut_serve_time_traceback_names_serving_not_a_start_up_step():
+    rc = analyze(read_log(SET2 / "vllm_ascend_pr7290_eagle3_full_decode_cut.log")).root_cause
+    assert (rc.line, rc.kind, rc.hint_name) == (1, "not_captured", "serving")
+    assert "during serving a request (model execution)" in rc.hint and "replay that request" in rc.hint
+
+
+def test_cut_traceback_in_a_compiled_graph_says_so():
+    rc = analyze(read_log(SET2 / "vllm_gh32591_draft_cuda_graph_range_cut.log")).root_cause
+    assert (rc.line, rc.kind, rc.hint_name) == (1, "not_captured", "compiled_graph")
+    assert "--enforce-eager" in rc.hint
+
+
+def test_a_scheduler_death_keeps_its_hint_and_adds_where_it_died():
+    rc = analyze(read_log(SET2 / "sglang_gh14077_specv2_topk_cut.log")).root_cause
+    assert (rc.line, rc.kind, rc.hint_name) == (1, "not_captured", "sglang_child_died")
+    assert "during serving a request, in the speculative-decoding (drafter) path" in rc.hint
+    assert "serve once without the speculative config" in rc.hint
+
+
+def test_pydantic_config_refusal_is_hinted_as_config_validation():
+    rc = analyze(read_log(CORPUS / "vllm_gh26161_pydantic_model_config.log")).root_cause
+    assert (rc.line, rc.kind, rc.hint_name) == (6, "exception", "config_validation")
+    assert "Value error" in rc.hint

@@ -113,6 +113,10 @@ HINTS: tuple[Hint, ...] = (
        r"does not appear to have a file named config\.json|No such file or directory|HFValidationError",
        "the model path does not exist here and is not a hub id: check the path (absolute, mounted, spelled "
        "right); with HF_HUB_OFFLINE=1 a hub id must already be in the cache"),
+    _h("config_validation", r"validation error for \w*Config|\[type=value_error",
+       "the engine refused its arguments before loading anything (pydantic validation of its config): the "
+       "`Value error, ...` line says which setting; change that flag, or the config.json field it names, to "
+       "a value this engine release accepts"),
     _h("engine_core_confirmation", r"Engine core initialization failed|WorkerProc initialization failed",
        "the API server only reports that the engine died; the cause is printed by the EngineCore or Worker "
        "process above it. If it is missing, the log was cut: keep the full stdout+stderr "
@@ -151,19 +155,75 @@ def weight_shape_detail(text: str) -> str | None:
             f"[{got_out}, {got_in}] ({layers})")
 
 
-# The start-up step a traceback's frames pass through, innermost first: what a cut traceback still tells.
-_STEPS: tuple[tuple[re.Pattern[str], str], ...] = tuple((re.compile(r), step) for r, step in (
-    (r"capture_model|_capture_cudagraphs|cuda_graph_runner|init_cuda_graphs", "CUDA graph capture"),
+@dataclass(frozen=True)
+class Step:
+    """Where a traceback's frames say the engine was, and what to try for a failure there."""
+
+    name: str  # reported as the hint name when no recognised cause matches
+    label: str
+    fix: str
+
+
+_EAGER = ("confirm with --enforce-eager (vLLM) or --disable-cuda-graph (SGLang), then lower the captured batch "
+          "sizes (--max-num-seqs / --cuda-graph-max-bs) or leave more free memory")
+_COMPILED = ("confirm with --enforce-eager or -O0 (vLLM) or without --enable-torch-compile (SGLang); clear the "
+             "compile cache (~/.cache/vllm/torch_compile_cache) after an engine or model change")
+_DRAFTER = ("start once without the speculative config to confirm the drafter is the cause, then compare its "
+            "config.json with the target's (architecture, hidden_size, vocabulary, method): `draftsmith check` "
+            "reads both")
+
+
+def _steps(*table: tuple[str, str, str, str]) -> tuple[tuple[re.Pattern[str], Step], ...]:
+    return tuple((re.compile(regex), Step(name, label, fix)) for regex, name, label, fix in table)
+
+
+# Start-up steps a traceback's frames pass through, most specific first: what a traceback still tells
+# when no recognised cause matches, or when it is cut before its exception. These three only run at
+# start-up; vLLM's worker_busy_loop carries start-up calls (capture, warm-up) as well as requests.
+_SETUP_STEPS = _steps(
+    (r"capture_model|_capture_cudagraphs|init_cuda_graphs|compile_or_warm_up|cuda_graph_runner\.py __init__",
+     "cuda_graph_capture", "CUDA graph capture", _EAGER),
     (r"_initialize_kv_caches|determine_num_available_blocks|profile_run|determine_available_memory|init_memory_pool",
-     "memory profiling and KV cache allocation"),
+     "kv_cache_setup", "memory profiling and KV cache allocation",
+     "usually out of memory or a KV cache too small: lower --gpu-memory-utilization / --mem-fraction-static, "
+     "--max-model-len or --max-num-seqs"),
     (r"ncclCommInitRank|PyNcclCommunicator|init_worker_distributed_environment|init_distributed_environment|"
-     r"initialize_model_parallel|init_process_group", "distributed (NCCL) initialisation"),
-    (r"eagle|EAGLE|draft|spec_decode|speculative", "the drafter (speculative decoding) set-up"),
-    (r"load_weights|load_model|get_model|model_loader", "model loading"),
-    (r"init_device|set_device", "device initialisation"),
-))
+     r"initialize_model_parallel|init_process_group", "distributed_init", "distributed (NCCL) initialisation",
+     "check that every rank reaches it: rerun with NCCL_DEBUG=INFO; check CUDA_VISIBLE_DEVICES and shared "
+     "memory (docker --ipc=host)"),
+)
+_STARTUP_STEPS = _steps(
+    (r"eagle|EAGLE|draft|spec_decode|speculative", "drafter", "the drafter (speculative decoding) code",
+     _DRAFTER),
+    (r"piecewise_backend|torch/_dynamo|torch/_inductor|torch/fx/graph_module|vllm/compilation/", "compiled_graph",
+     "a torch.compile'd model graph", _COMPILED),
+    (r"load_weights|load_model|get_model|model_loader", "model_loading", "model loading",
+     "the checkpoint does not match what the engine built for it: check that every shard and config.json are "
+     "complete and that this engine release supports the architecture"),
+    (r"init_device|set_device", "device_init", "device initialisation",
+     "the GPU could not be set up: check CUDA_VISIBLE_DEVICES, the driver, and that no other process holds it"),
+)
+# A traceback through these functions was raised while the engine served a request, not while it started.
+_SERVING = re.compile(r"\b(?:execute_model|run_batch|event_loop_\w+|run_busy_loop|"
+                      r"forward_batch_generation|sample_tokens|step_with_batch_queue|_process_engine_step)\b")
+_SERVING_STEPS = _steps(
+    (r"eagle|EAGLE|draft|spec_decode|speculative", "serving_drafter",
+     "serving a request, in the speculative-decoding (drafter) path",
+     "serve once without the speculative config to confirm; a size mismatch here usually means the drafter's "
+     "hidden size or vocabulary differs from the target's (`draftsmith check` compares them), else look for an "
+     "engine fix for this drafter method and release"),
+    (r"cuda_graph_runner|cudagraph|cuda_graph", "serving_cuda_graph", "serving a request, replaying a CUDA graph",
+     _EAGER),
+    (r"piecewise_backend|torch/_dynamo|torch/_inductor|torch/fx/graph_module|vllm/compilation/",
+     "serving_compiled_graph", "serving a request, in a torch.compile'd graph", _COMPILED),
+    (r".", "serving", "serving a request (model execution)",
+     "a request crashed the model step: vLLM dumps the scheduled batch just above the error; replay that "
+     "request alone to reproduce it, and look for an engine fix for this release"),
+)
 
 
-def step_of(frames: str) -> str | None:
-    """The start-up step named by a traceback's frame lines, checked from the most specific step down."""
-    return next((step for regex, step in _STEPS if regex.search(frames)), None)
+def step_of(frames: str) -> Step | None:
+    """The step a traceback's frame lines pass through, from the most specific down: a step only start-up
+    runs, else serving a request when its frames say so, else the other start-up steps."""
+    steps = _SETUP_STEPS + (_SERVING_STEPS if _SERVING.search(frames) else _STARTUP_STEPS)
+    return next((step for regex, step in steps if regex.search(frames)), None)

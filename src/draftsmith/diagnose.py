@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
-from draftsmith.causes import hint_for, step_of, weight_shape_detail
+from draftsmith.causes import Step, hint_for, step_of, weight_shape_detail
 from draftsmith.config import JSON_FLAG, Settings, add_flags, from_flags
 from draftsmith.errors import DraftsmithError
 from draftsmith.loglines import _SCREEN, OWN_DEATH, Event, Line, match_line, split_line, stamp_seconds
@@ -82,6 +82,7 @@ class PyException:
     context: tuple[str, ...]  # the traceback lines just before it
     chained: bool  # raised while handling an earlier exception
     detail: tuple[str, ...] = ()  # indented lines printed right after it (pydantic's `Value error, ...`)
+    frames: tuple[Frame, ...] = ()  # every frame of its traceback, outermost first
 
 
 @dataclass
@@ -189,7 +190,7 @@ class TracebackCollector:
             found = PyException(
                 line=self.lineno, process=process, exception_type=exc["type"], message=(exc["msg"] or "").strip(),
                 text=text.strip(), frame=_innermost(stream.frames), context=tuple(stream.lines[-CONTEXT_LINES:]),
-                chained=stream.chained)
+                chained=stream.chained, frames=tuple(stream.frames))
             self.exceptions.append(found)
             self._streams[process] = _Stream()
             self._detail_of[process] = len(self.exceptions) - 1
@@ -199,12 +200,24 @@ class TracebackCollector:
         return None
 
 
-    def cut_tracebacks(self) -> list[tuple[int, str, Frame | None, tuple[str, ...], str]]:
+    def cut_tracebacks(self) -> list[tuple[int, str, Frame | None, tuple[str, ...], str, tuple[Frame, ...]]]:
         """Tracebacks the log ends inside (no exception line yet): (last frame's line, process, innermost
-        frame, the traceback's last lines, the last frame's text), in log order."""
-        cut = [(s.last_frame_at, proc, _innermost(s.frames), tuple(s.lines[-CONTEXT_LINES:]), s.last_frame_text)
-               for proc, s in self._streams.items() if s.open and s.frames]
+        frame, the traceback's last lines, the last frame's text, every frame), in log order."""
+        cut = [(s.last_frame_at, proc, _innermost(s.frames), tuple(s.lines[-CONTEXT_LINES:]), s.last_frame_text,
+                tuple(s.frames)) for proc, s in self._streams.items() if s.open and s.frames]
         return sorted(cut, key=lambda c: c[0])
+
+
+# A frame's file from its package on (`vllm/v1/...`), so that a user's own directory names (`fast-draft/`)
+# are not read as the engine's code.
+_PACKAGE_PATH = re.compile(r"(?:site|dist)-packages/(.+)$|/((?:vllm|vllm_ascend|sglang|torch)/.+)$")
+
+
+def _step(frames: tuple[Frame, ...], context: tuple[str, ...]) -> Step | None:
+    """The step a traceback passes through, read off all its frames and the code lines among its last lines."""
+    files = [(m[1] or m[2]) if (m := _PACKAGE_PATH.search(f.file)) else f.file.rsplit("/", 1)[-1] for f in frames]
+    code = [line for line in context if not _FRAME.match(line)]
+    return step_of("\n".join([f"{file} {f.func}" for file, f in zip(files, frames)] + code))
 
 
 def _innermost(frames: list[Frame]) -> Frame | None:
@@ -278,11 +291,13 @@ def _from_exception(exc: PyException) -> RootCause:
     # a bare `TimeoutError` says nothing: then the frames before it name the cause
     said, where = "\n".join((exc.text, *exc.detail)), "\n".join(exc.context)
     hint = (hint_for(said) or hint_for(where)) if exc.message else (hint_for(where) or hint_for(said))
-    fix = hint.fix if hint else None
+    fix, name = (hint.fix, hint.name) if hint else (None, None)
     if hint and hint.name == "drafter_weight_shape" and (named := weight_shape_detail(exc.text)):
         fix = f"{named}; {fix}"
+    if not hint and (step := _step(exc.frames, exc.context)):  # no recognised cause: where it was raised
+        fix, name = f"raised during {step.label}: {step.fix}", step.name
     kind: RootCauseKind = "hang" if _TIMEOUT_EXC.search(exc.text) else "exception"
-    return RootCause(exc.line, exc.text, exc.exception_type, exc.process, fix, hint.name if hint else None,
+    return RootCause(exc.line, exc.text, exc.exception_type, exc.process, fix, name,
                      exc.frame, exc.context, exc.detail, kind=kind)
 
 
@@ -317,15 +332,15 @@ def _not_captured(collector: TracebackCollector, exceptions: list[PyException],
     """The last evidence of a cause the log does not contain, with the grep that finds it in the full log."""
     own = [(n, e) for n, e in fatal if e.name in OWN_DEATH]
     cut = collector.cut_tracebacks()
-    exc_type = None
+    exc_type, frames = None, ()
     if own:
         (lineno, event), frame, context = own[0], None, ()
         text, process = event.text, event.process
         inside = [c for c in cut if c[1] == process]
         if inside:
-            frame, context = inside[-1][2], inside[-1][3]
+            frame, context, frames = inside[-1][2], inside[-1][3], inside[-1][5]
     elif cut:
-        lineno, process, frame, context, text = cut[-1]
+        lineno, process, frame, context, text, frames = cut[-1]
     elif exceptions or fatal:
         seen = sorted([(e.line, e.text, e.process, e.exception_type) for e in exceptions] +
                       [(n, e.text, e.process, None) for n, e in fatal], key=lambda x: x[0])
@@ -334,16 +349,15 @@ def _not_captured(collector: TracebackCollector, exceptions: list[PyException],
         return None
     grep = 'grep -nE "(Error|Exception)(: |$)" FULL.log' + (f' | grep -F "{process}"' if process else "")
     where = f", last frame {frame.file}:{frame.lineno} in {frame.func}" if frame else ""
-    step = step_of("\n".join(context))
+    step = _step(frames, context)
     fix = (f"root cause not captured in this log: {process or 'the main process'} was going down at line "
-           f"{lineno}{where}{f', during {step}' if step else ''}, but the exception itself is not in this "
+           f"{lineno}{where}{f', during {step.label}' if step else ''}, but the exception itself is not in this "
            f"text (the log was cut, or only one process's output was kept). Find it in the complete "
            f"stdout+stderr: {grep}")
     hint = hint_for(text)
-    if hint:
-        fix = f"{fix}. {hint.fix}"
-    return RootCause(lineno, text, exc_type, process, fix, hint.name if hint else None, frame, context,
-                     kind="not_captured", grep=grep)
+    fix = ". ".join([fix] + [h.fix for h in (hint, step) if h])
+    name = hint.name if hint else step.name if step else None
+    return RootCause(lineno, text, exc_type, process, fix, name, frame, context, kind="not_captured", grep=grep)
 
 
 @dataclass(frozen=True)
