@@ -68,7 +68,8 @@ class TrainSettings(Settings):
     lr: float | None = None
     """Peak learning rate of the cosine schedule; default 1e-3 for a new drafter, 2e-4 with --init-from
     (fine-tuning a trained one). On one H200 epoch of 3 M SmolLM2 tokens, 1e-3 drafted tau 1.67 at k=4 against
-    1.36 at SpecForge's 1e-4 (2e-3: 1.65; docs/peers.md, "Session 12"); long runs on large data may prefer 1e-4."""
+    1.36 at SpecForge's 1e-4 (2e-3: 1.65; docs/peers.md, "speculators' defaults against draftsmith's"); long
+    runs on large data may prefer 1e-4."""
     min_lr_ratio: float = 0.1
     """The cosine schedule ends at lr * min_lr_ratio."""
     warmup_ratio: float = 0.015
