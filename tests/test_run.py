@@ -418,3 +418,24 @@ def test_a_bench_json_from_before_the_sweep_still_renders(tmp_path):
     doc = json.loads((run / "report.json").read_text())
     assert doc["k_choice"][1] == {"engine": "vLLM", "k": 4, "why": "the one k the bench stage served (no sweep recorded)"}
     assert "prompts per level, 32 tokens" in md and "chosen from" not in md
+
+
+def test_the_report_says_when_a_fine_tune_kept_its_starting_drafter(tmp_path):
+    """train.keep_start's choice, read from the drafter's config, is one line in the Training section."""
+    from draftsmith.report import write_report
+
+    run = fake_run(tmp_path, bench_json(2, (1.60, 1.29), 2.12))
+    (run / "train" / "drafter").mkdir(parents=True)
+    (run / "train" / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in (
+        {"step": 0, "eval": {"acc": [0.7], "tau": {"4": 2.53}, "loss": 6.4}, "starting_drafter": True},
+        {"step": 1, "loss": 6.9, "acc": [0.6], "tok_per_s": 300.0},
+        {"step": 1, "eval": {"acc": [0.6], "tau": {"4": 2.47}, "loss": 6.5}})) + "\n")
+    selection = {"kept": "starting", "k": 4, "starting_tau": 2.53, "fine_tuned_tau": 2.47}
+    (run / "train" / "drafter" / "config.json").write_text(json.dumps({"draftsmith": {"selection": selection}}))
+    md = write_report(run).read_text()
+    assert ("**The run kept the starting drafter unchanged**: fine-tuning did not raise held-back simulated tau "
+            "at k=4: 2.53 before fine-tuning, 2.47 after") in md
+    assert "Held-back samples at step 1" in md  # the last evaluation, not the starting drafter's
+    selection["kept"] = "fine-tuned"
+    (run / "train" / "drafter" / "config.json").write_text(json.dumps({"draftsmith": {"selection": selection}}))
+    assert "The fine-tuned drafter is kept" in write_report(run).read_text()

@@ -242,3 +242,39 @@ def test_draft_head_starts_as_the_targets_rows_and_stays_frozen_when_asked(store
     assert not torch.equal(frozen.drafter.fc.weight, fc), "nothing trained; the test proves nothing"
     target.run(progress=False)
     assert not torch.equal(target.drafter.lm_head.weight.detach().cpu(), rows.to(head.dtype)), "a trained head moves"
+
+
+def test_a_fine_tune_that_lowers_held_back_tau_writes_the_starting_drafter(store, tmp_path):
+    """keep_start: the drafter written is the starting one, byte for byte in its weights, when fine-tuning lowers
+    held-back simulated tau (lr 1.0 wrecks a trained drafter), and the fine-tuned one when it raises it (a trained
+    drafter from an almost untrained one); --no-keep-start writes the fine-tuned one either way."""
+    from safetensors.torch import load_file
+
+    cfg = dict(store=str(store), batch_tokens=256, draft_vocab_size=128, ttt_steps=3, eval_fraction=0.25,
+               warmup_ratio=0.0, eval_every=10**6, save_every=10**6, log_every=10**6)
+
+    def train(name: str, **kw) -> tuple[dict, dict]:
+        Trainer(TrainConfig(out=str(tmp_path / name), **{**cfg, **kw})).run(progress=False)
+        drafter = tmp_path / name / "drafter"
+        return load_file(str(drafter / "model.safetensors")), json.loads((drafter / "config.json").read_text())["draftsmith"]
+
+    def same(a: dict, b: dict) -> bool:
+        return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    raw, _ = train("raw", lr=1e-9, max_steps=1)  # almost the random initialisation
+    trained, _ = train("trained", lr=3e-3, max_steps=40)
+    wrecked, sel = train("wrecked", init_from=str(tmp_path / "trained" / "drafter"), lr=1.0, max_steps=3)
+    assert sel["selection"]["kept"] == "starting"
+    assert sel["selection"]["fine_tuned_tau"] < sel["selection"]["starting_tau"], sel
+    assert same(wrecked, trained)
+    assert sel["eval"]["tau"]["3"] == sel["selection"]["starting_tau"], "the config's eval is the written drafter's"
+    starts = [json.loads(line) for line in (tmp_path / "wrecked" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in starts if r.get("starting_drafter")] == [0]
+
+    forced, sel = train("forced", init_from=str(tmp_path / "trained" / "drafter"), lr=1.0, max_steps=3, keep_start=False)
+    assert "selection" not in sel and not same(forced, trained)
+
+    improved, sel = train("improved", init_from=str(tmp_path / "raw" / "drafter"), lr=3e-3, max_steps=40)
+    assert sel["selection"]["kept"] == "fine-tuned"
+    assert sel["selection"]["fine_tuned_tau"] > sel["selection"]["starting_tau"], sel
+    assert not same(improved, raw)

@@ -252,6 +252,7 @@ def collect(run: Path) -> dict:
            "summary": {k: summary.get(k) for k in ("stages", "skipped", "stage_seconds", "failed")},
            "data": data_summary(run, cfg["target"]), "starting_drafter": starting_drafter(cfg), "training": training_summary(run / "train" / "metrics.jsonl"),
            "simulated_tau": (drafter or {}).get("draftsmith", {}).get("eval", {}).get("tau"),
+           "selection": (drafter or {}).get("draftsmith", {}).get("selection"),
            "eval": ev, "check": read_json(run / "check.json"), "launch": read_json(run / "launch.json"),
            "bench": bench, "parity": parity(ev, bench), "k_choice": k_choices(ev, bench)}
     doc["verdict"] = decide(doc)
@@ -299,6 +300,15 @@ def plot_all(doc: dict, out: Path) -> list[str]:
         plt.close(fig)
         made.append(name)
     return made
+
+
+def kept_line(sel: dict) -> str:
+    """What train.keep_start decided, from the drafter's config."""
+    change = f"held-back simulated tau at k={sel['k']}: {sel['starting_tau']:.2f} before fine-tuning, {sel['fine_tuned_tau']:.2f} after"
+    if sel["kept"] == "starting":
+        return (f"**The run kept the starting drafter unchanged**: fine-tuning did not raise {change} "
+                "(train.keep_start; train.keep_start=false keeps the fine-tuned one).")
+    return f"The fine-tuned drafter is kept: {change}."
 
 
 def draw_training(doc: dict, plt):
@@ -409,12 +419,14 @@ def blocks(doc: dict, images: list[str]) -> list[tuple]:
         out += [("h2", "Data"), ("table", ["", "value"], rows)]
     tr = doc.get("training")
     if tr:
-        out += [("h2", "Training"), ("p", f"Drafter {starting_drafter(doc['config'])}."),
-                ("p", f"{tr['steps']} optimizer steps, loss {tr['first_loss']:.3f} -> "
-                 f"{tr['final_loss']:.3f}, per-step accuracy {fmt(tr['first_acc'])} -> {fmt(tr['final_acc'])}, "
-                 + (f"{tr['useful_tokens_per_s']:,.0f} useful tokens/s on average (padding excluded; "
-                    f"{tr['tokens_per_s']:,.0f} with it)." if tr.get("useful_tokens_per_s") is not None else
-                    f"{tr['tokens_per_s']:,.0f} tokens/s on average."))]
+        out += [("h2", "Training"), ("p", f"Drafter {starting_drafter(doc['config'])}.")]
+        if doc.get("selection"):
+            out.append(("p", kept_line(doc["selection"])))
+        out.append(("p", f"{tr['steps']} optimizer steps, loss {tr['first_loss']:.3f} -> "
+                    f"{tr['final_loss']:.3f}, per-step accuracy {fmt(tr['first_acc'])} -> {fmt(tr['final_acc'])}, "
+                    + (f"{tr['useful_tokens_per_s']:,.0f} useful tokens/s on average (padding excluded; "
+                       f"{tr['tokens_per_s']:,.0f} with it)." if tr.get("useful_tokens_per_s") is not None else
+                       f"{tr['tokens_per_s']:,.0f} tokens/s on average.")))
         if tr["evals"]:
             e = tr["evals"][-1]
             out.append(("p", f"Held-back samples at step {e['step']}: accuracy {fmt(e['acc'])}, simulated tau "

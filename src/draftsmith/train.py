@@ -126,6 +126,11 @@ class TrainSettings(Settings):
     norm_before_residual: bool = False
     """A new drafter's residual is the normed hidden state (speculators' default; SGLang computes False).
     Ignored with --init-from."""
+    keep_start: bool = True
+    """With --init-from: measure the starting drafter on the held-back samples before the first step, and write it
+    unchanged as the result when fine-tuning did not raise held-back simulated tau at k = --ttt-steps (a short
+    fine-tune on little data can lower it). --no-keep-start always writes the fine-tuned drafter. Not with --follow
+    (the held-back set grows while the store lands)."""
     compile: bool = False
     """torch.compile the drafter's TTT step and the loss's pass over the logits (`compile_for_training`: fuses
     their elementwise work; for GPU runs, where it pays back the compile time; varying sequence lengths
@@ -362,6 +367,22 @@ class EvalResult:
     loss: float
     tau_all_starts: dict[int, float] = field(default_factory=dict)
     """The same with a chain at every supervised index (`simulated_acceptance`): higher than decoded tau for k > 1."""
+
+
+def read_start_eval(metrics: Path) -> EvalResult | None:
+    """The starting drafter's held-back result a run logged before its first step (None if it logged none)."""
+    for line in metrics.read_text().splitlines() if metrics.is_file() else []:
+        rec = json.loads(line)
+        if rec.get("starting_drafter"):
+            e = rec["eval"]  # JSON made the k keys strings
+            return EvalResult(acc=e["acc"], tau={int(k): v for k, v in e["tau"].items()}, loss=e["loss"],
+                              tau_all_starts={int(k): v for k, v in e["tau_all_starts"].items()})
+    return None
+
+
+def selection(kept: str, start: EvalResult, fine_tuned: EvalResult, k: int) -> dict:
+    """Which drafter a fine-tune wrote and the held-back simulated tau that chose it (in the drafter's config)."""
+    return {"kept": kept, "k": k, "starting_tau": start.tau[k], "fine_tuned_tau": fine_tuned.tau[k]}
 
 
 def rank_micro_batches(plan: list[list[int]], offset: int, world: int, grad_accum: int, rank: int) -> list[list[int]]:
@@ -847,6 +868,7 @@ class Trainer:
                   + (f", resumed at step {self.step}" if resumed else ""))
         from draftsmith.progress import progress_bar
 
+        start = self.evaluate_start(resumed)
         with progress_bar("train", total=self.total_steps, unit="steps") if self.rank == 0 and progress \
                 else _null_bar() as bar:
             if resumed:
@@ -881,10 +903,40 @@ class Trainer:
         self.log_eval(result)
         model_state, _ = self.full_states()
         if self.rank == 0:
-            save_drafter(self.drafter, self.out / "drafter", extra={"trained_steps": self.step, "store": self.cfg.store,
-                                                                   "target": self.data.target_name,
-                                                                   "eval": asdict(result)}, state=model_state)
+            result = self.write_drafter(result, start, model_state)
         return result
+
+    def evaluate_start(self, resumed: bool) -> EvalResult | None:
+        """With --init-from and --keep-start: the starting drafter on the held-back samples, before the first step
+        (a resumed run reads it back from metrics.jsonl). None when there is nothing to compare against."""
+        if not (self.cfg.init_from and self.cfg.keep_start) or self.cfg.follow or not self.eval_idx:
+            return None
+        if resumed:
+            return read_start_eval(self.out / "metrics.jsonl")
+        result = self.evaluate()
+        self.log({"step": 0, "eval": asdict(result), "starting_drafter": True})
+        if self.rank == 0:
+            print(f"eval  00000 | starting drafter ({self.cfg.init_from}) | loss {result.loss:.3f} | simulated tau[k] "
+                  + " ".join(f"{k}:{v:.2f}" for k, v in result.tau.items()), flush=True)
+        return result
+
+    def write_drafter(self, result: EvalResult, start: EvalResult | None, model_state: dict | None) -> EvalResult:
+        """Write OUT/drafter: the fine-tuned drafter, or the starting one unchanged when fine-tuning did not raise
+        held-back simulated tau at k = ttt_steps (`keep_start`). Returns the written drafter's held-back result."""
+        extra = {"trained_steps": self.step, "store": self.cfg.store, "target": self.data.target_name}
+        K = self.cfg.ttt_steps
+        if start is None or result.tau[K] > start.tau[K]:
+            if start is not None:
+                extra["selection"] = selection("fine-tuned", start, result, K)
+            save_drafter(self.drafter, self.out / "drafter", extra={**extra, "eval": asdict(result)}, state=model_state)
+            return result
+        print(f"train: fine-tuning did not raise held-back simulated tau at k={K} ({start.tau[K]:.2f} -> "
+              f"{result.tau[K]:.2f}): {self.out / 'drafter'} is the starting drafter ({self.cfg.init_from}) unchanged; "
+              "--no-keep-start (run: train.keep_start=false) writes the fine-tuned one", flush=True)
+        starting = load_drafter(drafter_path(self.cfg.init_from), self.data.embed_tokens())
+        save_drafter(starting, self.out / "drafter",
+                     extra={**extra, "eval": asdict(start), "selection": selection("starting", start, result, K)})
+        return start
 
     def close(self) -> None:
         """End a multi-process run in an order that cannot abort the process at exit.
