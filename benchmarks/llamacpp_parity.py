@@ -9,7 +9,8 @@ Starts engines: run it under the shared lock.
         --drafter runs/demo/train/drafter --k 3 --prompts 4 --max-tokens 48
 
 Writes benchmarks/results/llamacpp_parity.json (and, with --save-metrics DIR, llama-server's raw
-/metrics text before and after the requests).
+/metrics text before and after the requests and vLLM's log). A drafter the llamacpp export refuses (a norm
+variant llama.cpp does not compute) gets the refusal under "llamacpp"; vLLM and eval still run.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import urllib.request
 from pathlib import Path
 
 from draftsmith import llamacpp
+from draftsmith.errors import DraftsmithError
 from draftsmith.metrics import acceptance_from_counters, parse_spec_counters
 
 OUT = Path(__file__).parent / "results" / "llamacpp_parity.json"
@@ -50,6 +52,45 @@ def vllm_tokens(base: str, ids: list[int], max_tokens: int) -> list[int]:
         return json.loads(r.read())["choices"][0]["text"]
 
 
+def run_llamacpp(args, target: Path, tok, prompts: list[list[int]], tmp: Path) -> dict:
+    """llama.cpp's tau (and a short `draftsmith bench` window) for the drafter, exported f32 into `tmp`.
+
+    Raises:
+        DraftsmithError: the llamacpp export refuses the drafter (a norm variant llama.cpp does not compute).
+    """
+    from draftsmith.export import export
+
+    gguf = export(args.drafter, tmp / "llamacpp", "llamacpp", "float32", args.k, str(target))
+    manifest = json.loads((gguf / "llamacpp.json").read_text())
+    with llamacpp.serve(llamacpp.LlamaServe(Path(manifest["target_gguf"])), tmp / "plain.log") as base:
+        plain = [llamacpp.complete(base, ids, args.max_tokens) for ids in prompts]
+    spec = llamacpp.LlamaServe(Path(manifest["target_gguf"]), gguf / manifest["drafter_gguf"], k=args.k,
+                               p_min=0.0)  # k-token drafts: tau comparable with draftsmith eval
+    with llamacpp.serve(spec, tmp / "llama.log") as base:
+        before = metrics_text(base)
+        done = [llamacpp.complete(base, ids, args.max_tokens) for ids in prompts]
+        time.sleep(0.5)
+        after = metrics_text(base)
+        bench = subprocess.run([sys.executable, "-m", "draftsmith.cli", "bench", "--endpoint", base, "--num-prompts",
+                                "2", "--concurrency", "1", "--max-tokens", "32", "--warmup", "0", "--json"],
+                               capture_output=True, text=True)
+    log = (tmp / "llama.log").read_text(errors="replace")
+    out: dict = {"llamacpp": window(before, after) | {
+        "timings_draft_n": sum(c.timings.draft_n for c in done), "timings_draft_n_accepted": sum(c.timings.draft_n_accepted for c in done),
+        "tokens_equal_to_llamacpp_without_drafter": [c.tokens == p.tokens for c, p in zip(done, plain)],
+        "extract_layers_line": next((ln.strip() for ln in log.splitlines() if "extract_layers =" in ln), None),
+        "texts": [tok.decode(c.tokens, skip_special_tokens=True) for c in done]}}
+    try:
+        out["bench_acceptance"] = json.loads(bench.stdout)["acceptance"]
+    except (json.JSONDecodeError, KeyError):
+        out["bench_acceptance"] = {"error": bench.stderr[-1500:]}
+    if args.save_metrics:
+        args.save_metrics.mkdir(parents=True, exist_ok=True)
+        (args.save_metrics / "llamacpp_spec_before.prom").write_text(before)
+        (args.save_metrics / "llamacpp_spec_after.prom").write_text(after)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--drafter", required=True, help="draftsmith checkpoint directory or shipped short name (smollm2)")
@@ -59,7 +100,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--skip-eval", action="store_true", help="engines only (eval takes minutes on a loaded CPU)")
-    ap.add_argument("--save-metrics", type=Path, default=None)
+    ap.add_argument("--save-metrics", type=Path, default=None, help="directory for llama-server's /metrics text and vLLM's log")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     from draftsmith.checkpoint import drafter_path
@@ -90,34 +131,10 @@ def main() -> None:
                           "identical_to_target": ours.identical_to_target}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        gguf = export(args.drafter, tmp / "llamacpp", "llamacpp", "float32", args.k, str(target))
-        manifest = json.loads((gguf / "llamacpp.json").read_text())
-        with llamacpp.serve(llamacpp.LlamaServe(Path(manifest["target_gguf"])), tmp / "plain.log") as base:
-            plain = [llamacpp.complete(base, ids, args.max_tokens) for ids in prompts]
-        spec = llamacpp.LlamaServe(Path(manifest["target_gguf"]), gguf / manifest["drafter_gguf"], k=args.k,
-                                   p_min=0.0)  # k-token drafts: tau comparable with draftsmith eval
-        with llamacpp.serve(spec, tmp / "llama.log") as base:
-            before = metrics_text(base)
-            done = [llamacpp.complete(base, ids, args.max_tokens) for ids in prompts]
-            time.sleep(0.5)
-            after = metrics_text(base)
-            bench = subprocess.run([sys.executable, "-m", "draftsmith.cli", "bench", "--endpoint", base, "--num-prompts",
-                                    "2", "--concurrency", "1", "--max-tokens", "32", "--warmup", "0", "--json"],
-                                   capture_output=True, text=True)
-        log = (tmp / "llama.log").read_text(errors="replace")
-        result["llamacpp"] = window(before, after) | {
-            "timings_draft_n": sum(c.timings.draft_n for c in done), "timings_draft_n_accepted": sum(c.timings.draft_n_accepted for c in done),
-            "tokens_equal_to_llamacpp_without_drafter": [c.tokens == p.tokens for c, p in zip(done, plain)],
-            "extract_layers_line": next((ln.strip() for ln in log.splitlines() if "extract_layers =" in ln), None),
-            "texts": [tok.decode(c.tokens, skip_special_tokens=True) for c in done]}
         try:
-            result["bench_acceptance"] = json.loads(bench.stdout)["acceptance"]
-        except (json.JSONDecodeError, KeyError):
-            result["bench_acceptance"] = {"error": bench.stderr[-1500:]}
-        if args.save_metrics:
-            args.save_metrics.mkdir(parents=True, exist_ok=True)
-            (args.save_metrics / "llamacpp_spec_before.prom").write_text(before)
-            (args.save_metrics / "llamacpp_spec_after.prom").write_text(after)
+            result |= run_llamacpp(args, target, tok, prompts, tmp)
+        except DraftsmithError as e:  # a drafter llama.cpp cannot serve faithfully (export refuses): vLLM and eval still run
+            result["llamacpp"] = {"refused": str(e)}
         if not args.skip_vllm:
             export(args.drafter, tmp / "vllm", "vllm", "float32", args.k, str(target))
             vspec = VllmServe(target=target, drafter=tmp / "vllm", num_speculative_tokens=args.k, max_model_len=1024)
@@ -127,11 +144,16 @@ def main() -> None:
                 time.sleep(1.0)
                 after = metrics_text(base)
             result["vllm"] = window(before, after) | {"texts": texts}
-            result["texts_equal_llamacpp_vllm"] = [a.strip() == b.strip() for a, b in
-                                                   zip(result["llamacpp"]["texts"], texts)]
+            if args.save_metrics:
+                args.save_metrics.mkdir(parents=True, exist_ok=True)
+                (args.save_metrics / "vllm.log").write_text((tmp / "vllm.log").read_text(errors="replace"))
+            if "texts" in result["llamacpp"]:
+                result["texts_equal_llamacpp_vllm"] = [a.strip() == b.strip() for a, b in
+                                                       zip(result["llamacpp"]["texts"], texts)]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    row = " | ".join(f"{name} {result[name]['tau']:.3f}" for name in ("eval", "llamacpp", "vllm") if name in result)
+    row = " | ".join(f"{name} {result[name]['tau']:.3f}" for name in ("eval", "llamacpp", "vllm")
+                    if "tau" in result.get(name, {}))
     print(f"tau (k={args.k}, {args.prompts} prompts, {args.max_tokens} tokens): {row}")
 
 

@@ -402,6 +402,14 @@ def test_shape_and_key_errors_come_from_headers(tmp_path, smol_target):
     assert "torch.Size([576, 1152])" in fc.engine_text
 
 
+def test_a_full_vocabulary_drafter_with_d2t_will_not_load_in_vllm(tmp_path, smol_target):
+    tensors = builder.drafter_tensors() | {"d2t": ("int64", (49152,)), "lm_head.weight": ("float32", (49152, 576))}
+    config = builder.drafter_config(draft_vocab_size=49152)
+    assert "vllm.d2t-full-vocab" in errors(run(smol_target, smol_drafter(tmp_path, config=config, tensors=tensors))[0])
+    del tensors["d2t"], tensors["t2d"]  # what export writes for it
+    assert "vllm.d2t-full-vocab" not in errors(run(smol_target, smol_drafter(tmp_path, "clean", config, tensors))[0])
+
+
 def test_sglang_export_served_on_vllm_is_an_aux_error_with_the_exact_fix(tmp_path, smol_target):
     config = builder.drafter_config(
         eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 14, 26]},

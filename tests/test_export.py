@@ -10,6 +10,7 @@ q/k/v -> qkv_proj, gate/up -> gate_up_proj; `load_weights` skips `t2d`, renames 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -63,6 +64,19 @@ def test_speculators_export_config_and_layers0_keys(checkpoint, tmp_path):
     assert isinstance(cfg["transformer_layer_config"], dict) and cfg["norm_before_residual"] is False
     keys = set(load_file(str(out / "model.safetensors")))
     assert "layers.0.self_attn.q_proj.weight" in keys and not any(k.startswith("midlayer.") for k in keys)
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "speculators"])
+def test_a_full_vocabulary_drafter_ships_no_vocab_map_to_vllm(tmp_path, fmt):
+    # vLLM has no draft_id_to_target_id at draft vocab = target vocab, yet renames a shipped d2t onto it: start-up
+    # died with "There is no module or parameter named 'draft_id_to_target_id'" (speculators-defaults, issue #23)
+    from draftsmith.checkpoint import save_drafter
+
+    full = Eagle3Drafter(dataclasses.replace(CFG, draft_vocab_size=CFG.vocab_size))
+    full.t2d.fill_(True)  # the identity map: d2t all zero
+    out = export(save_drafter(full, tmp_path / "ckpt", extra={"target": "tiny"}), tmp_path / fmt, fmt)
+    keys = set(load_file(str(out / "model.safetensors")))
+    assert "d2t" not in keys and "t2d" not in keys and "lm_head.weight" in keys
 
 
 @pytest.mark.parametrize("fmt", ["vllm", "sglang", "speculators"])

@@ -110,3 +110,7 @@ def test_each_k_gets_its_own_server_one_at_a_time_and_its_own_cache_salt(monkeyp
     calls.clear()
     sweep.measure_sweep([3], serve, "http://base", s, say=lambda m: None)
     assert calls == [("http://spec3", "http://base", None)]  # one pass: no salt sent to any server
+    calls.clear()
+    for name in ("d0", "d1"):  # two drafters' sweeps against one baseline: each pass salted apart
+        sweep.measure_sweep([3], serve, "http://base", s, say=lambda m: None, name=name)
+    assert [c[2] for c in calls] == ["draftsmith-d0-k3", "draftsmith-d1-k3"]

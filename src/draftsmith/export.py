@@ -5,6 +5,7 @@ Formats and their key maps (each checked against the consumer's loader source, s
 - `vllm`: `LlamaForCausalLMEagle3`, keys `fc.weight`, `midlayer.*`, `norm.weight`, `lm_head.weight`,
   `d2t`, `t2d`; vLLM renames `midlayer.` to `layers.0.`, `d2t` to `draft_id_to_target_id` and skips
   `t2d` (vllm/model_executor/models/llama_eagle3.py, `load_weights`). Aux ids explicit, boundary indices.
+  A full-vocabulary drafter ships no `d2t` / `t2d` (vLLM then has nowhere to load them).
 - `sglang`: same keys (SGLang's `llama_eagle3.py` expects `midlayer.*` and silently skips unknown
   names); aux ids explicit in SGLang's convention: boundary - 1, since SGLang adds 1.
 - `speculators`: `Eagle3Speculator` with `speculators_config` and `transformer_layer_config`, keys
@@ -145,6 +146,22 @@ def refuse_unread_norms(config: dict, fmt: str) -> None:
                               fix="export --format vllm (vLLM reads both), or retrain without them")
 
 
+# Formats vLLM loads (llama_eagle3.py `load_weights`, both through the same Eagle3LlamaForCausalLM).
+VLLM_READ = ("vllm", "speculators")
+
+
+def drop_identity_vocab_map(state: dict[str, torch.Tensor]) -> None:
+    """Remove d2t / t2d of a full-vocabulary drafter, in place: vLLM (0.32.0 source) has no draft_id_to_target_id
+    when draft_vocab_size equals the target's vocab, yet renames a shipped d2t onto it, and the engine dies at
+    start-up (AutoWeightsLoader: "There is no module or parameter named 'draft_id_to_target_id'")."""
+    if state["d2t"].any():
+        raise DraftsmithError("a full-vocabulary drafter whose d2t is not the identity",
+                              got=f"{int(state['d2t'].count_nonzero())} nonzero offsets in d2t",
+                              expected="d2t all zero when draft_vocab_size equals vocab_size",
+                              fix="re-convert the drafter (`draftsmith convert`) or train with a smaller draft vocab")
+    del state["d2t"], state["t2d"]
+
+
 def export(src: Path, out: Path, fmt: str, dtype: str = "bfloat16", k: int = DEFAULT_K, target_path: str | None = None,
            target_gguf: str | None = None) -> Path:
     """Export a draftsmith checkpoint directory to `fmt` in `out` (`target_gguf`: llamacpp only)."""
@@ -165,6 +182,8 @@ def export(src: Path, out: Path, fmt: str, dtype: str = "bfloat16", k: int = DEF
     if target_path:
         meta["target_path"] = target_path
     state = load_file(str(Path(src) / WEIGHTS))
+    if fmt in VLLM_READ and cfg.draft_vocab_size == cfg.vocab_size:
+        drop_identity_vocab_map(state)
     tensors = {rename_for(fmt, n): (t.to(getattr(torch, dtype)) if t.is_floating_point() else t).contiguous()
                for n, t in state.items()}
     tmp = Path(str(out) + ".tmp")

@@ -108,18 +108,20 @@ def choose_from_reports(reports: dict[int, dict]) -> KChoice:
 
 
 def measure_sweep(ks: list[int], serve: Callable[[int], AbstractContextManager[str]], baseline_url: str | None,
-                  s: BenchSettings, say=print) -> dict[int, dict]:
+                  s: BenchSettings, say=print, name: str = "") -> dict[int, dict]:
     """bench's report for each k in `ks`, in that order, each against `baseline_url`.
 
     `serve(k)` gives the URL of a server at k while the context is open, so at most one speculative server
     runs beside the baseline. With several k the baseline sees the same prompts once per k: each pass then
-    sends its own vLLM cache_salt, so the baseline never answers from an earlier pass's prefix cache."""
+    sends its own vLLM cache_salt, so the baseline never answers from an earlier pass's prefix cache. `name`
+    marks one of several sweeps sharing the baseline (one per drafter): its passes are salted by it too."""
     reports = {}
     for k in ks:
-        say(f"sweep: k={k}")
+        say(f"sweep: {name} k={k}" if name else f"sweep: k={k}")
+        salt = f"draftsmith-{name}-k{k}" if name else f"draftsmith-k{k}" if len(ks) > 1 else None
         with serve(k) as url:
             reports[k] = asyncio.run(measure(s.model_copy(update={"num_speculative_tokens": k}), say, url,
-                                             baseline_url, cache_salt=f"draftsmith-k{k}" if len(ks) > 1 else None))
+                                             baseline_url, cache_salt=salt))
     return reports
 
 
