@@ -185,6 +185,23 @@ def test_pack_plan_places_every_piece_once_in_full_rows_of_one_shape():
     assert plans[0] == pack_plan(pieces, 1024, 3, seed=0, epoch=0) and plans[0] != plans[1]
 
 
+def test_pack_plan_steps_do_not_cycle_from_long_to_short_documents():
+    """Best-fit longest-first fills a window's first rows with its longest pieces: the plan must not hand them
+    out in that order (consecutive steps would cycle from long to short documents every window)."""
+    import random
+
+    from draftsmith.train import PACK_WINDOW, pack_plan
+
+    random.seed(1)
+    pieces = [(k, 0, random.randint(20, 1000)) for k in range(4 * PACK_WINDOW)]
+    plan = pack_plan(pieces, 1024, 1, seed=0, epoch=0)
+    mean = torch.tensor([sum(e - s for _, s, e in mb[0]) / max(len(mb[0]), 1) for mb in plan], dtype=torch.float64)
+    # Unshuffled, each window's mean piece length falls from row to row: consecutive steps correlate strongly.
+    lag1 = torch.corrcoef(torch.stack([mean[:-1], mean[1:]]))[0, 1]
+    assert abs(float(lag1)) < 0.3, f"consecutive steps' document lengths correlate: {float(lag1):.2f}"
+    assert mean.std() > 50  # the rows do differ: the test can tell an order from a shuffle
+
+
 def test_packed_micro_batches_keep_one_shape_and_every_supervised_token(store, tmp_path):
     """Static shapes: every micro-batch of every epoch, train and eval, is (batch_tokens // row_tokens, row_tokens),
     and packing (long samples split at turn ends) loses no supervised token."""

@@ -7,6 +7,8 @@ whole documents back to back, `pack_rows`), whose shape never changes during a r
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,10 +52,14 @@ def pack_rows(rows: list[list[Segment]], row_tokens: int, sample: Callable[[int]
     assert segments, "pack_rows needs at least one segment"
     first = sample(segments[0][0])
     B, R, Ht, at = len(rows), row_tokens, first.last.shape[-1], first.last.device
-    ids, mask, argmax = (torch.zeros(B, R, dtype=torch.long, device=at) for _ in range(3))
-    aux = torch.zeros(B, R, 3 * Ht, dtype=dtype, device=at)
-    last = torch.zeros(B, R, Ht, dtype=dtype, device=at)
-    documents = torch.zeros(B, R, dtype=torch.long, device=at)
+    # Built on the CPU for a CUDA device: in pinned memory, so that the copies below are asynchronous (on a
+    # pageable source each one waits for the device: 20 ms of a SmolLM2 step at 8,192 tokens on an H200).
+    pin = at.type == "cpu" and device.type == "cuda"
+    new = functools.partial(torch.zeros, device=at, pin_memory=pin)
+    ids, mask, argmax = (new(B, R, dtype=torch.long) for _ in range(3))
+    aux = new(B, R, 3 * Ht, dtype=dtype)
+    last = new(B, R, Ht, dtype=dtype)
+    documents = new(B, R, dtype=torch.long)
     for b, row in enumerate(rows):
         t = 0
         for j, (k, start, end) in enumerate(row):
@@ -64,8 +70,7 @@ def pack_rows(rows: list[list[Segment]], row_tokens: int, sample: Callable[[int]
             aux[b, t:t + n], last[b, t:t + n] = s.aux[start:end], s.last[start:end]
             t += n
         documents[b, t:] = len(row)
-    return Batch(ids.to(device), mask.to(device), aux.to(device, non_blocking=True),
-                 last.to(device, non_blocking=True), argmax.to(device), documents.to(device))
+    return Batch(*(t.to(device, non_blocking=pin) for t in (ids, mask, aux, last, argmax, documents)))
 
 
 class FeatureSource(Protocol):

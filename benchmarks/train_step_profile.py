@@ -1,0 +1,182 @@
+"""Where the time of one `Trainer.train_step` goes at a small drafter's shapes (SmolLM2-135M: hidden 576).
+
+At SmolLM2's size a step is far from GEMM-bound: speculators' compiled loop ran 2.1x draftsmith's steps per
+second at the same settings on one H200 (docs/peers.md). This runs the real Trainer on random features of
+SmolLM2's shapes, packed from lengths drawn from the committed histogram of the embedded drafter's data, for
+each named setting, and reports per setting: the median step (wall, end-of-step sync included), the GPU's busy
+time in the step (the sum of its kernels' durations, from torch.profiler), the kernel launches per step, and
+the top kernels and CPU-side ops. wall - busy is what launches, host work and syncs cost.
+
+`--host` builds every batch as the store reader does: samples on the CPU (a pool of real-length tensors),
+packed there, then copied; without it, samples are made on the device (the step alone).
+
+Settings are `NAME` or `NAME:field=value,field=value` over TrainConfig's fields (`default` is TrainConfig's
+defaults; `+compile` etc. are plain fields: `default-compile:compile=true`):
+
+    python benchmarks/train_step_profile.py --device cuda --host \
+        --setting default --setting matched:ttt_steps=3,batch_tokens=8192,draft_vocab_size=49152,step_loss_decay=1.0 \
+        --out /tmp/profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_packing import LengthSource, draw_lengths, load_histogram  # noqa: E402
+from draftsmith.store import Sample  # noqa: E402
+
+HISTOGRAM = Path(__file__).parent / "results" / "length_histogram_smollm2_self.json"
+
+
+def smollm2_config():
+    """SmolLM2-135M-Instruct's shapes (its config.json): 30 layers, hidden 576, 9 / 3 heads, vocab 49,152."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                       num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
+                       rms_norm_eps=1e-5, tie_word_embeddings=True, architectures=["LlamaForCausalLM"])
+
+
+class HostSource(LengthSource):
+    """LengthSource whose samples live on the CPU, as a memory-mapped store's do: views of a small pool of
+    full-length random tensors (the values do not matter, the copies do)."""
+
+    POOL = 16
+
+    def __init__(self, lengths, target_config, aux_ids, device):
+        super().__init__(lengths, target_config, aux_ids, device)
+        dtype, n = torch.bfloat16 if device.type == "cuda" else torch.float32, max(lengths)
+        g = torch.Generator().manual_seed(0)
+        self.pool = [(torch.randint(0, self.V, (n,), generator=g), torch.randn(n, 3 * self.H, generator=g).to(dtype),
+                      torch.randn(n, self.H, generator=g).to(dtype)) for _ in range(self.POOL)]
+
+    def sample(self, k: int, device: torch.device) -> Sample:
+        ids, aux, last = self.pool[k % self.POOL]
+        n = self.lengths[k]
+        return Sample(ids[:n], self.loss_mask(k), aux[:n], last[:n], ids[:n].roll(-1))
+
+    def packed_batch(self, rows, row_tokens: int, device: torch.device):
+        from draftsmith.features import feature_dtype, pack_rows
+
+        return pack_rows(rows, row_tokens, lambda k: self.sample(k, torch.device("cpu")), device, feature_dtype(device))
+
+
+def parse_setting(text: str) -> tuple[str, dict]:
+    from draftsmith.train import TrainConfig
+
+    name, _, rest = text.partition(":")
+    fields = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        if key not in TrainConfig.model_fields:
+            raise SystemExit(f"unknown TrainConfig field {key!r} in --setting {text!r}")
+        fields[key] = json.loads(value) if value not in ("", None) else None
+    return name, fields
+
+
+def kernel_summary(prof, steps: int, top: int) -> dict:
+    """Kernel launches and GPU busy time per step, and the top kernels and CPU-side ops."""
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_us = sum(e.device_time for e in events) if events and hasattr(events[0], "device_time") else \
+        sum(e.cuda_time for e in events)
+    by_kernel: dict[str, list[float]] = {}
+    for e in events:
+        t = e.device_time if hasattr(e, "device_time") else e.cuda_time
+        by_kernel.setdefault(e.name[:90], []).append(t)
+    kernels = sorted(((sum(v), len(v), k) for k, v in by_kernel.items()), reverse=True)[:top]
+    cpu = sorted(((e.self_cpu_time_total, e.count, e.key[:90]) for e in prof.key_averages()), reverse=True)[:top]
+    return {"kernels_per_step": len(events) / steps, "gpu_busy_ms_per_step": busy_us / 1000 / steps,
+            "top_kernels": [{"name": n, "ms_per_step": t / 1000 / steps, "calls_per_step": c / steps}
+                            for t, c, n in kernels],
+            "top_cpu_ops": [{"name": n, "self_ms_per_step": t / 1000 / steps, "calls_per_step": c / steps}
+                            for t, c, n in cpu]}
+
+
+def measure(args, lengths: list[int], name: str, fields: dict) -> dict:
+    from draftsmith.train import TrainConfig, Trainer
+
+    device = torch.device(args.device)
+    out = Path(tempfile.mkdtemp(prefix="train_profile_"))
+    cfg = TrainConfig(**{"out": str(out), "store": "<synthetic>", "warmup_ratio": 0.0, "eval_fraction": 0.0,
+                         "device": str(device), "max_steps": args.warmup + args.steps + args.profile_steps, **fields})
+    source = (HostSource if args.host else LengthSource)(lengths, smollm2_config(), (2, 15, 27), device)
+    trainer = Trainer(cfg, data=source)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    records = []
+    for _ in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        records.append(trainer.train_step())  # ends in its own CPU-GPU sync
+        records[-1]["wall_s"] = time.perf_counter() - t0
+        trainer.step += 1
+    timed = records[args.warmup:]
+    step_ms = statistics.median(r["wall_s"] for r in timed) * 1000
+    result = {"setting": name, "fields": fields, "row_tokens": trainer.row_tokens if cfg.pack else None,
+              "rows_per_batch": trainer.rows_per_batch if cfg.pack else None, "shape": records[-1]["shape"],
+              "first_step_s": records[0]["wall_s"], "step_ms_median": step_ms,
+              "slot_tokens_per_s": statistics.median(r["tokens"] / r["wall_s"] for r in timed),
+              "useful_tokens_per_s": sum(r["real_tokens"] for r in timed) / sum(r["wall_s"] for r in timed),
+              "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
+    if args.profile_steps:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            for _ in range(args.profile_steps):
+                trainer.train_step()
+                trainer.step += 1
+            profiled_ms = (time.perf_counter() - t0) * 1000 / args.profile_steps
+        result["profiled_step_ms"] = profiled_ms
+        if cuda:
+            result.update(kernel_summary(prof, args.profile_steps, args.top))
+    trainer.close()
+    shutil.rmtree(out, ignore_errors=True)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--setting", action="append", default=None, help="NAME[:field=value,...] (repeatable)")
+    ap.add_argument("--histogram", type=Path, default=HISTOGRAM)
+    ap.add_argument("--samples", type=int, default=4000)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--host", action="store_true", help="samples on the CPU, packed there and copied (the store's way)")
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--profile-steps", type=int, default=3)
+    ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    lengths = draw_lengths(load_histogram(args.histogram), args.samples, seed=0)
+    runs = []
+    for text in args.setting or ["default"]:
+        name, fields = parse_setting(text)
+        r = measure(args, lengths, name, fields)
+        runs.append(r)
+        print(f"{name}: {r['step_ms_median']:.1f} ms/step, {r['slot_tokens_per_s']:,.0f} tok/s, first "
+              f"{r['first_step_s']:.1f} s" + (f", GPU busy {r['gpu_busy_ms_per_step']:.1f} ms, "
+                                               f"{r['kernels_per_step']:.0f} kernels/step" if "kernels_per_step" in r else ""),
+              flush=True)
+        args.out.write_text(json.dumps({"what": "Trainer.train_step at SmolLM2 shapes: wall, GPU busy, launches",
+                                        "command": " ".join(sys.argv), "date": str(datetime.date.today()),
+                                        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+                                        "torch": torch.__version__, "host": args.host, "runs": runs}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
