@@ -409,6 +409,7 @@ class Trainer:
         """`data` replaces the source named by cfg (benchmarks feed synthetic features of real shapes)."""
         self.cfg = cfg
         self.out = Path(cfg.out)
+        self.plan_cache: tuple[tuple | None, list] = (None, [])  # `plan`: the last epoch plan computed
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.device = pick_device(cfg.device)
@@ -453,7 +454,6 @@ class Trainer:
         elif self.world > 1:
             self.model = torch.nn.parallel.DistributedDataParallel(
                 self.drafter, device_ids=[self.device.index] if self.device.type == "cuda" else None)
-        self.plan_cache: tuple[tuple | None, list] = (None, [])
         params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.peak_lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
                                            fused=self.device.type == "cuda")
