@@ -21,10 +21,11 @@ TARGETS, DRAFTERS = FIXTURES / "targets", FIXTURES / "drafters"
 VLLM_KEYS = {"eagle3_whitelist", "eagle3_modules", "eagle3_archs", "aux_ids_read", "method_path_guess", "norm_flags_read",
              "draft_max_position_override", "tp_key_rejected", "multimodal_probes", "mla_drafter", "sources",
              "arch_modules", "transformers_backend_eagle3", "speculators_types", "mla_drafter_model_types",
-             "multimodal_probe_map", "eagle3_arch_naming"}
+             "multimodal_probe_map", "eagle3_arch_naming", "d2t_full_vocab_unloadable", "kv_mixed_page_groups",
+             "mrope_propose_reads_positions"}
 SGLANG_KEYS = {"eagle3_modules", "eagle3_archs", "arch_modules", "draft_archs", "aux_shift", "aux_ids_read", "norm_flags_read",
                "mla_drafter", "capture_error", "draft_context", "draft_context_rope_raised", "sm100_trtllm_mla_archs",
-               "pp_spec_algorithms", "embed_head_archs"}
+               "pp_spec_algorithms", "embed_head_archs", "spec_v2_topk"}
 
 
 def write(folder: Path, config: dict) -> Path:
@@ -472,18 +473,50 @@ def test_the_drafter_class_vllm_builds_must_be_in_its_registry(tmp_path, arch, v
 
 
 @pytest.mark.parametrize("version, env, topk, kind", [
+    ("0.5.4.post1", "SGLANG_ENABLE_SPEC_V2=1 ", 4, "serve"), ("0.5.4", "SGLANG_ENABLE_SPEC_V2=1 ", 4, None),
     ("0.5.5.post3", "SGLANG_ENABLE_SPEC_V2=1 ", 4, "serve"), ("0.5.6", "SGLANG_ENABLE_SPEC_V2=true ", 4, "serve"),
     ("0.5.7", "SGLANG_ENABLE_SPEC_V2=1 ", 4, "start"), ("0.5.9", "SGLANG_ENABLE_SPEC_V2=1 ", 2, "start"),
+    ("0.5.10.post1", "SGLANG_ENABLE_SPEC_V2=1 ", 4, "start"), ("0.5.11", "SGLANG_ENABLE_SPEC_V2=1 ", 4, None),
+    ("0.5.13", "SGLANG_ENABLE_SPEC_V2=1 ", 4, None),
     ("0.5.9", "SGLANG_ENABLE_SPEC_V2=1 ", 1, None), ("0.5.9", "", 4, None), ("0.5.14", "SGLANG_ENABLE_SPEC_V2=1 ", 4, None)])
 def test_sglang_spec_v2_runs_chain_drafts_only(tmp_path, version, env, topk, kind):
-    """The V2 (overlap) EAGLE worker: 0.5.5-0.5.6 take topk > 1 and die on the first decode batch (sglang#14077);
-    0.5.7-0.5.13 refuse it in server-args validation; 0.5.14 removed SGLANG_ENABLE_SPEC_V2."""
+    """The V2 (overlap) EAGLE worker, per the table's spec_v2_topk: 0.5.4.post1-0.5.6.post2 take topk > 1 and die on
+    the first decode batch (sglang#14077); 0.5.7-0.5.10.post1 refuse it in server-args validation; 0.5.11-0.5.13 turn
+    the overlap schedule off for topk > 1 and run the V1 worker; 0.5.14 removed SGLANG_ENABLE_SPEC_V2."""
     drafter = llama_drafter(tmp_path, vocab_size=151936, max_position_embeddings=40960)
     args = (f"{env}--speculative-algorithm EAGLE3 --speculative-draft-model-path D --speculative-num-steps 5 "
             f"--speculative-eagle-topk {topk} --speculative-num-draft-tokens 8")
     findings, _ = check.run_checks(TARGETS / "qwen3-8b", drafter, "sglang", version, None, args)
     rules = {f.rule: f.kind for f in findings if f.severity == "error" and f.rule.startswith("sglang.spec-v2")}
     assert rules == ({} if kind is None else {"sglang.spec-v2-topk" + ("-refused" if kind == "start" else ""): kind})
+
+
+@pytest.mark.parametrize("version, unloadable", [
+    ("0.8.5", False), ("0.29.0", False), ("0.30.0", True), ("0.32.0", True), ("0.33.0", True)])
+def test_the_full_vocabulary_d2t_trap_per_release_is_the_one_the_wheel_holds(version, unloadable):
+    """llama_eagle3.py builds draft_id_to_target_id for every drafter until 0.29.0 and only for a reduced vocabulary
+    from 0.30.0, while load_weights keeps renaming d2t onto it (tests/test_check.py holds the rule to it)."""
+    assert check.engine_release("vllm", version).facts["d2t_full_vocab_unloadable"] is unloadable
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_no_rule_carries_a_hand_typed_version_range(engine):
+    """Which releases a rule applies to is read out of the wheels (a fact the rule names), not typed by hand: a
+    range typed from the few releases someone read drifts (vllm.d2t-full-vocab held from 0.33.0, the wheels say
+    0.30.0; sglang.spec-v2-topk-refused to 0.5.13, the wheels say 0.5.11 already falls back to the V1 worker)."""
+    assert [r.id for r in check.load_rules(engine).rules if r.versions] == []
+
+
+@pytest.mark.parametrize("version, reads", [("0.14.1", False), ("0.15.0", True), ("0.15.1", True), ("0.16.0", False)])
+def test_the_mrope_positions_bug_per_release_is_the_one_the_wheel_holds(version, reads):
+    """EagleProposer.propose reads self.positions in its M-RoPE branch, never allocated for an M-RoPE drafter."""
+    assert check.engine_release("vllm", version).facts["mrope_propose_reads_positions"] is reads
+
+
+@pytest.mark.parametrize("version, grouped", [("0.8.5", False), ("0.10.2", False), ("0.11.0", True), ("0.33.0", True)])
+def test_the_kv_page_grouping_per_release_is_the_one_the_wheel_holds(version, grouped):
+    """kv_cache_utils.py groups full-attention layers of different page sizes (UniformTypeKVCacheSpecs) from 0.11.0."""
+    assert check.engine_release("vllm", version).facts["kv_mixed_page_groups"] is grouped
 
 
 @pytest.mark.parametrize("version, over, engine_args, fires", [
