@@ -55,6 +55,8 @@ from pathlib import Path
 
 from packaging.version import Version
 
+from draftsmith.engineflags import FLAGS_READ
+
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = ROOT / "src" / "draftsmith" / "rules" / "engine_facts.json"
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
@@ -295,6 +297,7 @@ def vllm_facts(wheel: Wheel) -> dict:
         "speculators_types": sorted(set(re.findall(r"@register_speculator\(\s*[\"'](\w+)[\"']", wheel.text(
             "vllm/transformers_utils/configs/speculators/algos.py")))),
         "d2t_full_vocab_unloadable": vllm_d2t_full_vocab_unloadable(eagle3),
+        "cli_flags": cli_flags(wheel, vllm_cli_files(wheel)),
         "kv_mixed_page_groups": "UniformTypeKVCacheSpecs" in wheel.text("vllm/v1/core/kv_cache_utils.py"),
         # the M-RoPE branch of propose() indexes self.positions, which __init__ allocates only without M-RoPE
         "mrope_propose_reads_positions": bool(re.search(r"if self\.uses_mrope:\s*\n\s*positions = self\.positions\[:,",
@@ -363,6 +366,7 @@ def sglang_facts(wheel: Wheel) -> dict:
         "sm100_trtllm_mla_archs": sglang_sm100_mla_archs(wheel),
         "pp_spec_algorithms": sglang_pp_spec_algorithms(wheel),
         "spec_v2_topk": sglang_spec_v2_topk(wheel),
+        "cli_flags": cli_flags(wheel, sglang_cli_files(wheel)),
         "sources": {"drafter": eagle3_name, "aux_ids": readers, "capture_error": capture_error},
     }
 
@@ -444,6 +448,58 @@ def sglang_pp_spec_algorithms(wheel: Wheel) -> list[str] | None:
 
 
 READERS = {"vllm": vllm_facts, "sglang": sglang_facts}
+
+
+# ---------------------------------------------------------------- command-line flags (both engines)
+
+def cli_flags(wheel: Wheel, files: list[str]) -> dict[str, dict]:
+    """For each flag check reads (engineflags.FLAGS_READ) that the release's parser defines: `options`, the option
+    strings of its add_argument call, and `abbrev`, per long option string the shortest prefix that no other option
+    string of the release starts with (argparse's allow_abbrev, on in both engines), where one exists."""
+    calls = [c for name in files for c in option_calls(wheel.text(name))]
+    longs = sorted({o for call in calls for o in call if o.startswith("--")})
+    out = {}
+    for call in calls:
+        flag = next((o[2:] for o in call if o.startswith("--") and o[2:] in FLAGS_READ), None)
+        if flag is None or flag in out:
+            continue
+        abbrev = {}
+        for option in (o for o in call if o.startswith("--")):
+            first = next((option[:n] for n in range(3, len(option))
+                          if [o for o in longs if o.startswith(option[:n])] == [option]), None)
+            if first:
+                abbrev[option] = first
+        out[flag] = {"options": call, "abbrev": abbrev}
+    return dict(sorted(out.items()))
+
+
+def option_calls(text: str) -> list[list[str]]:
+    """The option strings of each argument a file defines: literal `add_argument("--a", "-b", ...)` calls, and (SGLang
+    from 0.5.14) ServerArgs fields annotated `name: A[..., Arg(aliases=[...], cli_name=...)]`, whose option is
+    `--name` with dashes (arg_groups/arg_utils.py add_dataclass_args) unless `no_cli=True`."""
+    calls = [re.findall(r"[\"'](-[\w-]+)[\"']", m.group(1))
+             for m in re.finditer(r"add_argument\(\s*((?:[\"']-[\w-]+[\"']\s*,\s*)+)", text)]
+    starts = list(re.finditer(r"^    (\w+): A\[", text, re.M)) + [None]
+    for m, nxt in zip(starts, starts[1:]):
+        block = text[m.end(): nxt.start() if nxt else len(text)]
+        if re.search(r"no_cli\s*=\s*True", block):
+            continue
+        cli = re.search(r"cli_name\s*=\s*[\"'](--[\w-]+)[\"']", block)
+        aliases = re.search(r"aliases\s*=\s*\[([^\]]*)\]", block)
+        calls.append([cli.group(1) if cli else "--" + m.group(1).replace("_", "-")]
+                     + (re.findall(r"[\"'](-[\w-]+)[\"']", aliases.group(1)) if aliases else []))
+    return calls
+
+
+def vllm_cli_files(wheel: Wheel) -> list[str]:
+    """The files whose add_argument calls make `vllm serve`'s parser: the engine args and the entrypoints."""
+    return [n for n in wheel.names if (n == "vllm/engine/arg_utils.py" or n.startswith("vllm/entrypoints/"))
+            and "add_argument(" in wheel.text(n)]
+
+
+def sglang_cli_files(wheel: Wheel) -> list[str]:
+    """server_args.py and, from 0.5.14, the arg_groups it assembles the parser from."""
+    return [n for n in wheel.names if n == "sglang/srt/server_args.py" or n.startswith("sglang/srt/arg_groups/")]
 
 
 # ---------------------------------------------------------------- the table

@@ -22,10 +22,10 @@ VLLM_KEYS = {"eagle3_whitelist", "eagle3_modules", "eagle3_archs", "aux_ids_read
              "draft_max_position_override", "tp_key_rejected", "multimodal_probes", "mla_drafter", "sources",
              "arch_modules", "transformers_backend_eagle3", "speculators_types", "mla_drafter_model_types",
              "multimodal_probe_map", "eagle3_arch_naming", "d2t_full_vocab_unloadable", "kv_mixed_page_groups",
-             "mrope_propose_reads_positions"}
+             "mrope_propose_reads_positions", "cli_flags"}
 SGLANG_KEYS = {"eagle3_modules", "eagle3_archs", "arch_modules", "draft_archs", "aux_shift", "aux_ids_read", "norm_flags_read",
                "mla_drafter", "capture_error", "draft_context", "draft_context_rope_raised", "sm100_trtllm_mla_archs",
-               "pp_spec_algorithms", "embed_head_archs", "spec_v2_topk"}
+               "pp_spec_algorithms", "embed_head_archs", "spec_v2_topk", "cli_flags"}
 
 
 def write(folder: Path, config: dict) -> Path:
@@ -215,7 +215,7 @@ def test_the_first_start_error_is_the_first_the_engine_meets(tmp_path):
     drafter = write(tmp_path / "ds-eagle3", {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
                                              "hidden_size": 7168, "vocab_size": 129280, "num_attention_heads": 56,
                                              "max_position_embeddings": 163840})
-    findings, _ = run(TARGETS / "deepseek-v3", drafter, version="0.17.0", engine_args="--tp 3")
+    findings, _ = run(TARGETS / "deepseek-v3", drafter, version="0.17.0", engine_args="-tp 3")  # vLLM has no --tp
     starts = [f for f in findings if f.severity == "error" and f.kind == "start"]
     assert starts[0].rule == "vllm.tp-heads"
     assert all(f.message.startswith("after fixing vllm.tp-heads") for f in starts[1:])
@@ -392,6 +392,38 @@ def test_engine_args_read_single_dash_flags_negative_numbers_and_lists():
                     "cuda_graph_bs": "32 40"}
     with pytest.raises(DraftsmithError):
         check.parse_engine_args("tp 2")
+
+
+@pytest.mark.parametrize("engine, version, text, key, value", [
+    ("sglang", "0.5.11", "--speculative-algo EAGLE --tp 8", "speculative_algorithm", "EAGLE"),  # sglang#25673's line
+    ("sglang", "0.5.11", "--speculative-algo EAGLE --tp 8", "tensor_parallel_size", "8"),  # a prefix of --tp-size
+    ("sglang", "0.5.9", "--speculative-draft-model D", "speculative_draft_model_path", "D"),  # an alias
+    ("sglang", "0.5.9", "--mem-fraction 0.6 --context-len 4096", "context_length", "4096"),
+    ("vllm", "0.11.0", "--tensor-parallel 2 --max-model-len 65536", "tensor_parallel_size", "2"),  # vllm#26328's line
+    ("vllm", "0.33.0", "-sc {}", "speculative_config", "{}"),  # -sc names --speculative-config from 0.33.0 on
+])
+def test_engine_args_are_read_the_way_the_release_parses_them(engine, version, text, key, value):
+    """Both engines parse with argparse's allow_abbrev: an unambiguous prefix of a long option, or another option
+    string of the same add_argument call, is that flag (facts cli_flags, read from each release's parser)."""
+    assert check.parse_engine_args(text, check.engine_release(engine, version).facts["cli_flags"])[key] == value
+
+
+def test_an_ambiguous_prefix_names_no_flag():
+    """`--speculative-draft` starts --speculative-draft-model-path, -revision, -attention-backend, ...: argparse
+    refuses it, and check does not guess which one was meant."""
+    flags = check.engine_release("sglang", "0.5.9").facts["cli_flags"]
+    assert check.parse_engine_args("--speculative-draft D", flags) == {"speculative_draft": "D"}
+
+
+def test_an_abbreviated_algorithm_flag_is_the_algorithm(tmp_path):
+    """`--speculative-algo EAGLE` with an EAGLE-3 head (sglang#25673, #21272) is EAGLE run on an EAGLE-3 drafter,
+    not a server without speculation."""
+    drafter = write(tmp_path / "drafter-eagle3", json.loads((DRAFTERS / "kimi-k25-eagle3-specforge" / "config.json")
+                                                            .read_text()))
+    findings, facts = check.run_checks(TARGETS / "kimi-k2.5", drafter, "sglang", "0.5.11", None,
+                                       "--speculative-algo EAGLE --speculative-draft-model-path D --tp 8")
+    assert facts["sg_algorithm"] == "EAGLE"
+    assert "sglang.algorithm" in errors(findings, "accept") and "sglang.algorithm-missing" not in errors(findings)
 
 
 def test_environment_assignments_in_engine_args_are_the_servers_environment():
