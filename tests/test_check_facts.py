@@ -21,10 +21,11 @@ TARGETS, DRAFTERS = FIXTURES / "targets", FIXTURES / "drafters"
 VLLM_KEYS = {"eagle3_whitelist", "eagle3_modules", "eagle3_archs", "aux_ids_read", "method_path_guess", "norm_flags_read",
              "draft_max_position_override", "tp_key_rejected", "multimodal_probes", "mla_drafter", "sources",
              "arch_modules", "transformers_backend_eagle3", "speculators_types", "mla_drafter_model_types",
-             "multimodal_probe_map", "eagle3_arch_naming"}
+             "multimodal_probe_map", "eagle3_arch_naming", "d2t_full_vocab_unloadable", "kv_mixed_page_groups",
+             "mrope_propose_reads_positions", "cli_flags"}
 SGLANG_KEYS = {"eagle3_modules", "eagle3_archs", "arch_modules", "draft_archs", "aux_shift", "aux_ids_read", "norm_flags_read",
                "mla_drafter", "capture_error", "draft_context", "draft_context_rope_raised", "sm100_trtllm_mla_archs",
-               "pp_spec_algorithms", "embed_head_archs"}
+               "pp_spec_algorithms", "embed_head_archs", "spec_v2_topk", "cli_flags"}
 
 
 def write(folder: Path, config: dict) -> Path:
@@ -214,7 +215,7 @@ def test_the_first_start_error_is_the_first_the_engine_meets(tmp_path):
     drafter = write(tmp_path / "ds-eagle3", {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
                                              "hidden_size": 7168, "vocab_size": 129280, "num_attention_heads": 56,
                                              "max_position_embeddings": 163840})
-    findings, _ = run(TARGETS / "deepseek-v3", drafter, version="0.17.0", engine_args="--tp 3")
+    findings, _ = run(TARGETS / "deepseek-v3", drafter, version="0.17.0", engine_args="-tp 3")  # vLLM has no --tp
     starts = [f for f in findings if f.severity == "error" and f.kind == "start"]
     assert starts[0].rule == "vllm.tp-heads"
     assert all(f.message.startswith("after fixing vllm.tp-heads") for f in starts[1:])
@@ -393,6 +394,38 @@ def test_engine_args_read_single_dash_flags_negative_numbers_and_lists():
         check.parse_engine_args("tp 2")
 
 
+@pytest.mark.parametrize("engine, version, text, key, value", [
+    ("sglang", "0.5.11", "--speculative-algo EAGLE --tp 8", "speculative_algorithm", "EAGLE"),  # sglang#25673's line
+    ("sglang", "0.5.11", "--speculative-algo EAGLE --tp 8", "tensor_parallel_size", "8"),  # a prefix of --tp-size
+    ("sglang", "0.5.9", "--speculative-draft-model D", "speculative_draft_model_path", "D"),  # an alias
+    ("sglang", "0.5.9", "--mem-fraction 0.6 --context-len 4096", "context_length", "4096"),
+    ("vllm", "0.11.0", "--tensor-parallel 2 --max-model-len 65536", "tensor_parallel_size", "2"),  # vllm#26328's line
+    ("vllm", "0.33.0", "-sc {}", "speculative_config", "{}"),  # -sc names --speculative-config from 0.33.0 on
+])
+def test_engine_args_are_read_the_way_the_release_parses_them(engine, version, text, key, value):
+    """Both engines parse with argparse's allow_abbrev: an unambiguous prefix of a long option, or another option
+    string of the same add_argument call, is that flag (facts cli_flags, read from each release's parser)."""
+    assert check.parse_engine_args(text, check.engine_release(engine, version).facts["cli_flags"])[key] == value
+
+
+def test_an_ambiguous_prefix_names_no_flag():
+    """`--speculative-draft` starts --speculative-draft-model-path, -revision, -attention-backend, ...: argparse
+    refuses it, and check does not guess which one was meant."""
+    flags = check.engine_release("sglang", "0.5.9").facts["cli_flags"]
+    assert check.parse_engine_args("--speculative-draft D", flags) == {"speculative_draft": "D"}
+
+
+def test_an_abbreviated_algorithm_flag_is_the_algorithm(tmp_path):
+    """`--speculative-algo EAGLE` with an EAGLE-3 head (sglang#25673, #21272) is EAGLE run on an EAGLE-3 drafter,
+    not a server without speculation."""
+    drafter = write(tmp_path / "drafter-eagle3", json.loads((DRAFTERS / "kimi-k25-eagle3-specforge" / "config.json")
+                                                            .read_text()))
+    findings, facts = check.run_checks(TARGETS / "kimi-k2.5", drafter, "sglang", "0.5.11", None,
+                                       "--speculative-algo EAGLE --speculative-draft-model-path D --tp 8")
+    assert facts["sg_algorithm"] == "EAGLE"
+    assert "sglang.algorithm" in errors(findings, "accept") and "sglang.algorithm-missing" not in errors(findings)
+
+
 def test_environment_assignments_in_engine_args_are_the_servers_environment():
     text = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 --tp 8 --context-length=4096"
     assert check.parse_engine_env(text) == {"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1"}
@@ -472,18 +505,50 @@ def test_the_drafter_class_vllm_builds_must_be_in_its_registry(tmp_path, arch, v
 
 
 @pytest.mark.parametrize("version, env, topk, kind", [
+    ("0.5.4.post1", "SGLANG_ENABLE_SPEC_V2=1 ", 4, "serve"), ("0.5.4", "SGLANG_ENABLE_SPEC_V2=1 ", 4, None),
     ("0.5.5.post3", "SGLANG_ENABLE_SPEC_V2=1 ", 4, "serve"), ("0.5.6", "SGLANG_ENABLE_SPEC_V2=true ", 4, "serve"),
     ("0.5.7", "SGLANG_ENABLE_SPEC_V2=1 ", 4, "start"), ("0.5.9", "SGLANG_ENABLE_SPEC_V2=1 ", 2, "start"),
+    ("0.5.10.post1", "SGLANG_ENABLE_SPEC_V2=1 ", 4, "start"), ("0.5.11", "SGLANG_ENABLE_SPEC_V2=1 ", 4, None),
+    ("0.5.13", "SGLANG_ENABLE_SPEC_V2=1 ", 4, None),
     ("0.5.9", "SGLANG_ENABLE_SPEC_V2=1 ", 1, None), ("0.5.9", "", 4, None), ("0.5.14", "SGLANG_ENABLE_SPEC_V2=1 ", 4, None)])
 def test_sglang_spec_v2_runs_chain_drafts_only(tmp_path, version, env, topk, kind):
-    """The V2 (overlap) EAGLE worker: 0.5.5-0.5.6 take topk > 1 and die on the first decode batch (sglang#14077);
-    0.5.7-0.5.13 refuse it in server-args validation; 0.5.14 removed SGLANG_ENABLE_SPEC_V2."""
+    """The V2 (overlap) EAGLE worker, per the table's spec_v2_topk: 0.5.4.post1-0.5.6.post2 take topk > 1 and die on
+    the first decode batch (sglang#14077); 0.5.7-0.5.10.post1 refuse it in server-args validation; 0.5.11-0.5.13 turn
+    the overlap schedule off for topk > 1 and run the V1 worker; 0.5.14 removed SGLANG_ENABLE_SPEC_V2."""
     drafter = llama_drafter(tmp_path, vocab_size=151936, max_position_embeddings=40960)
     args = (f"{env}--speculative-algorithm EAGLE3 --speculative-draft-model-path D --speculative-num-steps 5 "
             f"--speculative-eagle-topk {topk} --speculative-num-draft-tokens 8")
     findings, _ = check.run_checks(TARGETS / "qwen3-8b", drafter, "sglang", version, None, args)
     rules = {f.rule: f.kind for f in findings if f.severity == "error" and f.rule.startswith("sglang.spec-v2")}
     assert rules == ({} if kind is None else {"sglang.spec-v2-topk" + ("-refused" if kind == "start" else ""): kind})
+
+
+@pytest.mark.parametrize("version, unloadable", [
+    ("0.8.5", False), ("0.29.0", False), ("0.30.0", True), ("0.32.0", True), ("0.33.0", True)])
+def test_the_full_vocabulary_d2t_trap_per_release_is_the_one_the_wheel_holds(version, unloadable):
+    """llama_eagle3.py builds draft_id_to_target_id for every drafter until 0.29.0 and only for a reduced vocabulary
+    from 0.30.0, while load_weights keeps renaming d2t onto it (tests/test_check.py holds the rule to it)."""
+    assert check.engine_release("vllm", version).facts["d2t_full_vocab_unloadable"] is unloadable
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_no_rule_carries_a_hand_typed_version_range(engine):
+    """Which releases a rule applies to is read out of the wheels (a fact the rule names), not typed by hand: a
+    range typed from the few releases someone read drifts (vllm.d2t-full-vocab held from 0.33.0, the wheels say
+    0.30.0; sglang.spec-v2-topk-refused to 0.5.13, the wheels say 0.5.11 already falls back to the V1 worker)."""
+    assert [r.id for r in check.load_rules(engine).rules if r.versions] == []
+
+
+@pytest.mark.parametrize("version, reads", [("0.14.1", False), ("0.15.0", True), ("0.15.1", True), ("0.16.0", False)])
+def test_the_mrope_positions_bug_per_release_is_the_one_the_wheel_holds(version, reads):
+    """EagleProposer.propose reads self.positions in its M-RoPE branch, never allocated for an M-RoPE drafter."""
+    assert check.engine_release("vllm", version).facts["mrope_propose_reads_positions"] is reads
+
+
+@pytest.mark.parametrize("version, grouped", [("0.8.5", False), ("0.10.2", False), ("0.11.0", True), ("0.33.0", True)])
+def test_the_kv_page_grouping_per_release_is_the_one_the_wheel_holds(version, grouped):
+    """kv_cache_utils.py groups full-attention layers of different page sizes (UniformTypeKVCacheSpecs) from 0.11.0."""
+    assert check.engine_release("vllm", version).facts["kv_mixed_page_groups"] is grouped
 
 
 @pytest.mark.parametrize("version, over, engine_args, fires", [

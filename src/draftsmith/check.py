@@ -139,7 +139,7 @@ def run_checks(target: Path, drafter: Path, engine: str, version: str | None, sp
         raise DraftsmithError("bad --engine-version", got=repr(version), expected="a version like 0.17.0",
                               fix="pass the version `pip show vllm` prints") from exc
     notes += table_notes(engine, version)
-    args = parse_engine_args(engine_args)
+    args = parse_engine_args(engine_args, engine_release(engine, version).facts.get("cli_flags"))
     spec, assumed = speculative_config(engine, spec_raw, args, str(drafter))
     if assumed:
         notes.append(Finding("ok", "check.spec-assumed", f"no speculative settings given; checked {json.dumps(spec)}",

@@ -20,11 +20,30 @@ def parse_engine_env(text: str) -> dict[str, str]:
     return dict(tok.split("=", 1) for tok in shlex.split(text or "") if ENV_ASSIGNMENT.match(tok))
 
 
-def parse_engine_args(text: str) -> dict[str, str]:
+FLAGS_READ = ("tensor-parallel-size", "pipeline-parallel-size", "max-model-len", "context-length",
+              "max-num-batched-tokens", "dtype", "page-size", "attention-backend", "decode-attention-backend",
+              "speculative-draft-attention-backend", "disable-cuda-graph", "speculative-config",
+              "speculative-algorithm", "speculative-draft-model-path", "speculative-num-steps",
+              "speculative-eagle-topk", "speculative-num-draft-tokens")
+"""The long engine flags check reads. The facts table records, per release, the option strings of each one's
+add_argument call and, per long option string, the shortest prefix that names it alone among the release's option
+strings (`cli_flags`):
+both engines parse with argparse's default allow_abbrev, so `--speculative-algo` is --speculative-algorithm and
+`--tensor-parallel` is --tensor-parallel-size wherever no other flag starts that way (vLLM FlexibleArgumentParser,
+SGLang server_args.py `argparse.ArgumentParser()`)."""
+
+HAND_ALIASES = {"tp": "tensor_parallel_size", "tp_size": "tensor_parallel_size", "pp": "pipeline_parallel_size",
+                "pp_size": "pipeline_parallel_size", "speculative_draft_model": "speculative_draft_model_path"}
+"""Option strings of the flags read, for a release the facts table does not cover (vLLM `-tp`/`-pp`, SGLang
+`--tp-size`/`--tp`/`--pp-size`, `--speculative-draft-model`)."""
+
+
+def parse_engine_args(text: str, cli_flags: dict[str, dict] | None = None) -> dict[str, str]:
     """`--key value` / `--key=value` / `-k value` / `--flag` / `--key v1 v2` (a list flag such as SGLang's
     --cuda-graph-bs) into {key_with_underscores: value} (environment assignments are `parse_engine_env`'s). A token
     is a flag when it starts with `-` and is not a number, so a single-dash flag after a switch (`--trust-remote-code
-    -tp 2`) starts a flag of its own."""
+    -tp 2`) starts a flag of its own. `cli_flags` (the release's facts) names each read flag's option strings and
+    unambiguous prefixes; without it, HAND_ALIASES."""
     out: dict[str, str] = {}
     tokens = [tok for tok in shlex.split(text or "") if not ENV_ASSIGNMENT.match(tok)]
     if tokens and not _is_flag(tokens[0]):
@@ -33,17 +52,31 @@ def parse_engine_args(text: str) -> dict[str, str]:
                               fix="quote the whole flag string once: --engine-args '--tp 8 ...'")
     i = 0
     while i < len(tokens):
-        key, _, value = tokens[i].lstrip("-").partition("=")
+        key, _, value = tokens[i].partition("=")
         values = []
         while i + 1 < len(tokens) and not _is_flag(tokens[i + 1]):
             values.append(tokens[i + 1])
             i += 1
-        out[key.replace("-", "_")] = value or " ".join(values) or "true"
+        out[read_flag(key, cli_flags)] = value or " ".join(values) or "true"
         i += 1
-    aliases = {"tp": "tensor_parallel_size", "tp_size": "tensor_parallel_size", "pp": "pipeline_parallel_size",
-               "pp_size": "pipeline_parallel_size",
-               "speculative_draft_model": "speculative_draft_model_path"}
-    return {aliases.get(k, k): v for k, v in out.items()}
+    return out
+
+
+def read_flag(option: str, cli_flags: dict[str, dict] | None = None) -> str:
+    """The key check reads an option string as (underscores): the read flag whose add_argument call names it, or
+    whose long option it is an unambiguous argparse prefix of, in this release (`--tensor-parallel` and `-tp` ->
+    tensor_parallel_size); else the option itself."""
+    bare = option.lstrip("-").replace("_", "-")
+    if cli_flags is None:
+        return HAND_ALIASES.get(bare.replace("-", "_"), bare.replace("-", "_"))
+    given = "--" + bare if option.startswith("--") else option
+    for flag, spec in cli_flags.items():
+        if given in spec["options"]:
+            return flag.replace("-", "_")
+    for flag, spec in cli_flags.items():
+        if given.startswith("--") and any(o.startswith(given) and given.startswith(p) for o, p in spec["abbrev"].items()):
+            return flag.replace("-", "_")
+    return bare.replace("-", "_")
 
 
 def _is_flag(token: str) -> bool:

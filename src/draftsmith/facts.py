@@ -158,6 +158,9 @@ def release_facts(rel: EngineRelease) -> dict[str, Any]:
         "engine_speculators_types": get("speculators_types"), "engine_probe_map": get("multimodal_probe_map"),
         "engine_eagle3_naming": get("eagle3_arch_naming"), "engine_mla_drafter_types": get("mla_drafter_model_types"),
         "engine_embed_head_archs": get("embed_head_archs"),
+        "engine_d2t_full_vocab_unloadable": get("d2t_full_vocab_unloadable"),
+        "engine_kv_mixed_page_groups": get("kv_mixed_page_groups"), "engine_spec_v2_topk": get("spec_v2_topk"),
+        "engine_mrope_propose_reads_positions": get("mrope_propose_reads_positions"),
     }
 
 
@@ -426,8 +429,8 @@ def spec_facts(engine: str, spec: dict, args: dict[str, str], f: dict[str, Any])
         "sg_draft_attention_backend": args.get("speculative_draft_attention_backend"),
         "sg_cuda_graph": args.get("disable_cuda_graph", "false").lower() in ("false", "0"),
     })
-    # SGLang 0.5.5-0.5.13 run the overlap (V2) EAGLE worker when SGLANG_ENABLE_SPEC_V2 is set (0.5.14 removed the
-    # variable: the V2 worker always runs); server_args.py / environ.py per release.
+    # SGLANG_ENABLE_SPEC_V2 picks the overlap (V2) EAGLE worker where environ.py defines it (0.5.4.post1-0.5.13;
+    # 0.5.14 removed it); what a release then does with topk > 1 is the table's spec_v2_topk.
     spec_v2 = f["engine_env"].get("SGLANG_ENABLE_SPEC_V2")
     out["sg_spec_v2"] = spec_v2 is not None and spec_v2.lower() in ("1", "true")
     allowed = f["engine_pp_spec_algorithms"]
