@@ -218,6 +218,34 @@ def test_packed_micro_batches_keep_one_shape_and_every_supervised_token(store, t
     assert supervised == expected
 
 
+def test_the_loop_reads_each_step_behind_the_next_and_logs_what_a_waited_step_gives(store, tmp_path):
+    """The loop queues step n+1 before it reads step n's statistics (no CPU-GPU sync between steps). The log it
+    writes is the one a waited-for step gives: each step once, in order, every number equal to `train_step()`
+    called step by step, and an eval record after the step it follows."""
+    def config(out):
+        return TrainConfig(out=str(tmp_path / out), store=str(store), lr=3e-3, batch_tokens=256, draft_vocab_size=128,
+                           ttt_steps=3, eval_fraction=0.2, max_steps=7, eval_every=3, save_every=2, log_every=10**6)
+
+    Trainer(config("loop")).run(progress=False)
+    records = [json.loads(line) for line in (tmp_path / "loop" / "metrics.jsonl").read_text().splitlines()]
+    order = [("eval" if "eval" in r else "first" if "first_step_s" in r else "step", r["step"]) for r in records]
+    assert order == [("first", 1), ("step", 1), ("step", 2), ("step", 3), ("eval", 3), ("step", 4), ("step", 5),
+                     ("step", 6), ("eval", 6), ("step", 7), ("eval", 7)], order
+
+    waited = Trainer(config("waited"))
+    steps = []
+    for _ in range(7):
+        steps.append(waited.train_step())
+        waited.step += 1
+    waited.close()
+    logged = [r for r in records if "loss" in r and "eval" not in r]
+    assert [r["step"] for r in steps] == [r["step"] for r in logged] == list(range(1, 8))
+    for a, b in zip(steps, logged):
+        for key in ("loss", "loss_per_step", "acc", "grad_norm", "lr", "real_tokens", "supervised_tokens", "tokens"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6), (a["step"], key, a[key], b[key])
+    assert logged[0]["grad_norm"] > 0 and logged[-1]["loss"] < logged[0]["loss"], "nothing trained; proves little"
+
+
 def test_a_new_drafter_takes_speculators_norm_variants_and_the_learning_rate_default_follows_init_from(store,
                                                                                                       tmp_path):
     """--norm-before-fc / --norm-output / --norm-before-residual build a drafter that has them, trains its input

@@ -481,8 +481,10 @@ def ttt_forward(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tens
         in_vocab = F.pad(drafter.t2d[t_argmax], (0, steps))  # (B, T+K): a drafter can only match tokens in its vocabulary
     if denominators is None:
         denominators = valid.sum(dim=(1, 2))
-    scales = (torch.tensor([decay ** i for i in range(steps)], dtype=p_target.dtype, device=aux.device)
-              / denominators.clamp(min=1))  # (K,): step i's loss weight per supervised row
+    # (K,): step i's loss weight per supervised row. Made on the device: a tensor built from a Python list is a
+    # pageable host-to-device copy, which synchronises the stream in the middle of every forward.
+    scales = (torch.pow(decay, torch.arange(steps, dtype=p_target.dtype, device=aux.device))
+              / denominators.clamp(min=1))
     if documents is None:
         positions, mask = torch.arange(T, device=aux.device), None  # (T,)
     else:  # (B, T); the mask in the form the step's attention takes on this device

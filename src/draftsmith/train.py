@@ -402,6 +402,34 @@ def rank_micro_batches(plan: list[list[int]], offset: int, world: int, grad_accu
     return mine[rank * grad_accum: (rank + 1) * grad_accum]
 
 
+@dataclass
+class PendingStep:
+    """A step queued on the device (`Trainer.launch_step`): its statistics stay there until `resolve` reads them
+    (the one CPU-GPU sync of a step). `since` is when the clock of its step time starts: its launch, or the
+    previous step's resolution when the loop had one in flight (the steady-state time per step)."""
+
+    step: int
+    ttt_steps: int
+    lr: float
+    t0: float
+    stats: torch.Tensor  # [loss, loss_sum (K), correct (K), count (K), real, supervised, grad_norm], summed over ranks
+    tokens: int
+    shape: list[int]
+    since: float | None = None
+
+    def resolve(self) -> dict:
+        """Wait for the step and return its record (the row metrics.jsonl gets and the step line prints)."""
+        stats = self.stats.tolist()  # CPU-GPU sync point: once per step, one step behind the launches
+        dt = time.perf_counter() - max(self.t0, self.since or self.t0)
+        K = self.ttt_steps
+        counts = stats[2 * K + 1:3 * K + 1]
+        return {"step": self.step, "loss": stats[0], "loss_per_step": [s / max(c, 1) for s, c in zip(stats[1:K + 1], counts)],
+                "acc": [a / max(c, 1) for a, c in zip(stats[K + 1:2 * K + 1], counts)], "lr": self.lr,
+                "grad_norm": stats[-1], "ms": dt * 1000, "tokens": self.tokens, "tok_per_s": self.tokens / dt,
+                "real_tokens": int(stats[-3]), "supervised_tokens": int(stats[-2]), "real_tok_per_s": stats[-3] / dt,
+                "shape": self.shape}
+
+
 class Trainer:
     """Holds the run's state; `run()` is the loop."""
 
@@ -464,6 +492,7 @@ class Trainer:
         """The learning-rate schedule's length (`stop_step` is where the loop ends)."""
         self.step = self.saved_at = 0
         self.first_step_done = False  # the first step of this process compiles / warms up: logged apart
+        self.resolved_at = 0.0  # when `report` last read a step: the next in-flight step's clock starts there
         self.loader: ThreadPoolExecutor | None = None  # `step_batches`: loads the next step's micro-batches
         self.prefetched: dict[int, Future] = {}
         self.copy_stream: torch.cuda.Stream | None = None
@@ -752,6 +781,12 @@ class Trainer:
                 time.sleep(poll_s)
 
     def train_step(self) -> dict:
+        """One optimizer step, waited for: its record (benchmarks and tests; the loop uses `launch_step`)."""
+        return self.launch_step().resolve()
+
+    def launch_step(self) -> "PendingStep":
+        """Queue one optimizer step on the device and return without waiting for it: the loop resolves a step's
+        record after it has queued the next one, so the host prepares step n+1 while the GPU runs step n."""
         from draftsmith.drafter import step_masks
 
         t0 = time.perf_counter()
@@ -789,20 +824,15 @@ class Trainer:
             grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
         supervised = sum(b.loss_mask.sum() for b in batches).float().view(1)
-        real = torch.tensor([float(sum(self.real_tokens(mb) for mb in plan))], device=self.device)
+        # A fill kernel, not a copy: a tensor made from a host list would synchronise the stream here.
+        real = torch.full((1,), float(sum(self.real_tokens(mb) for mb in plan)), device=self.device)
         stats = torch.cat([total_loss.view(1), loss_sum, correct, count, real, supervised])
         if self.world > 1:
             dist.all_reduce(stats)
-        stats = stats.tolist()  # CPU-GPU sync point: once per step, for logging
-        K = self.cfg.ttt_steps
-        tokens = sum(int(b.loss_mask.numel()) for b in batches) * self.world
-        dt = time.perf_counter() - t0
-        counts = stats[2 * K + 1:3 * K + 1]
-        return {"step": self.step + 1, "loss": stats[0], "loss_per_step": [s / max(c, 1) for s, c in zip(stats[1:K + 1], counts)],
-                "acc": [a / max(c, 1) for a, c in zip(stats[K + 1:2 * K + 1], counts)], "lr": lr,
-                "grad_norm": float(grad_norm), "ms": dt * 1000, "tokens": tokens, "tok_per_s": tokens / dt,
-                "real_tokens": int(stats[-2]), "supervised_tokens": int(stats[-1]), "real_tok_per_s": stats[-2] / dt,
-                "shape": list(batches[0].input_ids.shape)}
+        stats = torch.cat([stats, grad_norm.detach().float().view(1)])
+        return PendingStep(step=self.step + 1, ttt_steps=self.cfg.ttt_steps, lr=lr, t0=t0, stats=stats,
+                           tokens=sum(int(b.loss_mask.numel()) for b in batches) * self.world,
+                           shape=list(batches[0].input_ids.shape))
 
     # -- evaluation -----------------------------------------------------------------------------------
 
@@ -899,6 +929,27 @@ class Trainer:
             with open(self.out / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
 
+    def report(self, pending: PendingStep | None, bar, first: bool = False) -> None:
+        """Wait for a queued step, then log, print and count it; None, for the caller's `pending`. `first`: the
+        run's first step (compile and warm-up), reported apart."""
+        if pending is None:
+            return None
+        record = pending.resolve()
+        self.resolved_at = time.perf_counter()
+        if first:
+            self.first_step_done = True
+            record["first_step"] = True
+            self.log({"step": record["step"], "first_step_s": record["ms"] / 1000, "compile": self.cfg.compile,
+                      "shape": record["shape"]})
+            if self.rank == 0:
+                print(f"train: first step {record['ms'] / 1000:.1f} s ({'compile + ' if self.cfg.compile else ''}"
+                      f"warm-up; micro-batch shape {record['shape']})", flush=True)
+        self.log(record)
+        if self.rank == 0 and record["step"] % self.cfg.log_every == 0:
+            print(step_line(record, self.total_steps), flush=True)
+        bar.advance(1, tokens=None, note=f"loss {record['loss']:.3f}")
+        return None
+
     def run(self, progress: bool = True) -> EvalResult:
         self.out.mkdir(parents=True, exist_ok=True)
         resumed = self.try_resume()
@@ -920,29 +971,28 @@ class Trainer:
             if resumed:
                 bar.advance(self.step)
             per_step = self.world * self.cfg.grad_accum
+            pending: PendingStep | None = None  # the step in flight, reported once the next one is queued
             while self.step < self.stop_step:
                 if self.cfg.follow:  # the store may complete here, and with --delete-consumed end the run
+                    pending = self.report(pending, bar)  # waiting on the writer must not count as step time
                     self.await_micro_batches((self.step + 1) * per_step)
                     if self.step >= self.stop_step:
                         break
                 if self.step % self.cfg.eval_every == 0 and self.step > 0:
+                    pending = self.report(pending, bar)
                     self.log_eval(self.evaluate())
-                record = self.train_step()
+                launched = self.launch_step()
                 self.step += 1
+                if pending is not None:  # step n-1 is read while step n runs on the device
+                    pending = self.report(pending, bar)
+                    launched.since = self.resolved_at
+                pending = launched
                 if not self.first_step_done:  # compile (--compile) and warm-up happen here: reported apart
-                    self.first_step_done = True
-                    record["first_step"] = True
-                    self.log({"step": self.step, "first_step_s": record["ms"] / 1000, "compile": self.cfg.compile,
-                              "shape": record["shape"]})
-                    if self.rank == 0:
-                        print(f"train: first step {record['ms'] / 1000:.1f} s ({'compile + ' if self.cfg.compile else ''}"
-                              f"warm-up; micro-batch shape {record['shape']})", flush=True)
-                self.log(record)
-                if self.rank == 0 and self.step % self.cfg.log_every == 0:
-                    print(step_line(record, self.total_steps), flush=True)
-                bar.advance(1, tokens=None, note=f"loss {record['loss']:.3f}")
+                    pending = self.report(pending, bar, first=True)
                 if self.step % self.cfg.save_every == 0 or self.step == self.stop_step:
+                    pending = self.report(pending, bar)
                     self.save(f"step-{self.step:06d}")
+            pending = self.report(pending, bar)
             if self.saved_at != self.step:  # --delete-consumed: ended by the store's end, found after the last step
                 self.save(f"step-{self.step:06d}")
         result = self.evaluate()
