@@ -134,8 +134,9 @@ class TrainSettings(Settings):
     (the held-back set grows while the store lands)."""
     compile: bool = False
     """torch.compile the drafter's TTT step and the loss's pass over the logits (`compile_for_training`: fuses
-    their elementwise work; for GPU runs, where it pays back the compile time; varying sequence lengths
-    recompile once, then run with dynamic shapes)."""
+    their elementwise work; varying sequence lengths recompile once, then run with dynamic shapes). For long GPU
+    runs: on one H200 at SmolLM2's size its 33-96 s of compile paid back after about 1,000 steps with 8192-token
+    rows and TTT 3, and about 12,000 steps (49 M tokens) at the defaults (docs/gpu.md, "A small drafter's step")."""
     parallel: str = "ddp"
     """Under torchrun: ddp (each rank holds the whole drafter) or fsdp (FSDP2 `fully_shard`: weights,
     gradients and AdamW state sharded across ranks, for drafters whose training state does not fit one device)."""
