@@ -63,6 +63,12 @@ def test_the_table_covers_every_release_read_with_every_fact(engine, keys, oldes
         assert keys <= set(facts), (version, keys - set(facts))
 
 
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_the_version_assumed_without_one_is_the_newest_release_read(engine):
+    """docs/check.md: with no version given, the newest version the rules know is assumed."""
+    assert check.load_rules(engine).default_version == max(check.facts_table()[engine], key=Version)
+
+
 def test_every_fact_a_rule_names_is_computed(tmp_path):
     """A rule that names a fact nobody computes would never fire: hold every rule against the facts."""
     for engine in ("vllm", "sglang"):
