@@ -156,6 +156,10 @@ def model_classes(wheel: Wheel, folder: str) -> dict[str, tuple[list[str], str]]
 # ---------------------------------------------------------------- vLLM
 
 VLLM_CONFIG_FILES = ("vllm/config/speculative.py", "vllm/config/__init__.py", "vllm/config.py")
+VLLM_PROPOSER_FILES = ("vllm/v1/spec_decode/llm_base_proposer.py", "vllm/v1/spec_decode/eagle.py",
+                       "vllm/v1/worker/gpu/spec_decode/eagle/speculator.py")
+"""The EAGLE drafter loader per layout: v1/spec_decode until 0.33.0; from 0.34.0 only the model runner V2's
+speculator under v1/worker/gpu/spec_decode (the first file found is read)."""
 
 
 def vllm_whitelist(text: str) -> list[str] | None:
@@ -166,6 +170,17 @@ def vllm_whitelist(text: str) -> list[str] | None:
         return re.findall(r"[\"']([^\"']+)[\"']", m.group(1))
     m = re.search(r"Eagle3 is only supported for (\w+) models", text)
     return [m.group(1).lower()] if m else []
+
+
+def vllm_method_path_guess(wheel: Wheel, cfg: str) -> list[str]:
+    """The drafter-path substrings that select a method when `method` is unset: the if / elif chain of the
+    speculative config until 0.33.0; from 0.34.0 each method's `matches()` in v1/worker/gpu/spec_decode/*/config.py
+    (`return "eagle-" in spec.draft_model_config.model.lower()`)."""
+    chain = re.findall(r"(?:el)?if [\"']([a-z0-9_-]+)[\"'] in self\.draft_model_config\.model", cfg)
+    per_method = [m for n in wheel.names if re.fullmatch(r"vllm/v1/worker/gpu/spec_decode/\w+/config\.py", n)
+                  for m in re.findall(r"return [\"']([a-z0-9_-]+)[\"'] in spec\.draft_model_config\.model",
+                                      wheel.text(n))]
+    return sorted(set(chain) | set(per_method))
 
 
 def vllm_eagle3_modules(wheel: Wheel) -> list[str]:
@@ -269,11 +284,9 @@ def vllm_facts(wheel: Wheel) -> dict:
     eagle3_name, eagle3 = wheel.first("vllm/model_executor/models/llama_eagle3.py")
     runner_files = [n for n in wheel.names if n.startswith("vllm/v1/") and "eagle_aux_hidden_state_layer_ids"
                     in wheel.text(n)]
-    proposer_name, proposer = wheel.first("vllm/v1/spec_decode/llm_base_proposer.py", "vllm/v1/spec_decode/eagle.py")
+    proposer_name, proposer = wheel.first(*VLLM_PROPOSER_FILES)
     aux_read_files = runner_files + [eagle3_name] * ("eagle_aux_hidden_state_layer_ids" in eagle3)
     aux_texts = "".join(wheel.text(n) for n in aux_read_files)
-    guess = sorted(set(re.findall(r"elif [\"']([a-z0-9_-]+)[\"'] in self\.draft_model_config\.model", cfg))
-                   | set(re.findall(r"if [\"']([a-z0-9_-]+)[\"'] in self\.draft_model_config\.model", cfg)))
     load = "".join(_def_bodies(eagle3, "load_weights"))
     return {
         "eagle3_whitelist": vllm_whitelist(cfg),
@@ -283,7 +296,7 @@ def vllm_facts(wheel: Wheel) -> dict:
         "transformers_backend_eagle3": vllm_transformers_backend_eagle3(wheel),
         "aux_ids_read": bool(aux_read_files),
         "aux_ids_from_eagle_config": "eagle_config" in aux_texts,
-        "method_path_guess": guess,
+        "method_path_guess": vllm_method_path_guess(wheel, cfg),
         "norm_flags_read": [f for f in NORM_FLAGS if f in eagle3],
         "loader_midlayer_map": "midlayer" in load,
         "loader_skips": sorted(set(re.findall(r"if [\"']([\w.]+)[\"'] (?:not )?in name", load))),

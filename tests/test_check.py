@@ -493,7 +493,7 @@ def test_cli_exit_codes_and_json(tmp_path, smol_target, capsys):
 
 def test_no_version_assumes_the_latest_known_and_says_so(tmp_path, smol_target):
     findings, facts = check.run_checks(smol_target, smol_drafter(tmp_path), "vllm", None)
-    assert facts["engine_version"] == "0.33.0" and "check.version-assumed" in warnings(findings)
+    assert facts["engine_version"] == "0.34.0" and "check.version-assumed" in warnings(findings)
 
 
 # ---------------------------------------------------------------- the real engine

@@ -63,6 +63,12 @@ def test_the_table_covers_every_release_read_with_every_fact(engine, keys, oldes
         assert keys <= set(facts), (version, keys - set(facts))
 
 
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_the_version_assumed_without_one_is_the_newest_release_read(engine):
+    """docs/check.md: with no version given, the newest version the rules know is assumed."""
+    assert check.load_rules(engine).default_version == max(check.facts_table()[engine], key=Version)
+
+
 def test_every_fact_a_rule_names_is_computed(tmp_path):
     """A rule that names a fact nobody computes would never fire: hold every rule against the facts."""
     for engine in ("vllm", "sglang"):
@@ -250,6 +256,40 @@ def test_a_multimodal_wrapper_with_a_sparse_text_config_is_unwrapped_with_its_cl
                               "num_key_value_heads": 4}}
     _, facts = run(write(tmp_path / "vl", config), llama_drafter(tmp_path, hidden_size=3584, vocab_size=152064))
     assert facts["target_hidden_size"] == 3584 and facts["target_vocab_size"] == 152064  # Qwen2_5_VL text default
+
+
+# Qwen3-Omni keeps its language model's config one level deeper than a VL wrapper: in the thinker
+# (`thinker_config.text_config`), which is what both engines serve. Widths are small made-up values.
+QWEN3_OMNI = {"architectures": ["Qwen3OmniMoeForConditionalGeneration"], "model_type": "qwen3_omni_moe",
+              "thinker_config": {"model_type": "qwen3_omni_moe_thinker", "image_token_id": 151655,
+                                 "vision_config": {"depth": 2},
+                                 "text_config": {"model_type": "qwen3_omni_moe_text", "hidden_size": 512,
+                                                 "num_hidden_layers": 8, "num_attention_heads": 8,
+                                                 "num_key_value_heads": 4, "head_dim": 64, "vocab_size": 152064}},
+              "talker_config": {"model_type": "qwen3_omni_moe_talker"}}
+
+
+@pytest.mark.parametrize("version, supported", [("0.28.0", False), ("0.29.0", True)])
+def test_an_omni_wrapper_is_read_through_its_thinker_text_config(tmp_path, version, supported):
+    drafter = llama_drafter(tmp_path, hidden_size=512, num_attention_heads=8, num_key_value_heads=4,
+                            vocab_size=152064)
+    findings, facts = run(write(tmp_path / "omni", QWEN3_OMNI), drafter, version=version)
+    assert facts["target_hidden_size"] == 512 and facts["target_num_layers"] == 8
+    assert facts["target_vocab_size"] == 152064 and facts["target_has_vision"]
+    assert ("vllm.eagle3-interface" in errors(findings)) is not supported
+
+
+@pytest.mark.parametrize("thinker_fields, version, probe_error", [
+    ({"image_token_id": 151655}, "0.29.0", True),   # the thinker config vLLM's model holds lacks image_token_index
+    ({"image_token_index": 151655}, "0.29.0", False),
+    ({"image_token_id": 151655}, "0.34.0", False)])  # 0.34.0's drafter loader copies no image token
+def test_an_omni_target_is_probed_on_the_thinker_config_its_model_class_holds(tmp_path, thinker_fields, version,
+                                                                              probe_error):
+    thinker = {k: v for k, v in QWEN3_OMNI["thinker_config"].items() if k != "image_token_id"} | thinker_fields
+    drafter = llama_drafter(tmp_path, hidden_size=512, num_attention_heads=8, num_key_value_heads=4,
+                            vocab_size=152064)
+    findings, _ = run(write(tmp_path / "omni", QWEN3_OMNI | {"thinker_config": thinker}), drafter, version=version)
+    assert ("vllm.multimodal-probe" in errors(findings)) is probe_error
 
 
 def test_a_config_that_is_not_json_is_a_clear_error(tmp_path):

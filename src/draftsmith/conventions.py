@@ -31,7 +31,7 @@ traineagle3/modeling_llama_kv.py) and speculators capture boundaries; SpecForge
 default [1, N//2-1, N-4] (ModelOpt: the sorted set of those), which is EAGLE-3's boundary default
 shifted by one.
 
-Model families: `MLA_MODEL_TYPES`, `MLA_DRAFTER_ARCHITECTURES`, `TEXT_CONFIG_KEYS` (multimodal wrappers)
+Model families: `MLA_MODEL_TYPES`, `MLA_DRAFTER_ARCHITECTURES`, `TEXT_CONFIG_PATHS` (multimodal wrappers)
 and `IMAGE_TOKEN_FIELDS`, each with its source below.
 """
 
@@ -268,8 +268,9 @@ def infer_boundary(ids: list[int], num_layers: int) -> tuple[int, ...] | None:
 MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "kimi_k3")
 # EAGLE-3 drafters with MLA attention (vllm registry.py: deepseek_eagle3; sglang srt/models/kimi_k25_eagle3.py).
 MLA_DRAFTER_ARCHITECTURES = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM")
-# Keys of multimodal wrappers that hold the language model's config (Kimi-K2.5 `text_config`,
-# DeepSeek-VL `language_config`, InternVL `llm_config`).
-TEXT_CONFIG_KEYS = ("text_config", "language_config", "llm_config")
+# Where multimodal wrappers keep the language model's config (Kimi-K2.5 `text_config`, DeepSeek-VL
+# `language_config`, InternVL `llm_config`); Qwen2.5-Omni / Qwen3-Omni one level deeper, in the thinker that the
+# engines serve (vllm transformers_utils/config.py get_hf_text_config: thinker_config.text_config).
+TEXT_CONFIG_PATHS = (("text_config",), ("language_config",), ("llm_config",), ("thinker_config", "text_config"))
 # Image-token attributes the engines' drafter loaders probe on multimodal targets (docs/engines.md §1.6).
 IMAGE_TOKEN_FIELDS = ("image_token_index", "image_token_id", "media_placeholder_token_id")

@@ -28,8 +28,10 @@ from draftsmith.engineflags import gpu_compute_capability, int_or_none, vllm_dra
 from draftsmith.hfconfig import (
     DRAFTER_DEFAULTED,
     config_attribute,
+    nested,
     read_dir_config,
     sglang_context_length,
+    text_config_path,
     with_class_defaults,
     with_standard_names,
 )
@@ -209,7 +211,10 @@ def target_facts(path: Path, book: RuleBook, version: str, rf: dict[str, Any]) -
     whitelist = rf["engine_whitelist"]
     probes = rf["engine_probe_map"] or {}
     probe = probes.get(arch, probes.get("*")) if spec.has_vision else None
-    probe_present = probe is not None and config_attribute(config, probe) is not None
+    # the loader reads the probe on the config the target's model class holds: an Omni wrapper's is its thinker's
+    text_path = text_config_path(config)
+    holder = nested(config, text_path[:-1]) if text_path and len(text_path) > 1 else config
+    probe_present = probe is not None and config_attribute(holder, probe) is not None
     return {
         "target_path": str(path), "target_model_type": spec.model_type, "target_outer_model_type": spec.outer_model_type,
         "target_arch": arch, "target_module": module,

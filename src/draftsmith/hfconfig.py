@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from draftsmith.conventions import TEXT_CONFIG_KEYS
+from draftsmith.conventions import TEXT_CONFIG_PATHS
 from draftsmith.errors import DraftsmithError
 
 def read_dir_config(path: Path) -> dict[str, Any]:
@@ -78,19 +78,40 @@ def built_by_class(config: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in class_defaults(model_type).items() if k not in DERIVED_FIELDS}
 
 
+def nested(config: dict[str, Any], path: tuple[str, ...]) -> Any:
+    """`config[path[0]][path[1]]...`, or None where a level is missing or not a dict."""
+    node: Any = config
+    for key in path:
+        node = node.get(key) if isinstance(node, dict) else None
+    return node
+
+
+def text_config_path(config: dict[str, Any], needs: str | None = None) -> tuple[str, ...] | None:
+    """Where a multimodal wrapper keeps its language model's config (the first of `TEXT_CONFIG_PATHS` that holds a
+    dict, with the field `needs` when given); None for a plain config."""
+    return next((p for p in TEXT_CONFIG_PATHS if isinstance(nested(config, p), dict)
+                 and (needs is None or needs in nested(config, p))), None)
+
+
+def _with_nested(config: dict[str, Any], path: tuple[str, ...], value: dict[str, Any]) -> dict[str, Any]:
+    if len(path) == 1:
+        return {**config, path[0]: value}
+    return {**config, path[0]: _with_nested(config[path[0]], path[1:], value)}
+
+
 def with_class_defaults(config: dict[str, Any], fields: tuple[str, ...] = DEFAULTED_FIELDS) -> dict[str, Any]:
     """`config` with the missing `fields` (top level and in a multimodal wrapper's text config) filled the way
     its transformers config class fills them; a config that names every field is returned as is (no import)."""
-    inner_key = next((k for k in TEXT_CONFIG_KEYS if isinstance(config.get(k), dict)), None)
-    part = config[inner_key] if inner_key else config
-    if all(f in part for f in fields[:3]) and (inner_key or all(f in config for f in fields)):
+    path = text_config_path(config)
+    part = nested(config, path) if path else config
+    if all(f in part for f in fields[:3]) and (path or all(f in config for f in fields)):
         return config
     built = built_by_class(config)
-    if inner_key:
-        nested = built.get(inner_key) if isinstance(built.get(inner_key), dict) else {}
-        own = nested or (built_by_class(part) if part.get("model_type") else {})
+    if path:
+        inner = nested(built, path)
+        own = inner if isinstance(inner, dict) and inner else (built_by_class(part) if part.get("model_type") else {})
         filled = {f: own[f] for f in fields if own.get(f) is not None}
-        return {**config, inner_key: {**filled, **part}}
+        return _with_nested(config, path, {**filled, **part})
     return {**{f: built[f] for f in fields if built.get(f) is not None}, **config}
 
 

