@@ -139,7 +139,7 @@ def measure(args, lengths: list[int], name: str, fields: dict) -> dict:
         launched = trainer.launch_step()
         trainer.step += 1
         if pending is not None:
-            pending.resolve()
+            pending.resolve(end=launched.t0)
         pending = launched
     pending.resolve()
     result["pipelined_step_ms"] = (time.perf_counter() - t0) * 1000 / args.steps

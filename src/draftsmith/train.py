@@ -406,8 +406,7 @@ def rank_micro_batches(plan: list[list[int]], offset: int, world: int, grad_accu
 @dataclass
 class PendingStep:
     """A step queued on the device (`Trainer.launch_step`): its statistics stay there until `resolve` reads them
-    (the one CPU-GPU sync of a step). `since` is when the clock of its step time starts: its launch, or the
-    previous step's resolution when the loop had one in flight (the steady-state time per step)."""
+    (the one CPU-GPU sync of a step)."""
 
     step: int
     ttt_steps: int
@@ -416,12 +415,14 @@ class PendingStep:
     stats: torch.Tensor  # [loss, loss_sum (K), correct (K), count (K), real, supervised, grad_norm], summed over ranks
     tokens: int
     shape: list[int]
-    since: float | None = None
 
-    def resolve(self) -> dict:
-        """Wait for the step and return its record (the row metrics.jsonl gets and the step line prints)."""
+    def resolve(self, end: float | None = None) -> dict:
+        """Wait for the step and return its record (the row metrics.jsonl gets and the step line prints). Its time
+        runs from its launch to `end`: the next step's launch when the loop queued that one first (so a step's
+        time is the loop's period, on a GPU, where launches run ahead, as on the CPU, where a launch does the
+        work), else now."""
         stats = self.stats.tolist()  # CPU-GPU sync point: once per step, one step behind the launches
-        dt = time.perf_counter() - max(self.t0, self.since or self.t0)
+        dt = (end or time.perf_counter()) - self.t0
         K = self.ttt_steps
         counts = stats[2 * K + 1:3 * K + 1]
         return {"step": self.step, "loss": stats[0], "loss_per_step": [s / max(c, 1) for s, c in zip(stats[1:K + 1], counts)],
@@ -493,7 +494,6 @@ class Trainer:
         """The learning-rate schedule's length (`stop_step` is where the loop ends)."""
         self.step = self.saved_at = 0
         self.first_step_done = False  # the first step of this process compiles / warms up: logged apart
-        self.resolved_at = 0.0  # when `report` last read a step: the next in-flight step's clock starts there
         self.loader: ThreadPoolExecutor | None = None  # `step_batches`: loads the next step's micro-batches
         self.prefetched: dict[int, Future] = {}
         self.copy_stream: torch.cuda.Stream | None = None
@@ -930,13 +930,12 @@ class Trainer:
             with open(self.out / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
 
-    def report(self, pending: PendingStep | None, bar, first: bool = False) -> None:
+    def report(self, pending: PendingStep | None, bar, first: bool = False, end: float | None = None) -> None:
         """Wait for a queued step, then log, print and count it; None, for the caller's `pending`. `first`: the
-        run's first step (compile and warm-up), reported apart."""
+        run's first step (compile and warm-up), reported apart; `end`: `PendingStep.resolve`'s."""
         if pending is None:
             return None
-        record = pending.resolve()
-        self.resolved_at = time.perf_counter()
+        record = pending.resolve(end)
         if first:
             self.first_step_done = True
             record["first_step"] = True
@@ -984,9 +983,7 @@ class Trainer:
                     self.log_eval(self.evaluate())
                 launched = self.launch_step()
                 self.step += 1
-                if pending is not None:  # step n-1 is read while step n runs on the device
-                    pending = self.report(pending, bar)
-                    launched.since = self.resolved_at
+                pending = self.report(pending, bar, end=launched.t0)  # step n-1, read while step n runs
                 pending = launched
                 if not self.first_step_done:  # compile (--compile) and warm-up happen here: reported apart
                     pending = self.report(pending, bar, first=True)
