@@ -192,7 +192,7 @@ def parity(ev: dict | None, bench: dict | None) -> dict | None:
     return {"k": bench["k"], "engine_tau": bench["tau"], "reference_tau": ref["tau"] if ref else None,
             "difference": bench["tau"] - ref["tau"] if ref else None,
             "engine_per_position": bench["per_position"], "reference_per_position": ref["per_position"] if ref else None,
-            "note": "different prompts and output lengths (bench vs eval settings)" if ref else
+            "note": "on different prompts and output lengths: bench's, not eval's" if ref else
                     f"eval did not measure k={bench['k']}"}
 
 
@@ -217,8 +217,9 @@ def decide(doc: dict) -> dict:
             # a drafter that pays off at some level is not weak: the no-go comes from the load, not from acceptance
             weak = "" if v["decision"] == "go" or any((x or 0) > 1 for x in speedups) \
                 else "; the drafter itself accepts little"
-            why.insert(0, f"engine tau {p['engine_tau']:.2f} matches the reference decoder's {p['reference_tau']:.2f} "
-                          f"at k={p['k']}: the engine reads the drafter as trained{weak}")
+            where = f" ({p['note']})" if p.get("note") else ""
+            why.insert(0, f"engine tau {p['engine_tau']:.2f} is within {PARITY_TOLERANCE} of the reference decoder's "
+                          f"{p['reference_tau']:.2f} at k={p['k']}{where}: the engine reads the drafter as trained{weak}")
         return {"decision": v["decision"], "source": "bench: vLLM with and without the drafter",
                 "reasons": why + reasons, "next_steps": v.get("next_steps", [])}
     ev = doc.get("eval")
