@@ -224,7 +224,8 @@ def test_the_loop_reads_each_step_behind_the_next_and_logs_what_a_waited_step_gi
     called step by step, and an eval record after the step it follows."""
     def config(out):
         return TrainConfig(out=str(tmp_path / out), store=str(store), lr=3e-3, batch_tokens=256, draft_vocab_size=128,
-                           ttt_steps=3, eval_fraction=0.2, max_steps=7, eval_every=3, save_every=2, log_every=10**6)
+                           ttt_steps=3, eval_fraction=0.2, max_steps=7, eval_every=3, save_every=2, log_every=10**6,
+                           clip=1e6)  # no clipping: the gradients' norm after the step is the logged one
 
     Trainer(config("loop")).run(progress=False)
     records = [json.loads(line) for line in (tmp_path / "loop" / "metrics.jsonl").read_text().splitlines()]
@@ -237,6 +238,14 @@ def test_the_loop_reads_each_step_behind_the_next_and_logs_what_a_waited_step_gi
     for _ in range(7):
         steps.append(waited.train_step())
         waited.step += 1
+        # Each number is read from the right slot of the step's statistics: the gradients have the logged norm,
+        # the loss is the decayed sum of the per-step losses, and prompts make real tokens outnumber supervised.
+        grads = [p.grad.norm() for p in waited.drafter.parameters() if p.grad is not None]
+        r = steps[-1]
+        assert float(torch.stack(grads).norm()) == pytest.approx(r["grad_norm"], rel=1e-4)
+        decayed = sum(waited.cfg.step_loss_decay ** i * x for i, x in enumerate(r["loss_per_step"]))
+        assert r["loss"] == pytest.approx(decayed, rel=1e-5)
+        assert 0 < r["supervised_tokens"] < r["real_tokens"] <= r["tokens"]
     waited.close()
     logged = [r for r in records if "loss" in r and "eval" not in r]
     assert [r["step"] for r in steps] == [r["step"] for r in logged] == list(range(1, 8))
