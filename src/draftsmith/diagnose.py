@@ -46,6 +46,9 @@ MAX_DETAIL_LINES = 4  # indented lines kept after it
 # --- tracebacks and exceptions ---------------------------------------------------------------------
 
 _TB_START = re.compile(r"Traceback \(most recent call last\):\s*$")
+# Python's report of an exception it swallowed (in a `__del__`, a finalizer, a callback): the traceback after it
+# did not stop anything (3.11: `Exception ignored in: <function X.__del__ ...>`; 3.13: `Exception ignored while ...`).
+_IGNORED = re.compile(r"^Exception ignored\b")
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<lineno>\d+), in (?P<func>\S+)')
 _CHAIN = re.compile(r"^(?:During handling of the above exception, another exception occurred|"
                     r"The above exception was the direct cause of the following exception):")
@@ -83,6 +86,7 @@ class PyException:
     chained: bool  # raised while handling an earlier exception
     detail: tuple[str, ...] = ()  # indented lines printed right after it (pydantic's `Value error, ...`)
     frames: tuple[Frame, ...] = ()  # every frame of its traceback, outermost first
+    ignored: bool = False  # its traceback followed `Exception ignored in: ...`: Python swallowed it
 
 
 @dataclass
@@ -95,6 +99,8 @@ class _Stream:
     chained: bool = False
     last_frame_at: int = 0  # log line of the last frame seen
     last_frame_text: str = ""
+    ignored: bool = False  # the open traceback is one Python reports as ignored
+    ignored_next: bool = False  # the stream's last line was `Exception ignored in: ...`
 
 
 class TracebackCollector:
@@ -168,8 +174,12 @@ class TracebackCollector:
                 self.exceptions[at] = replace(exc, detail=exc.detail + (text.strip(),))
                 self._detail_of[process] = at
             return None
+        ignored, stream.ignored_next = stream.ignored_next, False
+        if _IGNORED.match(text.strip()):
+            stream.ignored_next = True
+            return None
         if _TB_START.search(text):
-            stream.lines, stream.frames, stream.open = [], [], True
+            stream.lines, stream.frames, stream.open, stream.ignored = [], [], True, ignored
             self._bare_owner = process if line.process else ""
             return None
         if _CHAIN.match(text.strip()):
@@ -190,7 +200,7 @@ class TracebackCollector:
             found = PyException(
                 line=self.lineno, process=process, exception_type=exc["type"], message=(exc["msg"] or "").strip(),
                 text=text.strip(), frame=_innermost(stream.frames), context=tuple(stream.lines[-CONTEXT_LINES:]),
-                chained=stream.chained, frames=tuple(stream.frames))
+                chained=stream.chained, frames=tuple(stream.frames), ignored=stream.ignored)
             self.exceptions.append(found)
             self._streams[process] = _Stream()
             self._detail_of[process] = len(self.exceptions) - 1
@@ -268,10 +278,11 @@ def choose_root_cause(collector: TracebackCollector) -> RootCause | None:
        frame of a traceback the log ends inside, else the first confirmation of a death elsewhere.
 
     Errors after a shutdown that a signal started (our own SIGTERM after a clean start) are teardown.
+    Exceptions Python reports as swallowed (`Exception ignored in: ...`, e.g. in a `__del__`) stopped nothing.
     """
     stopped = next((n for n, e in collector.events if e.name == "vllm_signal_shutdown"), None)
     before = (lambda n: True) if stopped is None else (lambda n: n < stopped)
-    exceptions = [e for e in collector.exceptions if before(e.line)]
+    exceptions = [e for e in collector.exceptions if before(e.line) and not e.ignored]
     causal = [e for e in exceptions if not CONSEQUENCES.search(e.text)]
     errors = [(n, e) for n, e in collector.events if e.kind == "error" and before(n)]
     # a hang report followed by progress was a slow step that finished (vLLM warns during compilation)
