@@ -426,9 +426,13 @@ def run_one(run: str, args, work: Path, data: Path, target_dir: Path, aux_ids: l
 
 
 def run_all(runs: list[str], run: Callable[[str, float | None], dict], write: Callable[[list[dict]], None],
-            deadline: float | None) -> list[dict]:
+            deadline: float | None, concurrent: bool = False) -> list[dict]:
     """`run(name, seconds left)` for each run while time is left before `deadline` (time.monotonic), a
-    skipped record for each after it; `write` gets the records so far after each, so an overrun keeps them."""
+    skipped record for each after it; `write` gets the records so far after each, so an overrun keeps them.
+    `concurrent`: every run starts at once, each with the whole time left (records in the order of `runs`,
+    written as each ends)."""
+    if concurrent:
+        return run_concurrently(runs, run, write, deadline)
     records: list[dict] = []
     for name in runs:
         left = None if deadline is None else deadline - time.monotonic()
@@ -438,6 +442,23 @@ def run_all(runs: list[str], run: Callable[[str, float | None], dict], write: Ca
             records.append(run(name, left))
         write(records)
     return records
+
+
+def run_concurrently(runs: list[str], run: Callable[[str, float | None], dict],
+                     write: Callable[[list[dict]], None], deadline: float | None) -> list[dict]:
+    """run_all's concurrent form: one thread per run (each waits on its own child process)."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    left = None if deadline is None else deadline - time.monotonic()
+    if left is not None and left < MIN_RUN_S:
+        return [{"run": name, "skipped": f"{max(0.0, left):.0f} s left of --max-seconds"} for name in runs]
+    done: dict[str, dict] = {}
+    with ThreadPoolExecutor(max_workers=len(runs) or 1) as pool:
+        futures = {pool.submit(run, name, left): name for name in runs}
+        for future in as_completed(futures):
+            done[futures[future]] = future.result()
+            write([done[name] for name in runs if name in done])
+    return [done[name] for name in runs]
 
 
 def write_json(path: Path, result: dict) -> None:
@@ -468,7 +489,7 @@ def run_parent(args, started: float | None = None) -> dict:
     store = FeatureStore(Path(args.store))
     target_dir = resolve_target(args.target or store.identity["target"]["name"])
     work, data = Path(args.work), Path(args.work) / "speculators-data"
-    if not (data / EXPORT_INFO).is_file():
+    if any(r.startswith("speculators") for r in runs) and not (data / EXPORT_INFO).is_file():
         export_speculators(Path(args.store), data, str(target_dir), index=False)
     if any(r.startswith("speculators") for r in runs) and not (data / "state.json").is_file():
         if (index := write_index(data)) != "written":
@@ -482,14 +503,18 @@ def run_parent(args, started: float | None = None) -> dict:
               "store_tokens": store.manifest["num_tokens"], "max_seconds": args.max_seconds, "complete": False,
               "runs": [], "settings": [s.__dict__ for s in SETTINGS],
               "note": "wall_s covers the whole train call (model build, epochs, validation, checkpoint) for both "
-                      "trainers; step_tokens_per_s (draftsmith only) sums its logged step times"}
+                      "trainers; step_tokens_per_s (draftsmith only) sums its logged step times",
+              "concurrent": args.concurrent}
+    if args.concurrent:
+        result["note"] += ("; concurrent: the runs shared the GPU and CPUs, so their times and rates are not "
+                           "throughput figures (acceptance and peak memory per process still are)")
 
     def one(run: str, left: float | None) -> dict:
         return run_one(run, args, work, data, target_dir, store.identity["aux_layer_ids"], vocab, lengths, left)
 
     deadline = None if args.max_seconds is None else started + args.max_seconds - RESERVE_S
     result["runs"] = run_all(runs, one, lambda records: write_json(Path(args.out), {**result, "runs": records}),
-                             deadline)
+                             deadline, concurrent=args.concurrent)
     result["complete"] = True
     write_json(Path(args.out), result)
     return result
@@ -529,6 +554,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"run only these (repeatable; default all four: {', '.join(RUNS)}); a draftsmith run may "
                         "carry +FIELD=VALUE changes of TrainConfig (+compile for +compile=true)")
     p.add_argument("--out", default=str(RESULTS), help="results JSON")
+    p.add_argument("--concurrent", action="store_true",
+                   help="start every run at once, each in its own process (ablations: what each drafter accepts "
+                        "and its peak memory; the times are then not throughput figures)")
     p.add_argument("--max-seconds", type=float, default=None,
                    help="wall-time budget of the whole benchmark: a run still going when it is spent is stopped, "
                         "later runs are skipped, and the JSON keeps what finished (it is rewritten after each run)")

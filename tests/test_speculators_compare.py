@@ -277,3 +277,55 @@ def test_summary_shows_only_the_end_of_a_long_log_tail():
               "runs": [{"run": r, "returncode": 1, "seconds": 1.0, "log_tail": tail} for r in cmp.RUNS]}
     text = cmp.summary(result)
     assert text.count("    line") == 4 * cmp.SUMMARY_TAIL and "line 12" not in text and len(text) < 12_000
+
+
+def test_concurrent_runs_all_start_before_any_ends_and_keep_their_order():
+    import threading
+
+    started, release = [], threading.Barrier(len(cmp.RUNS), timeout=10)  # every run must be in flight at once
+    written: list[list[str]] = []
+
+    def run(name, left):
+        started.append(name)
+        release.wait()  # a sequential run_all would block here for good (BrokenBarrierError after 10 s)
+        return {"run": name, "left": left}
+
+    records = cmp.run_all(list(cmp.RUNS), run, lambda recs: written.append([r["run"] for r in recs]),
+                          deadline=None, concurrent=True)
+    assert [r["run"] for r in records] == list(cmp.RUNS) and sorted(started) == sorted(cmp.RUNS)
+    assert len(written) == len(cmp.RUNS) and written[-1] == list(cmp.RUNS)
+    assert all(w == [n for n in cmp.RUNS if n in w] for w in written)  # each write in the order of the runs
+
+
+def test_concurrent_runs_are_all_skipped_when_too_little_time_is_left(monkeypatch):
+    monkeypatch.setattr(cmp.time, "monotonic", lambda: 100.0)
+    records = cmp.run_all(["a", "b"], lambda name, left: pytest.fail("started"), lambda r: None,
+                          deadline=100.0 + cmp.MIN_RUN_S - 1, concurrent=True)
+    assert [("skipped" in r, r["run"]) for r in records] == [(True, "a"), (True, "b")]
+
+
+def test_draftsmith_only_runs_do_not_export_the_store(monkeypatch, tmp_path):
+    import draftsmith.interop as interop
+
+    monkeypatch.setattr(interop, "export_speculators", lambda *a, **k: pytest.fail("exported for draftsmith runs"))
+    seen = []
+    monkeypatch.setattr(cmp, "run_all", lambda runs, one, write, deadline, concurrent=False: seen.append(
+        (runs, concurrent)) or [])
+    monkeypatch.setattr("draftsmith.target.resolve_target", lambda name: tmp_path / "target")
+
+    class Store:
+        identity = {"target": {"name": "t", "vocab_size": 96}, "aux_layer_ids": [1, 2, 3]}
+        manifest = {"num_tokens": 0}
+
+        def __init__(self, path):
+            pass
+
+        def __len__(self):
+            return 0
+
+    monkeypatch.setattr("draftsmith.store.FeatureStore", Store)
+    args = cmp.build_parser().parse_args(["--store", str(tmp_path), "--only", "draftsmith-defaults", "--concurrent",
+                                          "--out", str(tmp_path / "r.json")])
+    result = cmp.run_parent(args)
+    assert seen == [(["draftsmith-defaults"], True)] and result["concurrent"] is True
+    assert "not throughput figures" in result["note"]
