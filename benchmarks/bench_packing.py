@@ -168,7 +168,7 @@ def measure(args, lengths: list[int], pack: bool) -> dict:
     device = torch.device(args.device)
     target, aux_ids, draft_vocab = shapes(device.type)
     out = Path(tempfile.mkdtemp(prefix="bench_packing_"))
-    cfg = TrainConfig(out=str(out), store="<synthetic>", draft_vocab_size=draft_vocab, batch_tokens=args.batch_tokens,
+    cfg = TrainConfig(out=str(out), store="<synthetic>", recipe="plain", draft_vocab_size=draft_vocab, batch_tokens=args.batch_tokens,
                       row_tokens=args.row_tokens, pack=pack, ttt_steps=args.ttt_steps, warmup_ratio=0.0,
                       max_steps=args.warmup + args.steps, eval_fraction=0.0, compile=args.compile, device=str(device))
     trainer = Trainer(cfg, data=LengthSource(lengths, target, aux_ids, device))

@@ -34,7 +34,7 @@ from draftsmith.train import TrainConfig, Trainer
 def train_on(store: Path, out: Path, seed: int, init_from: str | None, epochs: float) -> dict:
     settings = {**RUN_TRAIN_DEFAULTS, "init_from": starting_drafter(init_from, "smollm2"), "epochs": epochs, "eval_fraction": 0.2,
                 "save_every": 10**9, "log_every": 1}
-    trainer = Trainer(TrainConfig(out=str(out), store=str(store), seed=seed, device="cpu", **settings))
+    trainer = Trainer(TrainConfig(out=str(out), store=str(store), seed=seed, device="cpu", recipe="plain", **settings))
     t0 = time.perf_counter()
     result = trainer.run(progress=False)
     trainer.close()

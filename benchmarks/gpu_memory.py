@@ -109,7 +109,7 @@ def draftsmith_step(seq: int, compile_step: bool, grad_accum: int):
 
     device = torch.device("cuda")
     out = tempfile.mkdtemp(prefix="gpu_memory_")
-    cfg = TrainConfig(out=out, store="<synthetic>", draft_vocab_size=llama8b_drafter().draft_vocab_size, lr=1e-4,
+    cfg = TrainConfig(out=out, store="<synthetic>", recipe="plain", draft_vocab_size=llama8b_drafter().draft_vocab_size, lr=1e-4,
                       warmup_ratio=0.0, clip=0.5, batch_tokens=seq, grad_accum=grad_accum, max_steps=100,
                       eval_fraction=0.0, eval_every=10**9, save_every=10**9, log_every=10**9, device="cuda",
                       compile=compile_step, pack=False)

@@ -244,7 +244,7 @@ def bench_trainer(args) -> None:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device(args.device)
     if cuda:
         torch.cuda.set_device(device)
-    cfg = TrainConfig(out=f"/tmp/bench_trainer_{args.parallel}_{world}_{args.grad_accum}", store="<synthetic>",
+    cfg = TrainConfig(out=f"/tmp/bench_trainer_{args.parallel}_{world}_{args.grad_accum}", store="<synthetic>", recipe="plain",
                       draft_vocab_size=llama8b_drafter().draft_vocab_size, lr=1e-4, warmup_ratio=0.0, clip=args.clip, batch_tokens=args.seq,
                       grad_accum=args.grad_accum, max_steps=args.steps, eval_fraction=0.0, eval_every=10**9,
                       save_every=10**9, log_every=10**9, parallel=args.parallel, device=str(device),

@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 
 VARIANTS = {  # name: train flags
-    "random-trained": ["--head-init", "random"],
-    "target-trained": ["--head-init", "target"],
-    "target-frozen": ["--head-init", "target", "--no-train-head"],
+    "random-trained": ["--recipe", "plain", "--head-init", "random"],
+    "target-trained": ["--recipe", "plain", "--head-init", "target"],
+    "target-frozen": ["--recipe", "plain", "--head-init", "target", "--no-train-head"],
 }
 
 

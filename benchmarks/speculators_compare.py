@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from draftsmith.train import SCRATCH_LR  # noqa: E402  (the package is light to import: no engine, no GPU)
+from draftsmith.train import DEFAULT_RECIPE, RECIPES, SCRATCH_LR  # noqa: E402  (the package is light to import: no engine, no GPU)
 
 RUNS = ("speculators-defaults", "speculators-matched", "draftsmith-defaults", "draftsmith-matched")
 RESULTS = Path(__file__).resolve().parent / "results" / "speculators_compare.json"
@@ -118,9 +118,10 @@ SETTINGS = (
     Setting("(AdamW)", "--optimizer", "adamw", "muon"),
     Setting("(cosine to lr x min_lr_ratio 0.1)", "--scheduler-type", "cosine", "linear",
             "speculators' cosine decays to 0: the floor is not matched"),
-    Setting("norm_before_fc", "--norm-before-fc", False, True, "an RMSNorm over the 3 concatenated aux states"),
-    Setting("norm_output", "--norm-output", False, True, "the state carried across TTT steps: normed"),
-    Setting("norm_before_residual", "--norm-before-residual", False, True, "the residual: the normed state"),
+    Setting("norm_before_fc", "--norm-before-fc", None, True, "an RMSNorm over the 3 concatenated aux states; "
+            "draftsmith's null: its recipe's (normed: true; plain: false)"),
+    Setting("norm_output", "--norm-output", None, True, "the state carried across TTT steps: normed; null as above"),
+    Setting("norm_before_residual", "--norm-before-residual", None, True, "the residual: the normed state; null as above"),
     Setting("(full attention)", "--full-attention-indices", [0], [], "[]: sliding window 2048 in every layer"),
     Setting("(soft cross-entropy to the target)", "--loss-fn", "kl_div", "kl_div", "the same gradient"),
 )
@@ -128,7 +129,9 @@ PER_RUN = ("epochs", "draft_vocab_size")  # set by the benchmark for every run, 
 # Value maps, the same both ways: train ratio = 1 - eval fraction; speculators' unset warm-up is 1 % of steps;
 # draftsmith's unset lr is SCRATCH_LR for a new drafter (every run here starts one).
 CONVERT = {"eval_fraction": lambda x: round(1 - x, 6), "warmup_ratio": lambda x: 0.01 if x is None else x,
-           "lr": lambda x: SCRATCH_LR if x is None else x}
+           "lr": lambda x: SCRATCH_LR if x is None else x,
+           **{f: (lambda f: lambda x: getattr(RECIPES[DEFAULT_RECIPE], f) if x is None else x)(f)
+              for f in ("norm_before_fc", "norm_output", "norm_before_residual")}}
 
 
 def settings_table() -> str:

@@ -110,7 +110,7 @@ def measure(args, lengths: list[int], name: str, fields: dict) -> dict:
 
     device = torch.device(args.device)
     out = Path(tempfile.mkdtemp(prefix="train_profile_"))
-    cfg = TrainConfig(**{"out": str(out), "store": "<synthetic>", "warmup_ratio": 0.0, "eval_fraction": 0.0,
+    cfg = TrainConfig(**{"out": str(out), "store": "<synthetic>", "recipe": "plain", "warmup_ratio": 0.0, "eval_fraction": 0.0,
                          "device": str(device), "max_steps": args.warmup + 2 * args.steps + args.profile_steps,
                          **fields})
     source = (HostSource if args.host else LengthSource)(lengths, smollm2_config(), (2, 15, 27), device)
@@ -134,15 +134,17 @@ def measure(args, lengths: list[int], name: str, fields: dict) -> dict:
               "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
     # The loop's way (Trainer.run): step n+1 is queued before step n's statistics are read, so no sync sits
     # between two steps; the time per step is the wall over `steps` of them.
-    t0, pending = time.perf_counter(), None
+    t0, pending, loop = time.perf_counter(), None, []
     for _ in range(args.steps):
         launched = trainer.launch_step()
         trainer.step += 1
         if pending is not None:
-            pending.resolve(end=launched.t0)
+            loop.append(pending.resolve(end=launched.t0)["ms"])  # launch to next launch
         pending = launched
     pending.resolve()
     result["pipelined_step_ms"] = (time.perf_counter() - t0) * 1000 / args.steps
+    # the mean above counts every stall; the median is the like of step_ms_median (the last step has no successor)
+    result["pipelined_step_ms_median"] = statistics.median(loop) if loop else None
     result["pipelined_slot_tokens_per_s"] = records[-1]["tokens"] / result["pipelined_step_ms"] * 1000
     if args.profile_steps:
         from torch.profiler import ProfilerActivity, profile
@@ -181,7 +183,8 @@ def main() -> None:
         name, fields = parse_setting(text)
         r = measure(args, lengths, name, fields)
         runs.append(r)
-        print(f"{name}: {r['step_ms_median']:.1f} ms/step waited, {r['pipelined_step_ms']:.1f} pipelined, "
+        print(f"{name}: {r['step_ms_median']:.1f} ms/step waited (median), {r['pipelined_step_ms']:.1f} pipelined (mean; "
+              f"median {r['pipelined_step_ms_median'] or float('nan'):.1f}), "
               f"{r['slot_tokens_per_s']:,.0f} tok/s, first "
               f"{r['first_step_s']:.1f} s" + (f", GPU busy {r['gpu_busy_ms_per_step']:.1f} ms, "
                                                f"{r['kernels_per_step']:.0f} kernels/step" if "kernels_per_step" in r else ""),

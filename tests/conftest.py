@@ -130,7 +130,7 @@ def drafter_logits(drafter, seed=1):
 
 E2E_K = 3
 ENGINE_PROMPTS, ENGINE_MAX_TOKENS = 4, 48
-RUN_ARGS = ["regenerate.prompts=train", "train.init_from=null", "eval.prompts=eval", "bench.prompts=eval",  # from scratch
+RUN_ARGS = ["regenerate.prompts=train", "train.init_from=null", "train.recipe=plain", "eval.prompts=eval", "bench.prompts=eval",  # from scratch
             "regenerate.limit=48", "regenerate.max_new_tokens=64", "regenerate.batch_size=48", "capture.max_length=512",
             "train.epochs=3", "train.lr=1e-3", "eval.limit=2", "eval.max_new_tokens=32", f"eval.k={E2E_K}",
             "skip=launch,bench"]  # the engine stages start vLLM: the engine tier runs them (test_run.py)

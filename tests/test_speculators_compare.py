@@ -46,7 +46,7 @@ def test_speculators_matched_gets_draftsmiths_values():
     assert f["--ttt-steps"] == [str(TRAIN_DEFAULTS["ttt_steps"])] and f["--ttt-step-loss-decay"] == ["0.8"]
     assert f["--lr"] == [str(TrainConfig(store="s", out="o").peak_lr)] and f["--total-seq-len"] == [str(TRAIN_DEFAULTS["batch_tokens"])]
     assert f["--train-data-ratio"] == ["0.95"] and f["--optimizer"] == ["adamw"] and f["--scheduler-type"] == ["cosine"]
-    assert {"--no-norm-before-fc", "--no-norm-output", "--no-norm-before-residual"} <= set(f)
+    assert {"--norm-before-fc", "--norm-output", "--norm-before-residual"} <= set(f)  # the normed recipe
     assert f["--full-attention-indices"] == ["0"] and f["--draft-vocab-size"] == ["8192"]
     assert f["--target-layer-ids"] == ["2", "15", "27"]  # speculators reads boundary ids as is
     assert f["--epochs"] == ["2"]  # whole epochs only
@@ -89,7 +89,7 @@ def test_speculators_own_config_resolves_both_argvs_to_the_tabled_values():
             name = s.speculators[2:].replace("-", "_")
             assert defaults[name] == s.speculators_default, f"{name}: table out of date for speculators 0.9.0"
     assert (matched["ttt_steps"], matched["ttt_step_loss_decay"], matched["optimizer"]) == (7, 0.8, "adamw")
-    assert matched["norm_before_fc"] is False and matched["norm_output"] is False and matched["full_attention_indices"] == [0]
+    assert matched["norm_before_fc"] is True and matched["norm_output"] is True and matched["full_attention_indices"] == [0]
 
 
 def tiny_target_config(path: Path) -> Path:

@@ -15,6 +15,7 @@ import torch
 
 from conftest import write_conversations
 from draftsmith.capture import capture
+from draftsmith.errors import DraftsmithError
 from draftsmith.train import TrainConfig, Trainer
 
 CLI = [sys.executable, "-m", "draftsmith.cli"]
@@ -282,10 +283,10 @@ def test_draft_head_starts_as_the_targets_rows_and_stays_frozen_when_asked(store
     nn.Linear's init with every other weight the same; --no-train-head leaves the head untouched by training."""
     cfg = dict(store=str(store), batch_tokens=256, draft_vocab_size=128, ttt_steps=2, eval_fraction=0.0, max_steps=3,
                lr=3e-3, eval_every=10**6, save_every=10**6, log_every=10**6)
-    target = Trainer(TrainConfig(out=str(tmp_path / "target"), head_init="target", **cfg))
+    target = Trainer(TrainConfig(out=str(tmp_path / "target"), head_init="target", train_head=True, **cfg))
     rows = target.data.target_head()[torch.arange(128) + target.drafter.d2t.cpu()]
     assert torch.equal(target.drafter.lm_head.weight.detach().cpu(), rows.to(target.drafter.lm_head.weight.dtype))
-    random = Trainer(TrainConfig(out=str(tmp_path / "random"), **cfg))  # the default
+    random = Trainer(TrainConfig(out=str(tmp_path / "random"), head_init="random", **cfg))
     assert not torch.allclose(random.drafter.lm_head.weight.detach().cpu(), rows, atol=1e-3)
     assert torch.equal(random.drafter.fc.weight, target.drafter.fc.weight)  # same seed: only the head differs
 
@@ -332,3 +333,44 @@ def test_a_fine_tune_that_lowers_held_back_tau_writes_the_starting_drafter(store
     assert sel["selection"]["kept"] == "fine-tuned"
     assert sel["selection"]["fine_tuned_tau"] > sel["selection"]["starting_tau"], sel
     assert not same(improved, raw)
+
+
+def test_the_recipe_sets_a_new_drafters_norms_and_head_and_each_field_set_overrides_it(store, tmp_path):
+    """--recipe auto trains the normed layout (three norms, the target's head rows frozen); plain none of it; a
+    field set wins over its recipe; --init-from keeps the starting drafter's norms and trains its head."""
+    from draftsmith.train import RECIPES, Layout
+
+    cfg = dict(store=str(store), batch_tokens=256, draft_vocab_size=128, ttt_steps=2, eval_fraction=0.0, max_steps=2,
+               eval_every=10**6, save_every=10**6, log_every=10**6)
+    normed = Trainer(TrainConfig(out=str(tmp_path / "auto"), **cfg))
+    c, head = normed.drafter.config, normed.drafter.lm_head.weight
+    assert (c.norm_before_fc, c.norm_output, c.norm_before_residual, head.requires_grad) == (True, True, True, False)
+    rows = normed.data.target_head()[torch.arange(128) + normed.drafter.d2t.cpu()]
+    assert torch.equal(head.detach().cpu(), rows.to(head.dtype))
+    normed.run(progress=False)
+    written = json.loads((tmp_path / "auto" / "train_config.json").read_text())
+    assert written["recipe"] == "auto" and written["layout"] == RECIPES["normed"]._asdict()
+
+    plain = Trainer(TrainConfig(out=str(tmp_path / "plain"), recipe="plain", **cfg))
+    c = plain.drafter.config
+    assert (c.norm_before_fc, c.norm_output, c.norm_before_residual, plain.drafter.lm_head.weight.requires_grad) \
+        == (False, False, False, True)
+    assert TrainConfig(out="o", recipe="plain", norm_output=True, train_head=False, **cfg).layout() \
+        == Layout(False, True, False, "random", False)
+    start = normed.drafter.config
+    assert TrainConfig(out="o", recipe="plain", init_from="x", **cfg).layout(start) == Layout(True, True, True, "init", True)
+    with pytest.raises(DraftsmithError, match="unknown --recipe"):
+        TrainConfig(out="o", recipe="speculators", **cfg)
+
+
+def test_run_trains_the_normed_recipe_only_for_formats_whose_engines_compute_its_norms():
+    from draftsmith.runconfig import RunConfig, apply_override
+    from draftsmith.train import recipe_for
+
+    assert recipe_for("auto", ("vllm",)) == recipe_for("auto", ("vllm", "speculators")) == "normed"
+    assert recipe_for("auto", ("vllm", "sglang")) == recipe_for("auto", ("llamacpp",)) == "plain"
+    assert recipe_for("normed", ("sglang",)) == "normed" and recipe_for("plain", ("vllm",)) == "plain"
+    cfg = apply_override(RunConfig(), "export.formats=vllm,sglang")
+    with pytest.raises(DraftsmithError, match="train.recipe: normed"):
+        apply_override(cfg, "train.recipe=normed")
+    assert apply_override(cfg, "train.recipe=plain").train.recipe == "plain"

@@ -143,7 +143,7 @@ def refuse_unread_norms(config: dict, fmt: str) -> None:
                               got=f"{', '.join(f + ' true' for f in unread)} (trained so, e.g. speculators' defaults)",
                               expected=f"a format whose engine reads them: "
                                        f"{', '.join(f for f, read in NORMS_READ.items() if set(unread) <= set(read))}",
-                              fix="export --format vllm (vLLM reads both), or retrain without them")
+                              fix="export --format vllm (vLLM reads both), or retrain with --recipe plain")
 
 
 # Formats vLLM loads (llama_eagle3.py `load_weights`, both through the same Eagle3LlamaForCausalLM).

@@ -25,7 +25,7 @@ from draftsmith.eval import EvalSettings
 from draftsmith.export import ExportSettings
 from draftsmith.launch import LaunchSettings
 from draftsmith.regenerate import RegenerateSettings
-from draftsmith.train import TrainSettings
+from draftsmith.train import TrainSettings, recipe_for
 
 STAGES = ("regenerate", "capture", "train", "export", "eval", "check", "launch", "bench")
 ENGINE_STAGES = ("launch", "bench")  # need a vLLM interpreter; skipped (and said so) without one
@@ -162,6 +162,9 @@ class RunConfig(Settings):
                      if e in CHECK_ENGINES and e not in self.export.formats and "check" not in self.skip]
         if "vllm" not in self.export.formats and not {"eval", "launch", "bench"} <= set(self.skip):
             problems.append("export.formats: eval, launch and bench use the vllm export; add vllm or skip them")
+        if self.train.recipe == "normed" and (plain := recipe_for("auto", self.export.formats)) != "normed":
+            problems.append(f"train.recipe: normed trains norms that the engines of export.formats "
+                            f"{list(self.export.formats)} do not compute; use auto (here: {plain}) or plain")
         if self.train.mode not in ("offline", "online"):
             problems.append(f"train.mode: {self.train.mode!r} is not offline or online")
         problems += capture_problems(self.capture, self.train.mode)

@@ -146,11 +146,12 @@ def capture_through_engine(ctx: RunContext) -> None:
 
 
 def do_train(ctx: RunContext) -> None:
-    from draftsmith.train import TrainConfig, Trainer
+    from draftsmith.train import TrainConfig, Trainer, recipe_for
 
     t, online = ctx.cfg.train, ctx.cfg.train.mode == "online"
     Trainer(TrainConfig(
-        **t.model_dump(exclude={"mode", "init_from"}), init_from=starting_drafter(t.init_from, ctx.cfg.target),
+        **t.model_dump(exclude={"mode", "init_from", "recipe"}), init_from=starting_drafter(t.init_from, ctx.cfg.target),
+        recipe=recipe_for(t.recipe, ctx.cfg.export.formats),
         out=str(ctx.out / "train"), store=None if online else str(ctx.out / "store"),
         conversations=str(ctx.out / "conversations.jsonl") if online else None, target=ctx.cfg.target,
         max_length=ctx.cfg.capture.max_length)).run()

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -55,6 +56,33 @@ SCRATCH_LR = 1e-3
 FINE_TUNE_LR = 2e-4
 """Default peak lr with --init-from: the shipped-drafter fine-tunes of `run` and the embedded builds use it."""
 EVAL_SPLIT_SEED = 1234  # fixed: the held-back samples do not move when --seed changes
+
+
+class Layout(NamedTuple):
+    """A drafter's norm variants and head as trained (TrainSettings.layout)."""
+
+    norm_before_fc: bool
+    norm_output: bool
+    norm_before_residual: bool
+    head_init: str  # random, target, or init (the starting drafter's head)
+    train_head: bool
+
+
+RECIPES = {"normed": Layout(True, True, True, "target", False), "plain": Layout(False, False, False, "random", True)}
+"""The two layouts --recipe names (speculators' defaults; EAGLE-3 / SpecForge's)."""
+DEFAULT_RECIPE = "normed"
+"""--recipe auto for the train verb (`run` resolves auto by its export formats: recipe_for)."""
+
+
+def recipe_for(recipe: str, formats: tuple[str, ...]) -> str:
+    """--recipe as `run` trains a new drafter: auto becomes plain when a format's engine does not compute the
+    normed recipe's norms (export.NORMS_READ), else normed; an explicit recipe stays."""
+    from draftsmith.export import NORMS_READ
+
+    if recipe != "auto":
+        return recipe
+    normed = {"norm_before_fc", "norm_output"}
+    return DEFAULT_RECIPE if all(normed <= set(NORMS_READ.get(f, ())) for f in formats) else "plain"
 
 
 class TrainSettings(Settings):
@@ -111,21 +139,30 @@ class TrainSettings(Settings):
     init_from: str | None = None
     """Start from an existing draftsmith drafter checkpoint, or a shipped one by short name (smollm2); `run` also
     takes auto (the drafter shipped for its target, when there is one)."""
-    head_init: str = "random"
+    recipe: str = "auto"
+    """The layout of a new drafter (ignored with --init-from, whose drafter keeps its own): normed (speculators'
+    layout: an RMSNorm over the aux states before fc, the normed state as the residual and as the next draft
+    step's input, and the draft head started as the target's own head rows and frozen), plain (EAGLE-3 /
+    SpecForge's: none of these, a random head that trains) or auto (normed; `run` takes plain when
+    export.formats names sglang or llamacpp, whose engines do not compute those norms). vLLM serves both. On
+    one H200 epoch of 3 M SmolLM2 tokens, normed drafted tau 1.93 at k=4 on unseen chat prompts, plain 1.68
+    and speculators' own defaults 1.80 (docs/peers.md, "The ablations"). The five fields below override one
+    part of the recipe each."""
+    head_init: str | None = None
     """The draft head of a new drafter: random (nn.Linear's default) or target (the target's own lm_head rows
-    for the draft vocabulary, as speculators initialises it). target learned faster in a 150-step H200 run at
-    lr 1e-4 and slower in a 6-step CPU run at lr 1e-3 (it starts at a higher loss: docs/training.md §6), so it
-    is not the default until a longer run decides. Ignored with --init-from."""
-    train_head: bool = True
-    """Train the draft head; --no-train-head keeps it frozen at its initial value (speculators' way)."""
-    norm_before_fc: bool = False
-    """A new drafter gets an RMSNorm over the concatenated aux states before fc (speculators' default; vLLM
-    serves it, SGLang does not: export refuses). Ignored with --init-from (the drafter keeps its own)."""
-    norm_output: bool = False
-    """A new drafter feeds its normed output state to the next draft step (speculators' default; vLLM serves
-    it, SGLang and llama.cpp do not). Ignored with --init-from."""
-    norm_before_residual: bool = False
-    """A new drafter's residual is the normed hidden state (speculators' default; SGLang computes False).
+    for the draft vocabulary, as speculators initialises it); null: the recipe's (normed: target, plain:
+    random). Ignored with --init-from."""
+    train_head: bool | None = None
+    """Train the draft head; --no-train-head keeps it frozen at its initial value (speculators' way); null: the
+    recipe's (normed: frozen, plain: trained; with --init-from: trained)."""
+    norm_before_fc: bool | None = None
+    """A new drafter gets an RMSNorm over the concatenated aux states before fc (vLLM serves it, SGLang does
+    not: export refuses); null: the recipe's. Ignored with --init-from (the drafter keeps its own)."""
+    norm_output: bool | None = None
+    """A new drafter feeds its normed output state to the next draft step (vLLM serves it, SGLang and
+    llama.cpp do not); null: the recipe's. Ignored with --init-from."""
+    norm_before_residual: bool | None = None
+    """A new drafter's residual is the normed hidden state (SGLang computes False); null: the recipe's.
     Ignored with --init-from."""
     keep_start: bool = True
     """With --init-from: measure the starting drafter on the held-back samples before the first step, and write it
@@ -152,9 +189,12 @@ class TrainSettings(Settings):
                                   f"{self.batch_tokens}, --pack-long {self.pack_long}",
                                   expected="1 <= row tokens <= batch tokens; --pack-long split or truncate",
                                   fix="fix the flags (or pass --no-pack)")
-        if self.head_init not in ("target", "random"):
+        if self.head_init not in (None, "target", "random"):
             raise DraftsmithError("unknown --head-init", got=self.head_init, expected="target or random",
-                                  fix="pass --head-init random (default) or --head-init target")
+                                  fix="pass --head-init random or --head-init target (or leave it to --recipe)")
+        if self.recipe not in RECIPES and self.recipe != "auto":
+            raise DraftsmithError("unknown --recipe", got=self.recipe, expected=f"auto, {', '.join(RECIPES)}",
+                                  fix="pass --recipe auto (default), normed or plain")
         if self.lr is not None and not self.lr > 0:
             raise DraftsmithError("bad --lr", got=str(self.lr), expected="a peak learning rate > 0",
                                   fix="pass e.g. --lr 1e-3, or leave it out for the default")
@@ -162,6 +202,16 @@ class TrainSettings(Settings):
             raise DraftsmithError("unknown --parallel", got=self.parallel, expected="ddp or fsdp",
                                   fix="pass --parallel ddp (default) or --parallel fsdp")
         return self
+
+    def layout(self, start: DrafterConfig | None = None) -> Layout:
+        """The drafter's norms and head as this run trains them: the recipe's, each field set overriding it;
+        with a starting drafter (`start`, --init-from) its own norms and a trained head unless told."""
+        if start is not None:
+            return Layout(start.norm_before_fc, start.norm_output, start.norm_before_residual, "init",
+                          True if self.train_head is None else self.train_head)
+        recipe = RECIPES[DEFAULT_RECIPE if self.recipe == "auto" else self.recipe]
+        return Layout(*(recipe[i] if v is None else v for i, v in enumerate(
+            (self.norm_before_fc, self.norm_output, self.norm_before_residual, self.head_init, self.train_head))))
 
     @property
     def peak_lr(self) -> float:
@@ -468,7 +518,7 @@ class Trainer:
                     document_pieces(idx, self.data.lengths, self.row_tokens, cfg.pack_long, self.data.loss_mask)
                     for idx in (self.train_idx, self.eval_idx))
         self.drafter = self.build_drafter().to(self.device)
-        self.drafter.lm_head.weight.requires_grad_(self.cfg.train_head)
+        self.drafter.lm_head.weight.requires_grad_(self.layout.train_head)
         self.fsdp = self.world > 1 and cfg.parallel == "fsdp"
         if not self.fsdp:  # the frozen embedding is a lookup: in the features' dtype (FSDP2 wants one dtype)
             self.drafter.embed_tokens.to(feature_dtype(self.device))
@@ -515,17 +565,19 @@ class Trainer:
                                       f"{drafter.config.target_hidden_size}",
                                       expected=f"vocab {spec.vocab_size}, target hidden {spec.hidden_size}",
                                       fix="initialise from a drafter trained for this target")
+            self.layout = self.cfg.layout(drafter.config)
             return drafter
+        self.layout = self.cfg.layout()
         size = self.cfg.draft_vocab_size or default_draft_vocab_size(spec.vocab_size)
         vocab = build_draft_vocab(self.data.token_counts(), size)
         torch.manual_seed(self.cfg.seed)
-        norms = {f: getattr(self.cfg, f) for f in ("norm_before_fc", "norm_output", "norm_before_residual")}
+        norms = {f: getattr(self.layout, f) for f in ("norm_before_fc", "norm_output", "norm_before_residual")}
         drafter = Eagle3Drafter(replace(DrafterConfig.from_target(spec, size, self.data.aux_ids), **norms))
         with torch.no_grad():
             drafter.embed_tokens.weight.copy_(self.data.embed_tokens())
             drafter.d2t.copy_(vocab.d2t)
             drafter.t2d.copy_(vocab.t2d)
-            if self.cfg.head_init == "target":  # (V_d, H): the target's head rows, in draft-id order
+            if self.layout.head_init == "target":  # (V_d, H): the target's head rows, in draft-id order
                 drafter.lm_head.weight.copy_(self.data.target_head()[vocab.token_ids])
         self.vocab_coverage = vocab.coverage
         return drafter
@@ -950,18 +1002,28 @@ class Trainer:
         bar.advance(1, tokens=None, note=f"loss {record['loss']:.3f}")
         return None
 
+    def layout_note(self) -> str:
+        """The start line's words on the drafter's norms: which engines can serve what this run trains."""
+        norms = [f for f in ("norm_before_fc", "norm_output", "norm_before_residual") if getattr(self.layout, f)]
+        if not norms:
+            return "no norm variants (every engine serves it)"
+        source = "the starting drafter's" if self.cfg.init_from else f"recipe {self.cfg.recipe}"
+        return (f"{', '.join(norms)} ({source}; vLLM serves it, SGLang and llama.cpp do not: "
+                f"--recipe plain trains a drafter they serve)")
+
     def run(self, progress: bool = True) -> EvalResult:
         self.out.mkdir(parents=True, exist_ok=True)
         resumed = self.try_resume()
         if self.rank == 0:
-            (self.out / "train_config.json").write_text(json.dumps({**self.cfg.model_dump(), "peak_lr": self.cfg.peak_lr}, indent=2) + "\n")
+            (self.out / "train_config.json").write_text(json.dumps({**self.cfg.model_dump(), "peak_lr": self.cfg.peak_lr,
+                                                                   "layout": self.layout._asdict()}, indent=2) + "\n")
             packing = (f"packed rows of {self.row_tokens} tokens x {self.rows_per_batch} per micro-batch "
                        f"({len(self.train_pieces)} documents)" if self.cfg.pack
                        else "unpacked")
             print(f"train: {len(self.train_idx)} train / {len(self.eval_idx)} eval samples, {packing}, {self.total_steps} "
                   f"steps ({self.steps_per_epoch}/epoch), world {self.world}, device {self.device}, draft head "
-                  f"{'from --init-from' if self.cfg.init_from else self.cfg.head_init}"
-                  f"{'' if self.cfg.train_head else ', frozen'}"
+                  f"{'from --init-from' if self.cfg.init_from else self.layout.head_init}"
+                  f"{'' if self.layout.train_head else ', frozen'}, {self.layout_note()}"
                   + (f", resumed at step {self.step}" if resumed else ""))
         from draftsmith.progress import progress_bar
 
