@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from draftsmith.train import DEFAULT_RECIPE, RECIPES, SCRATCH_LR  # noqa: E402  (the package is light to import: no engine, no GPU)
+from draftsmith.train import DEFAULT_RECIPE, NORM_FIELDS, RECIPES, SCRATCH_LR  # noqa: E402  (the package is light to import: no engine, no GPU)
 
 RUNS = ("speculators-defaults", "speculators-matched", "draftsmith-defaults", "draftsmith-matched")
 RESULTS = Path(__file__).resolve().parent / "results" / "speculators_compare.json"
@@ -127,11 +127,16 @@ SETTINGS = (
 )
 PER_RUN = ("epochs", "draft_vocab_size")  # set by the benchmark for every run, not by the mapping
 # Value maps, the same both ways: train ratio = 1 - eval fraction; speculators' unset warm-up is 1 % of steps;
-# draftsmith's unset lr is SCRATCH_LR for a new drafter (every run here starts one).
+# draftsmith's unset lr is SCRATCH_LR for a new drafter (every run here starts one), an unset norm its recipe's.
+
+
+def recipe_value(field: str) -> Callable[[Any], Any]:
+    """CONVERT's map of a norm field: null is the default recipe's value."""
+    return lambda x: getattr(RECIPES[DEFAULT_RECIPE], field) if x is None else x
+
+
 CONVERT = {"eval_fraction": lambda x: round(1 - x, 6), "warmup_ratio": lambda x: 0.01 if x is None else x,
-           "lr": lambda x: SCRATCH_LR if x is None else x,
-           **{f: (lambda f: lambda x: getattr(RECIPES[DEFAULT_RECIPE], f) if x is None else x)(f)
-              for f in ("norm_before_fc", "norm_output", "norm_before_residual")}}
+           "lr": lambda x: SCRATCH_LR if x is None else x, **{f: recipe_value(f) for f in NORM_FIELDS}}
 
 
 def settings_table() -> str:
@@ -483,7 +488,8 @@ def run_parent(args, started: float | None = None) -> dict:
 
     started = time.monotonic() if started is None else started
     runs = args.only or list(RUNS)
-    if any(r.startswith("speculators") for r in runs):
+    speculators = any(r.startswith("speculators") for r in runs)
+    if speculators:
         if importlib.util.find_spec("speculators") is None:
             sys.exit(SPECULATORS_MISSING)
         if problems := requirement_problems():
@@ -492,9 +498,9 @@ def run_parent(args, started: float | None = None) -> dict:
     store = FeatureStore(Path(args.store))
     target_dir = resolve_target(args.target or store.identity["target"]["name"])
     work, data = Path(args.work), Path(args.work) / "speculators-data"
-    if any(r.startswith("speculators") for r in runs) and not (data / EXPORT_INFO).is_file():
+    if speculators and not (data / EXPORT_INFO).is_file():
         export_speculators(Path(args.store), data, str(target_dir), index=False)
-    if any(r.startswith("speculators") for r in runs) and not (data / "state.json").is_file():
+    if speculators and not (data / "state.json").is_file():
         if (index := write_index(data)) != "written":
             sys.exit(f"the speculators index of {data} is {index}")
     vocab = store.identity["target"]["vocab_size"]

@@ -134,10 +134,14 @@ NORMS_READ = {"vllm": ("norm_before_fc", "norm_output"), "speculators": ("norm_b
               "sglang": (), "llamacpp": ("norm_before_fc",)}
 
 
+def unread_norms(flags: dict, fmt: str) -> list[str]:
+    """The norm variants set in `flags` (a drafter config, or a training layout) that fmt's engine does not compute."""
+    return [f for f in ("norm_before_fc", "norm_output") if flags.get(f) and f not in NORMS_READ.get(fmt, ())]
+
+
 def refuse_unread_norms(config: dict, fmt: str) -> None:
     """Refuse a format whose engine would silently compute a norm variant the drafter was trained with."""
-    drafter = (config.get("draftsmith") or {}).get("drafter") or {}
-    unread = [f for f in ("norm_before_fc", "norm_output") if drafter.get(f) and f not in NORMS_READ.get(fmt, ())]
+    unread = unread_norms((config.get("draftsmith") or {}).get("drafter") or {}, fmt)
     if unread:
         raise DraftsmithError(f"the {fmt} layout's engine does not compute this drafter's {', '.join(unread)}",
                               got=f"{', '.join(f + ' true' for f in unread)} (trained so, e.g. speculators' defaults)",

@@ -68,6 +68,8 @@ class Layout(NamedTuple):
     train_head: bool
 
 
+NORM_FIELDS = Layout._fields[:3]
+"""The three norm variants a drafter config carries (DrafterConfig's field names)."""
 RECIPES = {"normed": Layout(True, True, True, "target", False), "plain": Layout(False, False, False, "random", True)}
 """The two layouts --recipe names (speculators' defaults; EAGLE-3 / SpecForge's)."""
 DEFAULT_RECIPE = "normed"
@@ -76,13 +78,13 @@ DEFAULT_RECIPE = "normed"
 
 def recipe_for(recipe: str, formats: tuple[str, ...]) -> str:
     """--recipe as `run` trains a new drafter: auto becomes plain when a format's engine does not compute the
-    normed recipe's norms (export.NORMS_READ), else normed; an explicit recipe stays."""
-    from draftsmith.export import NORMS_READ
+    normed recipe's norms (what export refuses), else normed; an explicit recipe stays."""
+    from draftsmith.export import unread_norms
 
     if recipe != "auto":
         return recipe
-    normed = {"norm_before_fc", "norm_output"}
-    return DEFAULT_RECIPE if all(normed <= set(NORMS_READ.get(f, ())) for f in formats) else "plain"
+    normed = RECIPES[DEFAULT_RECIPE]._asdict()
+    return "plain" if any(unread_norms(normed, f) for f in formats) else DEFAULT_RECIPE
 
 
 class TrainSettings(Settings):
@@ -207,11 +209,11 @@ class TrainSettings(Settings):
         """The drafter's norms and head as this run trains them: the recipe's, each field set overriding it;
         with a starting drafter (`start`, --init-from) its own norms and a trained head unless told."""
         if start is not None:
-            return Layout(start.norm_before_fc, start.norm_output, start.norm_before_residual, "init",
+            return Layout(*(getattr(start, f) for f in NORM_FIELDS), "init",
                           True if self.train_head is None else self.train_head)
         recipe = RECIPES[DEFAULT_RECIPE if self.recipe == "auto" else self.recipe]
-        return Layout(*(recipe[i] if v is None else v for i, v in enumerate(
-            (self.norm_before_fc, self.norm_output, self.norm_before_residual, self.head_init, self.train_head))))
+        return Layout(**{f: getattr(recipe, f) if getattr(self, f) is None else getattr(self, f)
+                         for f in Layout._fields})
 
     @property
     def peak_lr(self) -> float:
@@ -571,7 +573,7 @@ class Trainer:
         size = self.cfg.draft_vocab_size or default_draft_vocab_size(spec.vocab_size)
         vocab = build_draft_vocab(self.data.token_counts(), size)
         torch.manual_seed(self.cfg.seed)
-        norms = {f: getattr(self.layout, f) for f in ("norm_before_fc", "norm_output", "norm_before_residual")}
+        norms = {f: getattr(self.layout, f) for f in NORM_FIELDS}
         drafter = Eagle3Drafter(replace(DrafterConfig.from_target(spec, size, self.data.aux_ids), **norms))
         with torch.no_grad():
             drafter.embed_tokens.weight.copy_(self.data.embed_tokens())
@@ -1004,7 +1006,7 @@ class Trainer:
 
     def layout_note(self) -> str:
         """The start line's words on the drafter's norms: which engines can serve what this run trains."""
-        norms = [f for f in ("norm_before_fc", "norm_output", "norm_before_residual") if getattr(self.layout, f)]
+        norms = [f for f in NORM_FIELDS if getattr(self.layout, f)]
         if not norms:
             return "no norm variants (every engine serves it)"
         source = "the starting drafter's" if self.cfg.init_from else f"recipe {self.cfg.recipe}"
