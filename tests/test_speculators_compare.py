@@ -46,7 +46,7 @@ def test_speculators_matched_gets_draftsmiths_values():
     assert f["--ttt-steps"] == [str(TRAIN_DEFAULTS["ttt_steps"])] and f["--ttt-step-loss-decay"] == ["0.8"]
     assert f["--lr"] == [str(TrainConfig(store="s", out="o").peak_lr)] and f["--total-seq-len"] == [str(TRAIN_DEFAULTS["batch_tokens"])]
     assert f["--train-data-ratio"] == ["0.95"] and f["--optimizer"] == ["adamw"] and f["--scheduler-type"] == ["cosine"]
-    assert {"--norm-before-fc", "--norm-output", "--norm-before-residual"} <= set(f)  # the normed recipe
+    assert {"--norm-before-fc", "--no-norm-output", "--norm-before-residual"} <= set(f)  # the normed recipe
     assert f["--full-attention-indices"] == ["0"] and f["--draft-vocab-size"] == ["8192"]
     assert f["--target-layer-ids"] == ["2", "15", "27"]  # speculators reads boundary ids as is
     assert f["--epochs"] == ["2"]  # whole epochs only

@@ -336,7 +336,8 @@ def test_a_fine_tune_that_lowers_held_back_tau_writes_the_starting_drafter(store
 
 
 def test_the_recipe_sets_a_new_drafters_norms_and_head_and_each_field_set_overrides_it(store, tmp_path):
-    """--recipe auto trains the normed layout (three norms, the target's head rows frozen); plain none of it; a
+    """--recipe auto trains the normed layout (the input norm and the normed residual, the target's head rows
+    frozen, no normed output state); plain none of it; a
     field set wins over its recipe; --init-from keeps the starting drafter's norms and trains its head."""
     from draftsmith.train import RECIPES, Layout
 
@@ -344,7 +345,7 @@ def test_the_recipe_sets_a_new_drafters_norms_and_head_and_each_field_set_overri
                eval_every=10**6, save_every=10**6, log_every=10**6)
     normed = Trainer(TrainConfig(out=str(tmp_path / "auto"), **cfg))
     c, head = normed.drafter.config, normed.drafter.lm_head.weight
-    assert (c.norm_before_fc, c.norm_output, c.norm_before_residual, head.requires_grad) == (True, True, True, False)
+    assert (c.norm_before_fc, c.norm_output, c.norm_before_residual, head.requires_grad) == (True, False, True, False)
     rows = normed.data.target_head()[torch.arange(128) + normed.drafter.d2t.cpu()]
     assert torch.equal(head.detach().cpu(), rows.to(head.dtype))
     normed.run(progress=False)
@@ -358,7 +359,7 @@ def test_the_recipe_sets_a_new_drafters_norms_and_head_and_each_field_set_overri
     assert TrainConfig(out="o", recipe="plain", norm_output=True, train_head=False, **cfg).layout() \
         == Layout(False, True, False, "random", False)
     start = normed.drafter.config
-    assert TrainConfig(out="o", recipe="plain", init_from="x", **cfg).layout(start) == Layout(True, True, True, "init", True)
+    assert TrainConfig(out="o", recipe="plain", init_from="x", **cfg).layout(start) == Layout(True, False, True, "init", True)
     with pytest.raises(DraftsmithError, match="unknown --recipe"):
         TrainConfig(out="o", recipe="speculators", **cfg)
 
@@ -368,7 +369,8 @@ def test_run_trains_the_normed_recipe_only_for_formats_whose_engines_compute_its
     from draftsmith.train import recipe_for
 
     assert recipe_for("auto", ("vllm",)) == recipe_for("auto", ("vllm", "speculators")) == "normed"
-    assert recipe_for("auto", ("vllm", "sglang")) == recipe_for("auto", ("llamacpp",)) == "plain"
+    assert recipe_for("auto", ("vllm", "llamacpp")) == "normed"  # llama.cpp computes both of its norms
+    assert recipe_for("auto", ("vllm", "sglang")) == recipe_for("auto", ("llamacpp", "sglang")) == "plain"
     assert recipe_for("normed", ("sglang",)) == "normed" and recipe_for("plain", ("vllm",)) == "plain"
     cfg = apply_override(RunConfig(), "export.formats=vllm,sglang")
     with pytest.raises(DraftsmithError, match="train.recipe: normed"):

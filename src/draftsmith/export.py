@@ -127,16 +127,17 @@ Check before a long load: `draftsmith check --target {target} --drafter {out} --
 
 
 # Norm variants each format's engine computes (others it computes as False, silently: a drafter trained with
-# them then drafts from other numbers and accepts little). vLLM's llama_eagle3 reads both (0.32.0 source);
-# SGLang's llama_eagle3 neither (docs/engines.md §2.4); llama.cpp's eagle3 graph norm_before_fc only
-# (rules/llamacpp.yaml `norm_flags_read`).
-NORMS_READ = {"vllm": ("norm_before_fc", "norm_output"), "speculators": ("norm_before_fc", "norm_output"),
-              "sglang": (), "llamacpp": ("norm_before_fc",)}
+# them then drafts from other numbers and accepts little). vLLM's llama_eagle3 reads all three (0.32.0 source);
+# SGLang's llama_eagle3 none (docs/engines.md §2.4); llama.cpp's eagle3 graph norm_before_fc and
+# norm_before_residual (rules/llamacpp.yaml `norm_flags_read`).
+NORM_VARIANTS = ("norm_before_fc", "norm_before_residual", "norm_output")
+NORMS_READ = {"vllm": NORM_VARIANTS, "speculators": NORM_VARIANTS, "sglang": (),
+              "llamacpp": ("norm_before_fc", "norm_before_residual")}
 
 
 def unread_norms(flags: dict, fmt: str) -> list[str]:
     """The norm variants set in `flags` (a drafter config, or a training layout) that fmt's engine does not compute."""
-    return [f for f in ("norm_before_fc", "norm_output") if flags.get(f) and f not in NORMS_READ.get(fmt, ())]
+    return [f for f in NORM_VARIANTS if flags.get(f) and f not in NORMS_READ.get(fmt, ())]
 
 
 def refuse_unread_norms(config: dict, fmt: str) -> None:
@@ -147,7 +148,7 @@ def refuse_unread_norms(config: dict, fmt: str) -> None:
                               got=f"{', '.join(f + ' true' for f in unread)} (trained so, e.g. speculators' defaults)",
                               expected=f"a format whose engine reads them: "
                                        f"{', '.join(f for f, read in NORMS_READ.items() if set(unread) <= set(read))}",
-                              fix="export --format vllm (vLLM reads both), or retrain with --recipe plain")
+                              fix="export --format vllm (vLLM reads all three), or retrain with --recipe plain")
 
 
 # Formats vLLM loads (llama_eagle3.py `load_weights`, both through the same Eagle3LlamaForCausalLM).

@@ -70,8 +70,10 @@ class Layout(NamedTuple):
 
 NORM_FIELDS = Layout._fields[:3]
 """The three norm variants a drafter config carries (DrafterConfig's field names)."""
-RECIPES = {"normed": Layout(True, True, True, "target", False), "plain": Layout(False, False, False, "random", True)}
-"""The two layouts --recipe names (speculators' defaults; EAGLE-3 / SpecForge's)."""
+RECIPES = {"normed": Layout(True, False, True, "target", False), "plain": Layout(False, False, False, "random", True)}
+"""The two layouts --recipe names: normed (speculators' defaults less norm_output, which added nothing measurable
+and which llama.cpp does not compute: docs/peers.md, "Which part of the normed recipe"); plain (EAGLE-3 /
+SpecForge's)."""
 DEFAULT_RECIPE = "normed"
 """--recipe auto for the train verb (`run` resolves auto by its export formats: recipe_for)."""
 
@@ -142,14 +144,14 @@ class TrainSettings(Settings):
     """Start from an existing draftsmith drafter checkpoint, or a shipped one by short name (smollm2); `run` also
     takes auto (the drafter shipped for its target, when there is one)."""
     recipe: str = "auto"
-    """The layout of a new drafter (ignored with --init-from, whose drafter keeps its own): normed (speculators'
-    layout: an RMSNorm over the aux states before fc, the normed state as the residual and as the next draft
-    step's input, and the draft head started as the target's own head rows and frozen), plain (EAGLE-3 /
-    SpecForge's: none of these, a random head that trains) or auto (normed; `run` takes plain when
-    export.formats names sglang or llamacpp, whose engines do not compute those norms). vLLM serves both. On
-    one H200 epoch of 3 M SmolLM2 tokens, normed drafted tau 1.93 at k=4 on unseen chat prompts, plain 1.68
-    and speculators' own defaults 1.80 (docs/peers.md, "The ablations"). The five fields below override one
-    part of the recipe each."""
+    """The layout of a new drafter (ignored with --init-from, whose drafter keeps its own): normed (an RMSNorm
+    over the aux states before fc, the normed state as the residual, and the draft head started as the target's
+    own head rows and frozen: speculators' layout less its normed output state), plain (EAGLE-3 / SpecForge's:
+    none of these, a random head that trains) or auto (normed; `run` takes plain when export.formats names
+    sglang, whose released engines do not compute those norms). vLLM and llama.cpp serve both. On one H200
+    epoch of 3 M SmolLM2 tokens, normed drafted tau 1.91 at k=4 on unseen chat prompts, speculators' own
+    defaults 1.80 in the same session, plain 1.68 (docs/peers.md, "The ablations"). The five fields below
+    override one part of the recipe each."""
     head_init: str | None = None
     """The draft head of a new drafter: random (nn.Linear's default) or target (the target's own lm_head rows
     for the draft vocabulary, as speculators initialises it); null: the recipe's (normed: target, plain:
@@ -158,14 +160,16 @@ class TrainSettings(Settings):
     """Train the draft head; --no-train-head keeps it frozen at its initial value (speculators' way); null: the
     recipe's (normed: frozen, plain: trained; with --init-from: trained)."""
     norm_before_fc: bool | None = None
-    """A new drafter gets an RMSNorm over the concatenated aux states before fc (vLLM serves it, SGLang does
-    not: export refuses); null: the recipe's. Ignored with --init-from (the drafter keeps its own)."""
+    """A new drafter gets an RMSNorm over the concatenated aux states before fc (vLLM and llama.cpp serve it,
+    SGLang before 0.5.17 does not: export refuses); null: the recipe's (normed: true). Ignored with --init-from
+    (the drafter keeps its own)."""
     norm_output: bool | None = None
     """A new drafter feeds its normed output state to the next draft step (vLLM serves it, SGLang and
-    llama.cpp do not); null: the recipe's. Ignored with --init-from."""
+    llama.cpp do not); null: the recipe's (false in both: speculators sets it, and on one H200 epoch it moved
+    neither simulated nor decoded tau). Ignored with --init-from."""
     norm_before_residual: bool | None = None
-    """A new drafter's residual is the normed hidden state (SGLang computes False); null: the recipe's.
-    Ignored with --init-from."""
+    """A new drafter's residual is the normed hidden state (vLLM and llama.cpp serve it, SGLang computes False);
+    null: the recipe's (normed: true). Ignored with --init-from."""
     keep_start: bool = True
     """With --init-from: measure the starting drafter on the held-back samples before the first step, and write it
     unchanged as the result when fine-tuning did not raise held-back simulated tau at k = --ttt-steps (a short
@@ -1009,9 +1013,18 @@ class Trainer:
         norms = [f for f in NORM_FIELDS if getattr(self.layout, f)]
         if not norms:
             return "no norm variants (every engine serves it)"
+        from draftsmith.export import unread_norms
+
         source = "the starting drafter's" if self.cfg.init_from else f"recipe {self.cfg.recipe}"
-        return (f"{', '.join(norms)} ({source}; vLLM serves it, SGLang and llama.cpp do not: "
-                f"--recipe plain trains a drafter they serve)")
+        unserved = [name for fmt, name in (("vllm", "vLLM"), ("llamacpp", "llama.cpp"), ("sglang", "SGLang"))
+                    if unread_norms(self.layout._asdict(), fmt)]
+        served = [name for name in ("vLLM", "llama.cpp", "SGLang") if name not in unserved]
+        serve = "serves" if len(served) == 1 else "serve"
+        note = f"{', '.join(norms)} ({source}; {' and '.join(served)} {serve} it"
+        if not unserved:
+            return note + ")"
+        do_not = "does not" if len(unserved) == 1 else "do not"
+        return note + f", {' and '.join(unserved)} {do_not}: --recipe plain trains a drafter every engine serves)"
 
     def run(self, progress: bool = True) -> EvalResult:
         self.out.mkdir(parents=True, exist_ok=True)
