@@ -83,7 +83,10 @@ def parse_setting(text: str) -> tuple[str, dict]:
         key, _, value = item.partition("=")
         if key not in TrainConfig.model_fields:
             raise SystemExit(f"unknown TrainConfig field {key!r} in --setting {text!r}")
-        fields[key] = json.loads(value) if value not in ("", None) else None
+        try:
+            fields[key] = json.loads(value) if value not in ("", None) else None
+        except json.JSONDecodeError:  # a bare word: recipe=normed
+            fields[key] = value
     return name, fields
 
 
