@@ -26,8 +26,9 @@ FIXTURES = Path(__file__).parent / "fixtures" / "metrics"
 TRAINED = (1, 4, 6)  # non-default boundary ids for the 8-layer tiny target (its default is (2, 4, 5))
 
 
-def tiny_drafter(path: Path, target: Path, aux: tuple[int, ...] = TRAINED, engine: str = "vllm") -> Path:
-    """A drafter for the tiny target, saved by `save_drafter` (ids in `eagle_config`, vLLM's place)."""
+def tiny_drafter(path: Path, target: Path, aux: tuple[int, ...] = TRAINED, engine: str = "vllm", **norms) -> Path:
+    """A drafter for the tiny target, saved by `save_drafter` (ids in `eagle_config`, vLLM's place); `norms`:
+    DrafterConfig's norm variants."""
     from draftsmith.checkpoint import save_drafter
     from draftsmith.drafter import DrafterConfig, Eagle3Drafter
     from draftsmith.vocab import build_draft_vocab
@@ -35,7 +36,7 @@ def tiny_drafter(path: Path, target: Path, aux: tuple[int, ...] = TRAINED, engin
     cfg_t = json.loads((target / "config.json").read_text())
     cfg = DrafterConfig(hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2, head_dim=8,
                         vocab_size=cfg_t["vocab_size"], draft_vocab_size=48, target_hidden_size=cfg_t["hidden_size"],
-                        target_num_layers=cfg_t["num_hidden_layers"], aux_layer_ids=aux)
+                        target_num_layers=cfg_t["num_hidden_layers"], aux_layer_ids=aux, **norms)
     torch.manual_seed(0)
     drafter = Eagle3Drafter(cfg)
     vocab = build_draft_vocab(torch.arange(cfg.vocab_size, 0, -1), 48)
@@ -223,6 +224,30 @@ def test_the_converter_writes_the_trained_layers_only_through_the_llamacpp_expor
     (tmp_path / "vllm" / "config.json").write_text(json.dumps(config))
     plain = llamacpp.convert(tmp_path / "vllm", tmp_path / "plain-old.gguf", "f32", target)
     assert llamacpp.read_gguf(plain).target_layers == (2, 15, 27)
+
+
+@pytest.mark.e2e
+def test_the_normed_recipes_norms_reach_the_gguf_llama_cpp_computes(tmp_path):
+    """The normed recipe (train.RECIPES) serves in llama.cpp: its two norms arrive as the header flags and the
+    input-norm tensor that llama.cpp's eagle3 graph reads (benchmarks/results/peer16_parity_normed_chat-eval.json:
+    tau 1.650 there against the reference decoder's 1.661)."""
+    from gguf import GGUFReader
+
+    from draftsmith.export import export
+    from draftsmith.target import resolve_target
+    from draftsmith.train import RECIPES
+
+    target = resolve_target("smollm2")
+    normed = RECIPES["normed"]
+    drafter = tiny_drafter(tmp_path / "d", target, norm_before_fc=normed.norm_before_fc,
+                           norm_before_residual=normed.norm_before_residual, norm_output=normed.norm_output)
+    (tmp_path / "user-target.gguf").write_bytes(b"")  # recorded, not converted
+    out = export(drafter, tmp_path / "gguf", "llamacpp", "float32", 3, str(target),
+                 target_gguf=str(tmp_path / "user-target.gguf"))
+    meta = llamacpp.read_gguf(out / "drafter-f32.gguf")
+    assert (meta.norm_before_fc, meta.norm_before_residual) == (True, True)
+    names = {t.name for t in GGUFReader(str(out / "drafter-f32.gguf")).tensors}
+    assert "enc.output_norm.weight" in names, sorted(names)
 
 
 # ---------------------------------------------------------------- engine: a real llama-server

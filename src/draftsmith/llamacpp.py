@@ -110,6 +110,8 @@ class GgufDrafter:
     target_layers: tuple[int, ...] | None
     target_hidden_size: int | None
     norm_before_residual: bool | None
+    norm_before_fc: bool | None
+    """With it, llama.cpp norms the fused aux states before fc (tensor `enc.output_norm.weight`)."""
     draft_vocab_size: int | None
     """Rows of `d2t`, None without d2t (then llama.cpp drafts over the full target vocabulary)."""
 
@@ -129,6 +131,7 @@ def read_gguf(path: Path) -> GgufDrafter:
     return GgufDrafter(arch=arch, target_layers=tuple(int(i) for i in layers) if layers is not None else None,
                        target_hidden_size=value(f"{arch}.target_hidden_size"),
                        norm_before_residual=value(f"{arch}.norm_before_residual"),
+                       norm_before_fc=value(f"{arch}.norm_before_fc"),
                        draft_vocab_size=int(d2t.shape[0]) if d2t is not None else None)
 
 
