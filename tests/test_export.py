@@ -121,3 +121,16 @@ def test_each_engine_is_refused_exactly_the_norm_variants_it_does_not_compute():
     speculators = dict(normed, norm_output=True)
     assert unread_norms(speculators, "llamacpp") == ["norm_output"] and unread_norms(speculators, "vllm") == []
     assert not any(unread_norms(plain, fmt) for fmt in ("vllm", "llamacpp", "sglang", "speculators"))
+
+
+def test_a_normed_drafters_card_sends_sglang_users_elsewhere_and_a_plain_ones_shows_the_sglang_command():
+    from pathlib import Path
+
+    from draftsmith.export import model_card
+
+    meta = {"target": "t"}
+    normed = model_card("vllm", Path("d"), dataclasses.replace(CFG, norm_before_fc=True, norm_before_residual=True), meta, 3)
+    plain = model_card("vllm", Path("d"), CFG, meta, 3)
+    assert "SGLang: not this drafter" in normed and "norm_before_fc, norm_before_residual" in normed
+    assert "sglang.launch_server" not in normed
+    assert "sglang.launch_server" in plain and "not this drafter" not in plain

@@ -152,6 +152,13 @@ def shipped_drafter(name: object) -> Path | None:
     return path if (path / "config.json").is_file() else None
 
 
+def drafter_norms(path: Path) -> dict[str, Any]:
+    """The drafter config a directory's config.json records (draftsmith's own block, else the top level): what
+    export.unread_norms reads for its norm variants."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    return (config.get("draftsmith") or {}).get("drafter") or config
+
+
 def drafter_path(name: str | Path) -> Path:
     """A drafter directory, or the shipped drafter of that short name (`smollm2`); anything else unchanged."""
     path = Path(name).expanduser()

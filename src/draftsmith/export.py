@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -91,6 +92,17 @@ def model_card(fmt: str, out: Path, cfg: DrafterConfig, meta: dict, k: int) -> s
     tau_line = ", ".join(f"k={kk}: {v:.2f}" for kk, v in tau.items()) if tau else "not measured"
     spec = json.dumps({"method": "eagle3", "model": str(out), "num_speculative_tokens": k})
     sgl_ids = aux_ids_for_format(cfg.aux_layer_ids, "sglang") if min(cfg.aux_layer_ids) >= 1 else None
+    unread = unread_norms(asdict(cfg), "sglang")
+    sglang_serve = (f"SGLang: not this drafter. It was trained with {', '.join(unread)}, which SGLang does not "
+                    "compute (export refuses the sglang format); retrain with --recipe plain for SGLang.\n" if unread else
+                    f"""SGLang{'' if fmt == 'sglang' else ' (export with --format sglang first: SGLang reads aux ids one layer later)'}:
+
+```
+python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 \\
+  --speculative-draft-model-path {out} --speculative-num-steps {k} --speculative-eagle-topk 1 \\
+  --speculative-num-draft-tokens {k + 1}
+```
+{'' if sgl_ids else 'Note: aux id 0 cannot be expressed for SGLang.'}""")
     return f"""---
 library_name: draftsmith
 tags: [eagle3, speculative-decoding, draft-model]
@@ -114,14 +126,7 @@ vLLM:
 vllm serve {target} --speculative-config '{spec}'
 ```
 
-SGLang{'' if fmt == 'sglang' else ' (export with --format sglang first: SGLang reads aux ids one layer later)'}:
-
-```
-python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 \\
-  --speculative-draft-model-path {out} --speculative-num-steps {k} --speculative-eagle-topk 1 \\
-  --speculative-num-draft-tokens {k + 1}
-```
-{'' if sgl_ids else 'Note: aux id 0 cannot be expressed for SGLang.'}
+{sglang_serve}
 Check before a long load: `draftsmith check --target {target} --drafter {out} --engine vllm`.
 """
 

@@ -165,6 +165,7 @@ class RunConfig(Settings):
         if self.train.recipe == "normed" and (plain := recipe_for("auto", self.export.formats)) != "normed":
             problems.append(f"train.recipe: normed trains norms that the engines of export.formats "
                             f"{list(self.export.formats)} do not compute; use auto (here: {plain}) or plain")
+        problems += start_problems(self.train.init_from, self.export.formats)
         if self.train.mode not in ("offline", "online"):
             problems.append(f"train.mode: {self.train.mode!r} is not offline or online")
         problems += capture_problems(self.capture, self.train.mode)
@@ -174,6 +175,18 @@ class RunConfig(Settings):
         return self
 
 
+
+
+def start_problems(init_from: str | None, formats: tuple[str, ...]) -> list[str]:
+    """An explicit train.init_from whose norms an engine of export.formats would not compute (auto steps aside)."""
+    from draftsmith.checkpoint import drafter_norms, drafter_path
+    from draftsmith.export import unread_norms
+
+    if init_from in (None, "auto") or not (drafter_path(init_from) / "config.json").is_file():
+        return []
+    norms = drafter_norms(drafter_path(init_from))
+    return [f"train.init_from: {init_from} has {', '.join(unread)}, which {fmt} in export.formats does not compute; "
+            f"use auto (from scratch with plain norms here) or null" for fmt in formats if (unread := unread_norms(norms, fmt))]
 
 
 def capture_problems(c: CaptureStage, train_mode: str) -> list[str]:

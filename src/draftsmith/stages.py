@@ -150,20 +150,25 @@ def do_train(ctx: RunContext) -> None:
 
     t, online = ctx.cfg.train, ctx.cfg.train.mode == "online"
     Trainer(TrainConfig(
-        **t.model_dump(exclude={"mode", "init_from", "recipe"}), init_from=starting_drafter(t.init_from, ctx.cfg.target),
+        **t.model_dump(exclude={"mode", "init_from", "recipe"}), init_from=starting_drafter(t.init_from, ctx.cfg.target, ctx.cfg.export.formats),
         recipe=recipe_for(t.recipe, ctx.cfg.export.formats),
         out=str(ctx.out / "train"), store=None if online else str(ctx.out / "store"),
         conversations=str(ctx.out / "conversations.jsonl") if online else None, target=ctx.cfg.target,
         max_length=ctx.cfg.capture.max_length)).run()
 
 
-def starting_drafter(init_from: str | None, target: str) -> str | None:
-    """train.init_from resolved: `auto` is the drafter shipped for the target when there is one, else none."""
-    from draftsmith.checkpoint import shipped_drafter
+def starting_drafter(init_from: str | None, target: str, formats: tuple[str, ...] = ()) -> str | None:
+    """train.init_from resolved: `auto` is the drafter shipped for the target when there is one and every engine of
+    `formats` computes its norm variants (the smollm2 drafter is normed: not for SGLang), else none (from scratch)."""
+    from draftsmith.checkpoint import drafter_norms, shipped_drafter
+    from draftsmith.export import unread_norms
 
     if init_from != "auto":
         return init_from
-    return target if shipped_drafter(target) else None
+    shipped = shipped_drafter(target)
+    if shipped is None or any(unread_norms(drafter_norms(shipped), f) for f in formats):
+        return None
+    return target
 
 
 def do_export(ctx: RunContext) -> None:

@@ -142,7 +142,8 @@ class TrainSettings(Settings):
     """auto (cuda if available), cpu, cuda, cuda:1, ..."""
     init_from: str | None = None
     """Start from an existing draftsmith drafter checkpoint, or a shipped one by short name (smollm2); `run` also
-    takes auto (the drafter shipped for its target, when there is one)."""
+    takes auto (the drafter shipped for its target, when there is one and the engines of export.formats compute
+    its norms: the smollm2 drafter is normed, so a run that exports for sglang trains from scratch)."""
     recipe: str = "auto"
     """The layout of a new drafter (ignored with --init-from, whose drafter keeps its own): normed (an RMSNorm
     over the aux states before fc, the normed state as the residual, and the draft head started as the target's
