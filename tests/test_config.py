@@ -176,7 +176,21 @@ def test_runs_capture_section_keeps_its_keys_and_differs_from_the_verb_only_in_l
     run = RunConfig().capture
     assert set(type(run).model_fields) == set(CaptureSettings.model_fields)
     assert {k: v for k, v in run.model_dump().items() if v != getattr(CaptureSettings(), k)} == {
-        "max_length": 1024, "dtype": "bfloat16"}
+        "max_length": 1024, "dtype": "auto"}
+
+
+def test_auto_capture_dtype_is_bf16_only_where_the_device_computes_it_natively(monkeypatch):
+    """run captures in `auto`: bf16 on CUDA and on AVX512-BF16 / AMX CPUs, float32 on an AVX2 CPU (emulated bf16)."""
+    import torch
+
+    from draftsmith.target import compute_dtype
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert compute_dtype("auto", "cpu") == "float32" and compute_dtype("auto", torch.device("cuda:1")) == "bfloat16"
+    assert compute_dtype("bfloat16", "cpu") == "bfloat16" and compute_dtype("float32", "cuda") == "float32"
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert compute_dtype("auto", "cpu") == "bfloat16"
 
 
 @pytest.mark.parametrize("model,values,typo,suggestion", [

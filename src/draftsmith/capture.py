@@ -244,7 +244,7 @@ def parse_ids(text: str | None) -> tuple[int, ...] | None:
 
 
 CAPTURE_ENGINES = ("transformers", "vllm")
-CAPTURE_DTYPES = ("float32", "bfloat16")  # the verb's choices; run's section also passes others to vLLM's --dtype
+CAPTURE_DTYPES = ("float32", "bfloat16", "auto")  # the verb's choices; run's section also passes others to vLLM's --dtype
 
 
 class CaptureSettings(Settings):
@@ -257,7 +257,8 @@ class CaptureSettings(Settings):
     max_length: int = DEFAULT_MAX_LENGTH
     """Truncate conversations to this many tokens (run: also used by online training)."""
     dtype: str = "float32"
-    """Target compute dtype while capturing: float32 | bfloat16 (engine vllm: the server's --dtype)."""
+    """Target compute dtype while capturing: float32 | bfloat16 | auto (bfloat16 on CUDA and on CPUs that compute it
+    natively, else float32); the store holds bfloat16 either way (engine vllm: the server's --dtype)."""
     device: str = "cpu"
     """engine transformers: where the target runs."""
     batch_tokens: int = 4096

@@ -41,10 +41,10 @@ RegenerateStage = with_defaults(RegenerateSettings, "RegenerateStage",
                                 batch_size=64, temperature=0.0)
 
 
-# run's capture defaults: the CPU demo's short turns, in bfloat16 (the verb's 2048 tokens in float32 is the
-# reference capture)
+# run's capture defaults: the CPU demo's short turns, in the device's fast dtype (auto: bfloat16 where it is native,
+# float32 on an AVX2 CPU; the verb's 2048 tokens in float32 is the reference capture)
 CaptureStage = with_defaults(CaptureSettings, "CaptureStage", "run's capture section: CaptureSettings with run's "
-                             "defaults.", max_length=1024, dtype="bfloat16")
+                             "defaults.", max_length=1024, dtype="auto")
 
 
 class TrainSection(TrainSettings):
