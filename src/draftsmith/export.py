@@ -145,6 +145,15 @@ def unread_norms(flags: dict, fmt: str) -> list[str]:
     return [f for f in NORM_VARIANTS if flags.get(f) and f not in NORMS_READ.get(fmt, ())]
 
 
+def unread_by_format(drafter_dir: Path, formats: tuple[str, ...]) -> dict[str, list[str]]:
+    """For each of `formats` whose engine would not compute some of the saved drafter's norm variants, those
+    variants (formats that compute them all are left out): what `run` asks of a starting drafter."""
+    from draftsmith.checkpoint import drafter_norms
+
+    norms = drafter_norms(drafter_dir)
+    return {fmt: unread for fmt in formats if (unread := unread_norms(norms, fmt))}
+
+
 def refuse_unread_norms(config: dict, fmt: str) -> None:
     """Refuse a format whose engine would silently compute a norm variant the drafter was trained with."""
     unread = unread_norms((config.get("draftsmith") or {}).get("drafter") or {}, fmt)

@@ -179,14 +179,14 @@ class RunConfig(Settings):
 
 def start_problems(init_from: str | None, formats: tuple[str, ...]) -> list[str]:
     """An explicit train.init_from whose norms an engine of export.formats would not compute (auto steps aside)."""
-    from draftsmith.checkpoint import drafter_norms, drafter_path
-    from draftsmith.export import unread_norms
+    from draftsmith.checkpoint import drafter_path
+    from draftsmith.export import unread_by_format
 
     if init_from in (None, "auto") or not (drafter_path(init_from) / "config.json").is_file():
         return []
-    norms = drafter_norms(drafter_path(init_from))
     return [f"train.init_from: {init_from} has {', '.join(unread)}, which {fmt} in export.formats does not compute; "
-            f"use auto (from scratch with plain norms here) or null" for fmt in formats if (unread := unread_norms(norms, fmt))]
+            f"use auto (from scratch with plain norms here) or null"
+            for fmt, unread in unread_by_format(drafter_path(init_from), formats).items()]
 
 
 def capture_problems(c: CaptureStage, train_mode: str) -> list[str]:

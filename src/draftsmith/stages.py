@@ -160,15 +160,13 @@ def do_train(ctx: RunContext) -> None:
 def starting_drafter(init_from: str | None, target: str, formats: tuple[str, ...] = ()) -> str | None:
     """train.init_from resolved: `auto` is the drafter shipped for the target when there is one and every engine of
     `formats` computes its norm variants (the smollm2 drafter is normed: not for SGLang), else none (from scratch)."""
-    from draftsmith.checkpoint import drafter_norms, shipped_drafter
-    from draftsmith.export import unread_norms
+    from draftsmith.checkpoint import shipped_drafter
+    from draftsmith.export import unread_by_format
 
     if init_from != "auto":
         return init_from
     shipped = shipped_drafter(target)
-    if shipped is None or any(unread_norms(drafter_norms(shipped), f) for f in formats):
-        return None
-    return target
+    return None if shipped is None or unread_by_format(shipped, formats) else target
 
 
 def do_export(ctx: RunContext) -> None:
