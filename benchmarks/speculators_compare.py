@@ -39,7 +39,9 @@ import importlib.util
 import json
 import math
 import os
+import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -349,6 +351,30 @@ def draftsmith_tokens(out: Path) -> tuple[int, float]:
     return sum(r["tokens"] for r in steps), sum(r["ms"] for r in steps) / 1000
 
 
+SPECULATORS_STEP = re.compile(r"profile/step_ms=([0-9.e+-]+), profile/tokens_per_s=([0-9.e+-]+)")
+
+
+def step_rates(out: Path, trainer: str) -> dict[str, Any] | None:
+    """Per-step rate of a finished run, its first step (compile and warm-up) apart: the median of each step's
+    own tokens/s over the later steps, in each trainer's own token count. draftsmith: metrics.jsonl; speculators:
+    the `profile/step_ms` and `profile/tokens_per_s` its train log prints for every step. None if neither is there."""
+    if trainer == "draftsmith":
+        path = out / "train" / "metrics.jsonl"
+        if not path.is_file():
+            return None
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        steps = [(r["ms"], r["tok_per_s"]) for r in rows if "tok_per_s" in r]
+    else:
+        log = out / "train.log"
+        steps = [(float(ms), float(rate)) for ms, rate in SPECULATORS_STEP.findall(log.read_text(errors="replace"))] \
+            if log.is_file() else []
+    if len(steps) < 2:
+        return None
+    return {"steps": len(steps), "first_step_s": round(steps[0][0] / 1000, 1),
+            "median_step_ms": round(statistics.median(ms for ms, _ in steps[1:]), 2),
+            "median_step_tokens_per_s": round(statistics.median(rate for _, rate in steps[1:]))}
+
+
 GRACE_S = 20  # SIGTERM to SIGKILL: speculators saves an `interrupted` checkpoint first (train/graceful_shutdown.py)
 MIN_RUN_S = 30  # a run is not started with less of --max-seconds left than this
 RESERVE_S = 15  # of --max-seconds, kept after the last run for its convert and the JSON
@@ -430,6 +456,7 @@ def run_one(run: str, args, work: Path, data: Path, target_dir: Path, aux_ids: l
         record["train_tokens"], step_s = draftsmith_tokens(out / "train")
         record["step_tokens_per_s"] = record["train_tokens"] / step_s if step_s else None
     record["tokens_per_s"] = record["train_tokens"] / record["wall_s"]
+    record["step_rate"] = step_rates(out, trainer)
     return record
 
 
@@ -512,7 +539,8 @@ def run_parent(args, started: float | None = None) -> dict:
               "store_tokens": store.manifest["num_tokens"], "max_seconds": args.max_seconds, "complete": False,
               "runs": [], "settings": [s.__dict__ for s in SETTINGS],
               "note": "wall_s covers the whole train call (model build, epochs, validation, checkpoint) for both "
-                      "trainers; step_tokens_per_s (draftsmith only) sums its logged step times",
+                      "trainers; step_tokens_per_s (draftsmith only) sums its logged step times, the first "
+                      "(compile) included; step_rate: each trainer's median per-step tokens/s, first step apart",
               "concurrent": args.concurrent}
     if args.concurrent:
         result["note"] += ("; concurrent: the runs shared the GPU and CPUs, so their times and rates are not "

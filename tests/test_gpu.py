@@ -94,10 +94,11 @@ def test_packed_rows_through_flex_block_mask_are_as_accurate_as_the_masked_summa
     assert flex_out < 2 * sum_out + 1e-3 and flex_grad < 2 * sum_grad + 1e-3, results
 
 
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("compiled", [False, True, "cuda_graphs"])
 def test_packed_ttt_forward_on_cuda_equals_the_unpacked_batch(compiled):
-    """The whole packed CUDA path (per-row positions, flex block mask + lse merge, compiled or not) gives the
-    unpacked batch's loss and gradients, fp32 (no autocast) so that only kernel rounding differs."""
+    """The whole packed CUDA path (per-row positions, flex block mask + lse merge, compiled or not, replayed as
+    CUDA graphs or not) gives the unpacked batch's loss and gradients, fp32 (no autocast) so that only kernel
+    rounding differs."""
     from test_drafter import packed_and_unpacked, random_documents, tiny_config
 
     from draftsmith.drafter import Eagle3Drafter, compile_for_training, ttt_forward
@@ -110,7 +111,7 @@ def test_packed_ttt_forward_on_cuda_equals_the_unpacked_batch(compiled):
     drafter.t2d.copy_(vocab.t2d)
     drafter = drafter.cuda()
     if compiled:
-        compile_for_training(drafter)
+        compile_for_training(drafter, cuda_graphs=compiled == "cuda_graphs")
     head = torch.randn(96, 40, dtype=torch.float64)
     docs = random_documents([60, 90, 40, 120])
     for d in docs:
@@ -123,6 +124,7 @@ def test_packed_ttt_forward_on_cuda_equals_the_unpacked_batch(compiled):
     for a, i, m, lst, t, documents in ((aux, ids, mask, last, argmax, None),
                                        (packed.aux, packed.input_ids, packed.loss_mask, packed.last,
                                         packed.target_argmax, packed.documents)):
+        torch.compiler.cudagraph_mark_step_begin()
         out = ttt_forward(drafter, f(a), f(i), f(m), f(lst), f(head), steps=4, t_argmax=f(t),
                           documents=None if documents is None else f(documents))
         outs.append(out.loss.item())

@@ -329,3 +329,28 @@ def test_draftsmith_only_runs_do_not_export_the_store(monkeypatch, tmp_path):
     result = cmp.run_parent(args)
     assert seen == [(["draftsmith-defaults"], True)] and result["concurrent"] is True
     assert "not throughput figures" in result["note"]
+
+
+def test_step_rates_leave_out_each_trainers_first_step(tmp_path):
+    """The per-step rate is the median over the steps after the first (compile and warm-up), read from
+    speculators' own per-step profile lines (three lines of a real 0.9.0 log, session 18) and from draftsmith's
+    metrics.jsonl; a run with one step or no log has none."""
+    spec = tmp_path / "spec"
+    spec.mkdir()
+    (spec / "train.log").write_text(
+        "    profile/opt_ms=64.398, profile/step_ms=6.07e+04, profile/tokens_per_s=126.150, profile/fetch_frac=0.170,\n"
+        "    profile/step_ms=215.912, profile/tokens_per_s=3.78e+04, profile/fetch_frac=0.019, profile/queue_ms=3.066,\n"
+        "    progress bar 12% ━━━━━━\n"
+        "    profile/step_ms=38.048, profile/tokens_per_s=2.03e+05, profile/fetch_frac=0.096, profile/queue_ms=2.716,\n")
+    assert cmp.step_rates(spec, "speculators") == {"steps": 3, "first_step_s": 60.7, "median_step_ms": 126.98,
+                                                   "median_step_tokens_per_s": 120400}
+    ds = tmp_path / "ds"
+    (ds / "train").mkdir(parents=True)
+    rows = [{"step": 1, "first_step_s": 19.6, "compile": True}, {"step": 1, "ms": 19624, "tok_per_s": 209},
+            {"step": 2, "ms": 19, "tok_per_s": 215000}, {"step": 3, "ms": 35, "tok_per_s": 117000},
+            {"step": 4, "ms": 18, "tok_per_s": 227000}, {"step": 4, "eval": {}}]
+    (ds / "train" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert cmp.step_rates(ds, "draftsmith") == {"steps": 4, "first_step_s": 19.6, "median_step_ms": 19,
+                                                "median_step_tokens_per_s": 215000}
+    assert cmp.step_rates(tmp_path / "none", "draftsmith") is None
+    assert cmp.step_rates(tmp_path / "none", "speculators") is None

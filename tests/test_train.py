@@ -364,6 +364,17 @@ def test_the_recipe_sets_a_new_drafters_norms_and_head_and_each_field_set_overri
         TrainConfig(out="o", recipe="speculators", **cfg)
 
 
+def test_cuda_graphs_are_refused_without_a_compiled_step_at_one_shape():
+    """CUDA graphs replay the compiled step at fixed shapes: asked for without --compile or with --no-pack, the
+    config says which flag is missing instead of training eagerly without a word."""
+    assert TrainConfig(out="o", store="s", compile=True, cuda_graphs=True).cuda_graphs
+    with pytest.raises(DraftsmithError, match="--cuda-graphs with --no-compile, --pack") as e:
+        TrainConfig(out="o", store="s", cuda_graphs=True)
+    assert "add --compile" in str(e.value)
+    with pytest.raises(DraftsmithError, match="--cuda-graphs with --compile, --no-pack"):
+        TrainConfig(out="o", store="s", compile=True, cuda_graphs=True, pack=False)
+
+
 def test_run_trains_the_normed_recipe_only_for_formats_whose_engines_compute_its_norms():
     from draftsmith.runconfig import RunConfig, apply_override
     from draftsmith.train import recipe_for

@@ -512,18 +512,23 @@ def ttt_forward(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tens
                      correct=drafter.draft_to_target_ids(top) == t_next, valid=valid)
 
 
-def compile_for_training(drafter: Eagle3Drafter) -> None:
+def compile_for_training(drafter: Eagle3Drafter, cuda_graphs: bool = False) -> None:
     """torch.compile the two pieces of the TTT unroll that are elementwise-heavy: the step up to the final
     norm, and the loss's pass over the logits (GPU runs, where it pays back the compile time; a new
     sequence length recompiles once, then runs with dynamic shapes: packed rows (`TrainConfig.pack`) keep
-    one shape, so the first step compiles and no later one does)."""
+    one shape, so the first step compiles and no later one does).
+
+    cuda_graphs: the step's forward and backward graphs replay as CUDA graphs (torch.compile's
+    `reduce-overhead` mode, CUDA graph trees): one launch per graph instead of one per kernel, for steps too
+    small to keep the GPU busy between launches. The caller marks each forward's start
+    (`torch.compiler.cudagraph_mark_step_begin`); on CPU the mode compiles as the default one."""
     import torch._dynamo.config as dynamo_config
 
     # ttt_step compiles one graph per step index (the cache it reads grows), static at the first length and
     # dynamic after it: 2 x K graphs for unpacked micro-batches of varying length. torch's default limit (8)
     # would send the later steps back to eager without a word.
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 4 * TTT_STEPS)
-    drafter.ttt_step = torch.compile(drafter.ttt_step)
+    drafter.ttt_step = torch.compile(drafter.ttt_step, mode="reduce-overhead" if cuda_graphs else None)
     drafter.soft_ce_rows = torch.compile(soft_ce_rows)
 
 

@@ -181,6 +181,10 @@ class TrainSettings(Settings):
     their elementwise work; varying sequence lengths recompile once, then run with dynamic shapes). For long GPU
     runs: on one H200 at SmolLM2's size its 33-96 s of compile paid back after about 1,000 steps with 8192-token
     rows and TTT 3, and about 12,000 steps (49 M tokens) at the defaults (docs/gpu.md, "A small drafter's step")."""
+    cuda_graphs: bool = False
+    """With --compile on CUDA: the compiled TTT step's forward and backward replay as CUDA graphs (torch.compile's
+    reduce-overhead mode), one launch per graph instead of one per kernel, for small drafters whose step is
+    launch-bound. Needs one tensor shape per run (--pack, the default); each new shape records its own graphs."""
     parallel: str = "ddp"
     """Under torchrun: ddp (each rank holds the whole drafter) or fsdp (FSDP2 `fully_shard`: weights,
     gradients and AdamW state sharded across ranks, for drafters whose training state does not fit one device)."""
@@ -205,6 +209,11 @@ class TrainSettings(Settings):
         if self.lr is not None and not self.lr > 0:
             raise DraftsmithError("bad --lr", got=str(self.lr), expected="a peak learning rate > 0",
                                   fix="pass e.g. --lr 1e-3, or leave it out for the default")
+        if self.cuda_graphs and not (self.compile and self.pack):
+            raise DraftsmithError("--cuda-graphs replays the compiled step at one shape", got=f"--cuda-graphs with "
+                                  f"--{'' if self.compile else 'no-'}compile, --{'' if self.pack else 'no-'}pack",
+                                  expected="--compile and --pack (the default) with it",
+                                  fix="add --compile (and leave --pack on), or drop --cuda-graphs")
         if self.parallel not in ("ddp", "fsdp"):
             raise DraftsmithError("unknown --parallel", got=self.parallel, expected="ddp or fsdp",
                                   fix="pass --parallel ddp (default) or --parallel fsdp")
@@ -532,7 +541,7 @@ class Trainer:
         # In the features' dtype (bf16 on GPU: ttt_forward computes in it anyway; half the memory of fp32).
         self.target_head = self.data.target_head().to(self.device, feature_dtype(self.device))
         if cfg.compile:
-            compile_for_training(self.drafter)
+            compile_for_training(self.drafter, cuda_graphs=cfg.cuda_graphs)
         self.model = self.drafter
         if self.fsdp:  # shards the drafter's parameters in place; the optimizer then holds only this rank's shard
             from torch.distributed.fsdp import fully_shard
@@ -592,6 +601,8 @@ class Trainer:
     # -- one optimizer step ---------------------------------------------------------------------------
 
     def forward(self, batch: Batch, denominators: torch.Tensor | None) -> TTTOutput:
+        if self.cfg.cuda_graphs:  # the graphs' outputs of the last forward are consumed: their memory may be reused
+            torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             return self.model(batch.aux, batch.input_ids, batch.loss_mask, batch.last, self.target_head,
                               self.cfg.ttt_steps, self.cfg.step_loss_decay, denominators, batch.target_argmax,
