@@ -452,6 +452,45 @@ def test_ttt_attention_under_a_document_mask_equals_each_document_alone(steps):
         assert torch.allclose(o, o_ref, atol=1e-12) and torch.allclose(lse, lse_ref, atol=1e-12)
 
 
+def test_the_document_block_mask_from_block_ranges_is_create_block_masks():
+    """`document_block_mask` builds the packed rows' BlockMask from each block's range of documents instead of
+    evaluating the mask at every position: for packed rows (contiguous documents, padding last; short ones inside
+    a block, long ones across blocks, one filling a whole row) its partial and full key blocks are exactly those of
+    `create_block_mask`, and FlexAttention under it equals the dense mask's attention (forward, CPU)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from draftsmith.kernels import FLEX_BLOCK, causal_attention_lse_reference, document_block_mask, document_mask, flex
+
+    def dense(counts, indices):  # (B, 1, n) + (B, 1, n, n) -> (B, n, n) bool
+        B, _, n = counts.shape
+        out = torch.zeros(B, n, n, dtype=torch.bool)
+        for b in range(B):
+            for i in range(n):
+                out[b, i, indices[b, 0, i, :counts[b, 0, i]].long()] = True
+        return out
+
+    T = 4 * FLEX_BLOCK
+    runs = [[3, 40, 200, 100, 120, 49], [T], [130, 126, 1, 255]]  # the last length of each row is its padding
+    documents = torch.tensor([[d for d, n in enumerate(row) for _ in range(n)] for row in runs])
+    assert documents.shape == (3, T)
+    ours = document_block_mask(documents)
+
+    def same_document_causal(b, h, q_idx, kv_idx):
+        return (documents[b, q_idx] == documents[b, kv_idx]) & (q_idx >= kv_idx)
+
+    theirs = create_block_mask(same_document_causal, 3, None, T, T, device="cpu")
+    assert torch.equal(dense(ours.kv_num_blocks, ours.kv_indices), dense(theirs.kv_num_blocks, theirs.kv_indices))
+    assert torch.equal(dense(ours.full_kv_num_blocks, ours.full_kv_indices),
+                       dense(theirs.full_kv_num_blocks, theirs.full_kv_indices))
+    assert dense(ours.full_kv_num_blocks, ours.full_kv_indices)[1].sum() == 6  # one document: every block below
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(3, 2, T, 8, dtype=torch.float64) for _ in range(3))
+    with torch.no_grad():
+        o, lse = flex(q, k, v, ours, 0.25, lse=True)
+        o_ref, lse_ref = causal_attention_lse_reference(q, k, v, 0.25, document_mask(documents))
+    assert torch.allclose(o, o_ref, atol=1e-12) and torch.allclose(lse, lse_ref, atol=1e-12)
+
+
 def test_the_trainers_first_ttt_step_and_the_decoders_step_are_the_same_layer():
     """`ttt_step` (q/k/v split by linearity, TTT attention) and `decode_step` (a KV cache, a causal mask) both run
     `Eagle3Drafter.step`: on the same tokens and hidden states, step 0 of the unroll is the decoder's causal
