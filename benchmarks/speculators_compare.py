@@ -51,7 +51,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from draftsmith.train import DEFAULT_RECIPE, NORM_FIELDS, RECIPES, SCRATCH_LR  # noqa: E402  (the package is light to import: no engine, no GPU)
+from draftsmith.drafter import NORM_VARIANTS  # noqa: E402
+from draftsmith.train import DEFAULT_RECIPE, RECIPES, SCRATCH_LR  # noqa: E402  (the package is light to import: no engine, no GPU)
 
 RUNS = ("speculators-defaults", "speculators-matched", "draftsmith-defaults", "draftsmith-matched")
 RESULTS = Path(__file__).resolve().parent / "results" / "speculators_compare.json"
@@ -138,7 +139,7 @@ def recipe_value(field: str) -> Callable[[Any], Any]:
 
 
 CONVERT = {"eval_fraction": lambda x: round(1 - x, 6), "warmup_ratio": lambda x: 0.01 if x is None else x,
-           "lr": lambda x: SCRATCH_LR if x is None else x, **{f: recipe_value(f) for f in NORM_FIELDS}}
+           "lr": lambda x: SCRATCH_LR if x is None else x, **{f: recipe_value(f) for f in NORM_VARIANTS}}
 
 
 def settings_table() -> str:

@@ -32,14 +32,13 @@ def test_the_shipped_drafter_loads_in_bf16_with_the_embedded_targets_shapes_and_
 
 def test_the_shipped_drafter_is_normed_with_trained_norms_and_the_targets_head_rows():
     """The session-17 drafter: norm_before_fc and norm_before_residual, served by vLLM and llama.cpp, not SGLang."""
-    from draftsmith.checkpoint import drafter_norms
-    from draftsmith.export import unread_norms
+    from draftsmith.checkpoint import drafter_block
+    from draftsmith.export import unread_by_format
 
     path = drafter_path("smollm2")
-    norms = drafter_norms(path)
+    norms = drafter_block(json.loads((path / "config.json").read_text()))
     assert norms["norm_before_fc"] and norms["norm_before_residual"] and not norms["norm_output"]
-    assert unread_norms(norms, "vllm") == unread_norms(norms, "llamacpp") == []
-    assert unread_norms(norms, "sglang") == ["norm_before_fc", "norm_before_residual"]
+    assert unread_by_format(path, ("vllm", "llamacpp", "sglang")) == {"sglang": ["norm_before_fc", "norm_before_residual"]}
     drafter = load_drafter(path, torch.zeros(49152, 576))
     assert not torch.allclose(drafter.input_norm.weight.float(), torch.ones(1728)), "the fc norm was not trained"
 

@@ -152,10 +152,9 @@ def shipped_drafter(name: object) -> Path | None:
     return path if (path / "config.json").is_file() else None
 
 
-def drafter_norms(path: Path) -> dict[str, Any]:
-    """The drafter config a directory's config.json records (draftsmith's own block, else the top level): what
-    export.unread_norms reads for its norm variants."""
-    config = json.loads((Path(path) / "config.json").read_text())
+def drafter_block(config: dict) -> dict[str, Any]:
+    """The drafter settings a saved config.json records: draftsmith's own `draftsmith.drafter` block, else the top
+    level (an engine-format config): where export.unread_norms reads a drafter's norm variants."""
     return (config.get("draftsmith") or {}).get("drafter") or config
 
 

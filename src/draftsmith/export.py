@@ -34,7 +34,7 @@ from draftsmith import llamacpp
 from draftsmith.checkpoint import WEIGHTS, hf_config
 from draftsmith.config import Settings, add_flags, check_choices, from_flags
 from draftsmith.conventions import aux_ids_for_format
-from draftsmith.drafter import DrafterConfig
+from draftsmith.drafter import NORM_VARIANTS, DrafterConfig
 from draftsmith.errors import DraftsmithError
 from draftsmith.target import resolve_target
 
@@ -135,7 +135,6 @@ Check before a long load: `draftsmith check --target {target} --drafter {out} --
 # them then drafts from other numbers and accepts little). vLLM's llama_eagle3 reads all three (0.32.0 source);
 # SGLang's llama_eagle3 none (docs/engines.md §2.4); llama.cpp's eagle3 graph norm_before_fc and
 # norm_before_residual (rules/llamacpp.yaml `norm_flags_read`).
-NORM_VARIANTS = ("norm_before_fc", "norm_before_residual", "norm_output")
 NORMS_READ = {"vllm": NORM_VARIANTS, "speculators": NORM_VARIANTS, "sglang": (),
               "llamacpp": ("norm_before_fc", "norm_before_residual")}
 
@@ -148,15 +147,17 @@ def unread_norms(flags: dict, fmt: str) -> list[str]:
 def unread_by_format(drafter_dir: Path, formats: tuple[str, ...]) -> dict[str, list[str]]:
     """For each of `formats` whose engine would not compute some of the saved drafter's norm variants, those
     variants (formats that compute them all are left out): what `run` asks of a starting drafter."""
-    from draftsmith.checkpoint import drafter_norms
+    from draftsmith.checkpoint import drafter_block
 
-    norms = drafter_norms(drafter_dir)
+    norms = drafter_block(json.loads((Path(drafter_dir) / "config.json").read_text()))
     return {fmt: unread for fmt in formats if (unread := unread_norms(norms, fmt))}
 
 
 def refuse_unread_norms(config: dict, fmt: str) -> None:
     """Refuse a format whose engine would silently compute a norm variant the drafter was trained with."""
-    unread = unread_norms((config.get("draftsmith") or {}).get("drafter") or {}, fmt)
+    from draftsmith.checkpoint import drafter_block
+
+    unread = unread_norms(drafter_block(config), fmt)
     if unread:
         raise DraftsmithError(f"the {fmt} layout's engine does not compute this drafter's {', '.join(unread)}",
                               got=f"{', '.join(f + ' true' for f in unread)} (trained so, e.g. speculators' defaults)",

@@ -43,7 +43,7 @@ from pydantic import model_validator
 from draftsmith.capture import group_by_tokens
 from draftsmith.config import Settings, add_flags, from_flags
 from draftsmith.checkpoint import drafter_path, load_drafter, save_drafter
-from draftsmith.drafter import (TTT_STEP_LOSS_DECAY, TTT_STEPS, DrafterConfig, Eagle3Drafter, TTTOutput, compile_for_training,
+from draftsmith.drafter import (NORM_VARIANTS, TTT_STEP_LOSS_DECAY, TTT_STEPS, DrafterConfig, Eagle3Drafter, TTTOutput, compile_for_training,
                                engine_walk_acceptance, simulated_acceptance)
 from draftsmith.errors import DraftsmithError
 from draftsmith.features import Batch, FeatureSource, OnlineSource, Segment, StoreSource, feature_dtype
@@ -68,8 +68,6 @@ class Layout(NamedTuple):
     train_head: bool
 
 
-NORM_FIELDS = Layout._fields[:3]
-"""The three norm variants a drafter config carries (DrafterConfig's field names)."""
 RECIPES = {"normed": Layout(True, False, True, "target", False), "plain": Layout(False, False, False, "random", True)}
 """The two layouts --recipe names: normed (speculators' defaults less norm_output, which added nothing measurable
 and which llama.cpp does not compute: docs/peers.md, "Which part of the normed recipe"); plain (EAGLE-3 /
@@ -223,8 +221,8 @@ class TrainSettings(Settings):
         """The drafter's norms and head as this run trains them: the recipe's, each field set overriding it;
         with a starting drafter (`start`, --init-from) its own norms and a trained head unless told."""
         if start is not None:
-            return Layout(*(getattr(start, f) for f in NORM_FIELDS), "init",
-                          True if self.train_head is None else self.train_head)
+            return Layout(**{f: getattr(start, f) for f in NORM_VARIANTS}, head_init="init",
+                          train_head=True if self.train_head is None else self.train_head)
         recipe = RECIPES[DEFAULT_RECIPE if self.recipe == "auto" else self.recipe]
         return Layout(**{f: getattr(recipe, f) if getattr(self, f) is None else getattr(self, f)
                          for f in Layout._fields})
@@ -587,7 +585,7 @@ class Trainer:
         size = self.cfg.draft_vocab_size or default_draft_vocab_size(spec.vocab_size)
         vocab = build_draft_vocab(self.data.token_counts(), size)
         torch.manual_seed(self.cfg.seed)
-        norms = {f: getattr(self.layout, f) for f in NORM_FIELDS}
+        norms = {f: getattr(self.layout, f) for f in NORM_VARIANTS}
         drafter = Eagle3Drafter(replace(DrafterConfig.from_target(spec, size, self.data.aux_ids), **norms))
         with torch.no_grad():
             drafter.embed_tokens.weight.copy_(self.data.embed_tokens())
@@ -1022,7 +1020,7 @@ class Trainer:
 
     def layout_note(self) -> str:
         """The start line's words on the drafter's norms: which engines can serve what this run trains."""
-        norms = [f for f in NORM_FIELDS if getattr(self.layout, f)]
+        norms = [f for f in NORM_VARIANTS if getattr(self.layout, f)]
         if not norms:
             return "no norm variants (every engine serves it)"
         from draftsmith.export import unread_norms
