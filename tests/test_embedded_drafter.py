@@ -44,13 +44,17 @@ def test_the_shipped_drafter_is_normed_with_trained_norms_and_the_targets_head_r
 
 
 def test_run_starts_from_the_shipped_drafter_only_for_its_own_target_and_engines_that_compute_its_norms():
-    assert starting_drafter("auto", "smollm2") == "smollm2"
-    assert starting_drafter("auto", "smollm2", ("vllm", "llamacpp")) == "smollm2"
-    assert starting_drafter("auto", "smollm2", ("vllm", "sglang")) is None  # SGLang computes neither norm: scratch
-    assert starting_drafter("auto", "/models/Llama-3.1-8B-Instruct") is None
-    assert starting_drafter("auto", str(EMBEDDED_DRAFTERS / "smollm2")) is None  # a path is not a short name
-    assert starting_drafter(None, "smollm2") is None
-    assert starting_drafter("/my/drafter", "smollm2") == "/my/drafter"
+    start = lambda *a: starting_drafter(*a).drafter  # noqa: E731
+    assert start("auto", "smollm2") == "smollm2"
+    assert start("auto", "smollm2", ("vllm", "llamacpp")) == "smollm2"
+    assert start("auto", "smollm2", ("vllm", "sglang")) is None  # SGLang computes neither norm: scratch
+    assert start("auto", "/models/Llama-3.1-8B-Instruct") is None
+    assert start("auto", str(EMBEDDED_DRAFTERS / "smollm2")) is None  # a path is not a short name
+    assert start(None, "smollm2") is None
+    assert start("/my/drafter", "smollm2") == "/my/drafter"
+    assert starting_drafter("auto", "smollm2", ("vllm", "sglang")).why == (
+        "auto, the shipped drafter is normed and sglang does not compute its norm_before_fc, "
+        "norm_before_residual")
 
 
 def test_launch_replaces_a_shipped_drafters_short_name_in_vllm_and_sglang_commands():

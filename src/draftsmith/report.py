@@ -78,15 +78,11 @@ def starting_drafter(cfg: dict) -> str:
     """Where training started: from scratch, or the drafter named by train.init_from (and where that came from)."""
     from draftsmith.stages import starting_drafter as resolve
 
-    init_from = (cfg.get("train") or {}).get("init_from")
-    name = resolve(init_from, str(cfg.get("target", "")), tuple((cfg.get("export") or {}).get("formats") or ()))
+    start = resolve((cfg.get("train") or {}).get("init_from"), str(cfg.get("target", "")),
+                    tuple((cfg.get("export") or {}).get("formats") or ()))
+    name = start.drafter
     if not name:
-        from draftsmith.checkpoint import shipped_drafter
-
-        why = ("null" if not init_from else "auto, no drafter is shipped for this target"
-               if shipped_drafter(str(cfg.get("target", ""))) is None
-               else "auto, the shipped drafter is normed and an export format's engine does not compute its norms")
-        return f"trained from scratch (train.init_from: {why})"
+        return f"trained from scratch (train.init_from: {start.why})"
     from draftsmith.checkpoint import drafter_path
 
     card = drafter_path(name) / "build.json"

@@ -150,23 +150,37 @@ def do_train(ctx: RunContext) -> None:
 
     t, online = ctx.cfg.train, ctx.cfg.train.mode == "online"
     Trainer(TrainConfig(
-        **t.model_dump(exclude={"mode", "init_from", "recipe"}), init_from=starting_drafter(t.init_from, ctx.cfg.target, ctx.cfg.export.formats),
+        **t.model_dump(exclude={"mode", "init_from", "recipe"}), init_from=starting_drafter(t.init_from, ctx.cfg.target, ctx.cfg.export.formats).drafter,
         recipe=recipe_for(t.recipe, ctx.cfg.export.formats),
         out=str(ctx.out / "train"), store=None if online else str(ctx.out / "store"),
         conversations=str(ctx.out / "conversations.jsonl") if online else None, target=ctx.cfg.target,
         max_length=ctx.cfg.capture.max_length)).run()
 
 
-def starting_drafter(init_from: str | None, target: str, formats: tuple[str, ...] = ()) -> str | None:
+@dataclass(frozen=True)
+class Start:
+    """train.init_from resolved: the drafter training starts from (None: from scratch), and why."""
+
+    drafter: str | None
+    why: str
+
+
+def starting_drafter(init_from: str | None, target: str, formats: tuple[str, ...] = ()) -> Start:
     """train.init_from resolved: `auto` is the drafter shipped for the target when there is one and every engine of
     `formats` computes its norm variants (the smollm2 drafter is normed: not for SGLang), else none (from scratch)."""
     from draftsmith.checkpoint import shipped_drafter
     from draftsmith.export import unread_by_format
 
     if init_from != "auto":
-        return init_from
+        return Start(init_from, "null" if not init_from else "set")
     shipped = shipped_drafter(target)
-    return None if shipped is None or unread_by_format(shipped, formats) else target
+    if shipped is None:
+        return Start(None, "auto, no drafter is shipped for this target")
+    if unread := unread_by_format(shipped, formats):
+        engines, verb = ", ".join(unread), "does" if len(unread) == 1 else "do"
+        norms = ", ".join(sorted({f for fs in unread.values() for f in fs}))
+        return Start(None, f"auto, the shipped drafter is normed and {engines} {verb} not compute its {norms}")
+    return Start(target, "auto, the drafter shipped for this target")
 
 
 def do_export(ctx: RunContext) -> None:
