@@ -566,11 +566,13 @@ def summary(result: dict) -> str:
         if "skipped" in r:
             lines.append(f"{r['run']:22s} skipped: {r['skipped']}")
             continue
-        peak, convert = r.get("peak_gpu_mem_gib"), r.get("convert")
+        peak, convert, rate = r.get("peak_gpu_mem_gib"), r.get("convert"), r.get("step_rate")
         conv = "-" if convert is None else "ok" if convert["ok"] else "refused: " + convert["error"].splitlines()[0]
         lines.append(f"{r['run']:22s} rc {r['returncode']} | {r['seconds']:.0f} s | "
                      f"{r.get('tokens_per_s', float('nan')):,.0f} tok/s | "
-                     f"peak {'-' if peak is None else f'{peak:.1f} GiB'} | convert {conv}"
+                     + (f"step median {rate['median_step_tokens_per_s']:,} tok/s, first {rate['first_step_s']} s | "
+                        if rate else "")
+                     + f"peak {'-' if peak is None else f'{peak:.1f} GiB'} | convert {conv}"
                      + (f" | {r['timed_out']}" if "timed_out" in r else ""))
         lines += [f"    {line[:200]}" for line in r.get("log_tail", [])[-SUMMARY_TAIL:]]
     return "\n".join(lines)

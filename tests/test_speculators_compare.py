@@ -224,13 +224,15 @@ def test_runs_past_the_deadline_are_skipped_and_every_record_is_written_at_once(
 def test_summary_is_a_line_a_run_with_the_log_tail_of_a_failure():
     result = {"device": "cpu", "torch": "2.11.0", "num_samples": 12, "runs": [
         {"run": "speculators-defaults", "returncode": 0, "seconds": 230.7, "tokens_per_s": 9.6, "peak_gpu_mem_gib": None,
-         "convert": {"ok": False, "error": "1 tensor(s) have no place\n  got: input_norm.weight"}},
+         "convert": {"ok": False, "error": "1 tensor(s) have no place\n  got: input_norm.weight"},
+         "step_rate": {"steps": 362, "first_step_s": 60.7, "median_step_ms": 38.34, "median_step_tokens_per_s": 204000}},
         {"run": "speculators-matched", "returncode": -15, "seconds": 300.0, "timed_out": "stopped after 300 s",
          "log_tail": ["Traceback", "KeyboardInterrupt"]},
         {"run": "draftsmith-defaults", "skipped": "3 s left of --max-seconds"}]}
     lines = cmp.summary(result).splitlines()
     assert lines[0].startswith("== summary") and len(lines) == 6
     assert "convert refused: 1 tensor(s) have no place" in lines[1] and "got:" not in lines[1]
+    assert "| step median 204,000 tok/s, first 60.7 s |" in lines[1] and "step median" not in lines[2]
     assert "stopped after 300 s" in lines[2] and lines[3:5] == ["    Traceback", "    KeyboardInterrupt"]
     assert lines[5].split() == ["draftsmith-defaults", "skipped:", "3", "s", "left", "of", "--max-seconds"]
 
