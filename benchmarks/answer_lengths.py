@@ -14,8 +14,6 @@ import argparse
 import json
 import statistics
 
-import torch
-
 
 def repeated_share(tokens: list[int], n: int = 8) -> float:
     """Share of the answer's n-grams that already occurred earlier in it (0: no loop; near 1: one loop)."""
@@ -30,6 +28,7 @@ def repeated_share(tokens: list[int], n: int = 8) -> float:
 def main() -> None:
     from draftsmith.chat import prompt_ids
     from draftsmith.prompts import load_prompts
+    from draftsmith.regenerate import LocalSettings, continue_ids
     from draftsmith.target import load_target, resolve_target
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -42,22 +41,13 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     target, tok = load_target(resolve_target(a.target), dtype="float32", device=a.device)
-    pad = tok.pad_token_id or 0
     prompts = load_prompts(a.prompts, a.limit)
-    answers = []
-    for i in range(0, len(prompts), a.batch_size):
-        ids = [prompt_ids(tok, p.messages) for p in prompts[i:i + a.batch_size]]
-        width = max(map(len, ids))
-        x = torch.tensor([[pad] * (width - len(r)) + r for r in ids], device=target.device)  # left-padded
-        m = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in ids], device=target.device)
-        with torch.no_grad():
-            out = target.generate(input_ids=x, attention_mask=m, max_new_tokens=a.max_new_tokens, do_sample=False,
-                                  eos_token_id=tok.eos_token_id, pad_token_id=pad)
-        for row in out[:, width:].tolist():
-            ended = tok.eos_token_id in row
-            toks = row[:row.index(tok.eos_token_id)] if ended else row
-            answers.append({"tokens": len(toks), "eos": ended, "repeated_8gram_share": round(repeated_share(toks), 4)})
-        print(f"{len(answers)}/{len(prompts)} answers", flush=True)
+    # regenerate's own greedy continuation (rows on CUDA, left-padded generate on CPU), stopping at EOS.
+    settings = LocalSettings(max_new_tokens=a.max_new_tokens, batch_size=a.batch_size,
+                             max_length=a.max_new_tokens + 1024)
+    done = continue_ids(target, tok, [prompt_ids(tok, p.messages) for p in prompts], settings, [tok.eos_token_id])
+    answers = [{"tokens": len(ids), "eos": n > len(ids), "repeated_8gram_share": round(repeated_share(ids), 4)}
+               for ids, n in done]
     lengths = [r["tokens"] for r in answers]
     summary = {"answers": len(answers), "ended_with_eos": sum(r["eos"] for r in answers),
                "median_tokens": statistics.median(lengths), "mean_tokens": statistics.mean(lengths),
