@@ -299,6 +299,57 @@ def test_draft_head_starts_as_the_targets_rows_and_stays_frozen_when_asked(store
     assert not torch.equal(target.drafter.lm_head.weight.detach().cpu(), rows.to(head.dtype)), "a trained head moves"
 
 
+def test_a_larger_draft_vocab_size_grows_the_starting_drafters_vocabulary(store, tmp_path):
+    """With --init-from, a --draft-vocab-size above the start's keeps every starting token with its head row (at its
+    new draft id), adds this data's most frequent other tokens with the target's head rows (a head started from the
+    target's rows and frozen: scale 1), and keeps every other weight; the grown drafter trains, and what it writes
+    loads back at the new size. A smaller size keeps the start's vocabulary."""
+    from draftsmith.checkpoint import load_drafter
+
+    cfg = dict(store=str(store), batch_tokens=256, ttt_steps=2, eval_fraction=0.0, max_steps=2, lr=3e-3,
+               eval_every=10**6, save_every=10**6, log_every=10**6)
+    Trainer(TrainConfig(out=str(tmp_path / "start"), draft_vocab_size=64, head_init="target", train_head=False,
+                        **cfg)).run(progress=False)
+    start = load_drafter(tmp_path / "start" / "drafter")
+    trainer = Trainer(TrainConfig(out=str(tmp_path / "grown"), init_from=str(tmp_path / "start" / "drafter"),
+                                  draft_vocab_size=128, **cfg))
+    grown = trainer.drafter
+    old_ids = (torch.arange(64) + start.d2t).tolist()
+    new_ids = (torch.arange(128) + grown.d2t.cpu()).tolist()
+    assert grown.config.draft_vocab_size == 128 and new_ids == sorted(set(new_ids)) and set(old_ids) <= set(new_ids)
+    assert grown.t2d.sum().item() == 128 and grown.t2d[torch.tensor(new_ids)].all()
+    head = grown.lm_head.weight.detach().cpu()
+    for i, t in enumerate(old_ids):
+        assert torch.equal(head[new_ids.index(t)], start.lm_head.weight[i].detach())
+    added = [j for j, t in enumerate(new_ids) if t not in set(old_ids)]
+    target_rows = trainer.data.target_head()[torch.tensor(new_ids)[added]]
+    assert torch.allclose(head[added], target_rows, rtol=1e-5, atol=1e-6)
+    counts = trainer.data.token_counts().to(torch.float64)
+    others = counts.clone()
+    others[torch.tensor(new_ids)] = -1.0
+    assert counts[torch.tensor(new_ids)[added]].min() >= others.max(), "an added token is rarer than one left out"
+    assert torch.equal(grown.fc.weight.detach().cpu(), start.fc.weight.detach())
+    trainer.run(progress=False)
+    written = load_drafter(tmp_path / "grown" / "drafter")
+    assert written.config.draft_vocab_size == 128 and torch.equal(written.d2t, grown.d2t.cpu())
+    kept = Trainer(TrainConfig(out=str(tmp_path / "kept"), init_from=str(tmp_path / "start" / "drafter"),
+                               draft_vocab_size=32, **cfg))
+    assert kept.drafter.config.draft_vocab_size == 64 and torch.equal(kept.drafter.d2t.cpu(), start.d2t)
+
+
+def test_grow_draft_vocab_refuses_a_size_outside_the_start_and_the_target():
+    from draftsmith.vocab import grow_draft_vocab
+
+    d2t = torch.tensor([0, 1, 5])  # tokens 0, 2, 7 of a 10-token target
+    counts = torch.tensor([0, 9, 0, 3, 3, 0, 0, 1, 0, 2])
+    grown = grow_draft_vocab(d2t, counts, 5)
+    assert (torch.arange(5) + grown.d2t).tolist() == [0, 1, 2, 3, 7]  # 3 beats 4 on a tie: the lower id
+    assert grown.coverage == pytest.approx((0 + 9 + 0 + 3 + 1) / 18)
+    for size in (2, 11):
+        with pytest.raises(DraftsmithError, match="cannot grow the draft vocabulary"):
+            grow_draft_vocab(d2t, counts, size)
+
+
 def test_a_fine_tune_that_lowers_held_back_tau_writes_the_starting_drafter(store, tmp_path):
     """keep_start: the drafter written is the starting one, byte for byte in its weights, when fine-tuning lowers
     held-back simulated tau (lr 1.0 wrecks a trained drafter), and the fine-tuned one when it raises it (a trained

@@ -34,7 +34,7 @@ a dense mask for SDPA on CPU, a FlexAttention block mask on CUDA (kernels.py, "P
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -583,3 +583,29 @@ def engine_walk_acceptance(correct: torch.Tensor, valid: torch.Tensor, k: int) -
         ptr = ptr.gather(1, ptr)
     first = next_start[:, :1]  # (B, 1)
     return float(acc.gather(1, first).sum()), int(chains.gather(1, first).sum())
+
+
+def with_draft_vocab(drafter: Eagle3Drafter, d2t: torch.Tensor, t2d: torch.Tensor,
+                     target_head: torch.Tensor) -> Eagle3Drafter:
+    """A copy of `drafter` with a larger draft vocabulary (`vocab.grow_draft_vocab`'s maps d2t (V_d',), t2d (V,)).
+
+    Every weight is kept; the head's row of a token the drafter had moves to that token's new draft id, and a new
+    token's row starts as the target's lm_head row (target_head (V, H)), scaled by the ratio of the mean row norms
+    of the drafter's head and the target's over the tokens they share: 1 for a head started from the target's rows
+    and frozen (the normed recipe's), so there the grown head is the target's head restricted to more tokens.
+    """
+    old_ids = torch.arange(drafter.config.draft_vocab_size, device=drafter.d2t.device) + drafter.d2t
+    new_ids = torch.arange(len(d2t)) + d2t
+    old_rows = drafter.lm_head.weight.detach().float().cpu()  # (V_d, H)
+    head = target_head.float().cpu()  # (V, H)
+    scale = old_rows.norm(dim=1).mean() / head[old_ids.cpu()].norm(dim=1).mean()
+    rows = head[new_ids] * scale  # (V_d', H)
+    where = torch.full((head.shape[0],), -1, dtype=torch.int64)
+    where[old_ids.cpu()] = torch.arange(len(old_ids))
+    kept = where[new_ids]  # (V_d',) the old draft id of each new one, -1 for a new token
+    rows[kept >= 0] = old_rows[kept[kept >= 0]]
+    grown = Eagle3Drafter(replace(drafter.config, draft_vocab_size=len(d2t)))
+    state = {k: v for k, v in drafter.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
+    grown.load_state_dict({**state, "lm_head.weight": rows.to(drafter.lm_head.weight.dtype),
+                           "d2t": d2t.to(torch.int64), "t2d": t2d}, strict=True)
+    return grown.to(drafter.d2t.device)

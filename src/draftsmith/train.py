@@ -44,12 +44,12 @@ from draftsmith.capture import group_by_tokens
 from draftsmith.config import Settings, add_flags, from_flags
 from draftsmith.checkpoint import drafter_path, load_drafter, save_drafter
 from draftsmith.drafter import (NORM_VARIANTS, TTT_STEP_LOSS_DECAY, TTT_STEPS, DrafterConfig, Eagle3Drafter, TTTOutput, compile_for_training,
-                               engine_walk_acceptance, simulated_acceptance)
+                               engine_walk_acceptance, simulated_acceptance, with_draft_vocab)
 from draftsmith.errors import DraftsmithError
 from draftsmith.features import Batch, FeatureSource, OnlineSource, Segment, StoreSource, feature_dtype
 from draftsmith.follow import sane_shard, wait_published
 from draftsmith.target import pick_device
-from draftsmith.vocab import build_draft_vocab, default_draft_vocab_size
+from draftsmith.vocab import build_draft_vocab, default_draft_vocab_size, grow_draft_vocab
 
 SCRATCH_LR = 1e-3
 """Default peak lr of a new drafter (TrainSettings.lr)."""
@@ -91,7 +91,9 @@ class TrainSettings(Settings):
     """How a drafter is trained, whatever the data: the `train` verb's flags and `run`'s train section."""
 
     draft_vocab_size: int | None = None
-    """Draft vocabulary size (default: vocab.default_draft_vocab_size)."""
+    """Draft vocabulary size (default: vocab.default_draft_vocab_size). With init_from, a size above the starting
+    drafter's grows its vocabulary (its tokens, then this data's most frequent others; a new token's head row
+    starts as the target's); a smaller one or none keeps the starting drafter's."""
     ttt_steps: int = TTT_STEPS
     """Training-time-test unroll length (EAGLE-3 / SpecForge: 7)."""
     step_loss_decay: float = TTT_STEP_LOSS_DECAY
@@ -569,16 +571,33 @@ class Trainer:
         finishes changes no step's learning rate)."""
         return min(self.total_steps, self.epoch0_steps) if self.cfg.delete_consumed else self.total_steps
 
+    def starting_drafter(self, announce: bool = False) -> Eagle3Drafter:
+        """The --init-from drafter as this run starts it: loaded, checked against the target, and grown to
+        --draft-vocab-size when that is larger than its own vocabulary (`vocab.grow_draft_vocab`)."""
+        spec = self.data.target_spec
+        drafter = load_drafter(drafter_path(self.cfg.init_from), self.data.embed_tokens())
+        if drafter.config.vocab_size != spec.vocab_size or drafter.config.target_hidden_size != spec.hidden_size:
+            raise DraftsmithError("--init-from drafter does not fit this target",
+                                  got=f"vocab {drafter.config.vocab_size}, target hidden "
+                                  f"{drafter.config.target_hidden_size}",
+                                  expected=f"vocab {spec.vocab_size}, target hidden {spec.hidden_size}",
+                                  fix="initialise from a drafter trained for this target")
+        size = self.cfg.draft_vocab_size
+        if size is None or size <= drafter.config.draft_vocab_size:  # smaller or none: the start's vocabulary
+            return drafter
+        counts = self.data.token_counts()
+        vocab = grow_draft_vocab(drafter.d2t, counts, size)
+        if announce and self.rank == 0:
+            before = counts[drafter.t2d].sum().item() / max(counts.sum().item(), 1)
+            print(f"draft vocabulary grown from the starting drafter's {drafter.config.draft_vocab_size} to {size} "
+                  f"tokens: coverage of this data's supervised tokens {before:.4f} -> {vocab.coverage:.4f}", flush=True)
+        self.vocab_coverage = vocab.coverage
+        return with_draft_vocab(drafter, vocab.d2t, vocab.t2d, self.data.target_head())
+
     def build_drafter(self) -> Eagle3Drafter:
         spec = self.data.target_spec
         if self.cfg.init_from:
-            drafter = load_drafter(drafter_path(self.cfg.init_from), self.data.embed_tokens())
-            if drafter.config.vocab_size != spec.vocab_size or drafter.config.target_hidden_size != spec.hidden_size:
-                raise DraftsmithError("--init-from drafter does not fit this target",
-                                      got=f"vocab {drafter.config.vocab_size}, target hidden "
-                                      f"{drafter.config.target_hidden_size}",
-                                      expected=f"vocab {spec.vocab_size}, target hidden {spec.hidden_size}",
-                                      fix="initialise from a drafter trained for this target")
+            drafter = self.starting_drafter(announce=True)
             self.layout = self.cfg.layout(drafter.config)
             return drafter
         self.layout = self.cfg.layout()
@@ -1114,7 +1133,7 @@ class Trainer:
         print(f"train: fine-tuning did not raise held-back simulated tau at k={K} ({start.tau[K]:.2f} -> "
               f"{result.tau[K]:.2f}): {self.out / 'drafter'} is the starting drafter ({self.cfg.init_from}) unchanged; "
               "--no-keep-start (run: train.keep_start=false) writes the fine-tuned one", flush=True)
-        starting = load_drafter(drafter_path(self.cfg.init_from), self.data.embed_tokens())
+        starting = self.starting_drafter()  # grown as this run started it, when --draft-vocab-size grew it
         save_drafter(starting, self.out / "drafter",
                      extra={**extra, "eval": asdict(start), "selection": selection("starting", start, result, K)})
         return start

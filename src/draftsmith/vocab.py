@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from draftsmith.errors import DraftsmithError
+
 LARGE_VOCAB_DRAFT_SIZE = 32000
 LARGE_VOCAB_THRESHOLD = 64000
 
@@ -65,3 +67,26 @@ def vocab_from_maps(d2t: torch.Tensor, vocab_size: int) -> DraftVocab:
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
     t2d[ids] = True
     return DraftVocab(d2t.to(torch.int64), t2d, float("nan"))
+
+
+def grow_draft_vocab(d2t: torch.Tensor, counts: torch.Tensor, size: int) -> DraftVocab:
+    """A starting drafter's vocabulary (its d2t) grown to `size` tokens: every token it had, then the most
+    frequent of the others in `counts` (V,) (ties to the lower id), sorted by token id as `build_draft_vocab`'s.
+
+    Raises:
+        DraftsmithError: `size` below the starting vocabulary or above the target's.
+    """
+    vocab_size = counts.numel()
+    old = torch.arange(len(d2t)) + d2t.to(torch.int64)
+    if not len(old) <= size <= vocab_size:
+        raise DraftsmithError("cannot grow the draft vocabulary to that size", got=f"{size} tokens",
+                              expected=f"between the starting drafter's {len(old)} and the target's {vocab_size}",
+                              fix="pass a --draft-vocab-size in that range, or leave it out to keep the starting one")
+    score = counts.to(torch.float64) - torch.arange(vocab_size) / (2.0 * vocab_size)  # ties to the lower id
+    score[old] = float("inf")  # the starting tokens stay, whatever this data's counts
+    selected, _ = torch.sort(torch.topk(score, size).indices)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[selected] = True
+    total = counts.sum().item()
+    coverage = counts[selected].sum().item() / total if total else 0.0
+    return DraftVocab((selected - torch.arange(size)).to(torch.int64), t2d, float(coverage))
