@@ -149,16 +149,13 @@ def do_train(ctx: RunContext) -> None:
     from draftsmith.train import TrainConfig, Trainer, recipe_for
 
     t, online = ctx.cfg.train, ctx.cfg.train.mode == "online"
-    trainer = Trainer(TrainConfig(
+    with Trainer(TrainConfig(
         **t.model_dump(exclude={"mode", "init_from", "recipe"}), init_from=starting_drafter(t.init_from, ctx.cfg.target, ctx.cfg.export.formats).drafter,
         recipe=recipe_for(t.recipe, ctx.cfg.export.formats),
         out=str(ctx.out / "train"), store=None if online else str(ctx.out / "store"),
         conversations=str(ctx.out / "conversations.jsonl") if online else None, target=ctx.cfg.target,
-        max_length=ctx.cfg.capture.max_length))
-    try:
+        max_length=ctx.cfg.capture.max_length)) as trainer:  # its loader thread ends here, not at exit
         trainer.run()
-    finally:  # the loader's prefetch thread and, in a multi-process run, the process group end here, not at exit
-        trainer.close()
 
 
 @dataclass(frozen=True)

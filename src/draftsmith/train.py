@@ -1137,6 +1137,22 @@ class Trainer:
                      extra={**extra, "eval": asdict(start), "selection": selection("starting", start, result, K)})
         return start
 
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """`with Trainer(cfg) as trainer:` closes it on the way out; after an error only its loader stops (a
+        barrier would wait on ranks that did not fail; the launcher ends them)."""
+        if exc_type is None:
+            self.close()
+        else:
+            self.stop_loader()
+
+    def stop_loader(self) -> None:
+        if self.loader is not None:  # a prefetch in flight holds batches on the device: wait for it, then stop
+            self.loader.shutdown(wait=True)
+            self.loader, self.prefetched = None, {}
+
     def close(self) -> None:
         """End a multi-process run in an order that cannot abort the process at exit.
 
@@ -1150,9 +1166,7 @@ class Trainer:
         anywhere, rank 0's last file written), then the model, its FSDP2 / DDP state and the optimizer dropped
         and collected while the interpreter is whole, then the process group destroyed.
         """
-        if self.loader is not None:  # a prefetch in flight holds batches on the device: wait for it, then stop
-            self.loader.shutdown(wait=True)
-            self.loader, self.prefetched = None, {}
+        self.stop_loader()
         if not dist.is_initialized():
             return
         dist.barrier()
@@ -1209,10 +1223,9 @@ def add_parser(sub) -> None:
 
 
 def run_train(args) -> int:
-    trainer = Trainer(from_flags(TrainConfig, args))
-    result = trainer.run(progress=not args.quiet)
-    if trainer.rank == 0:
-        print(f"train: drafter -> {Path(args.out) / 'drafter'} | simulated tau at k=4: "
-              f"{result.tau.get(4, float('nan')):.2f} | acc {' '.join(f'{a:.2f}' for a in result.acc)}")
-    trainer.close()
+    with Trainer(from_flags(TrainConfig, args)) as trainer:
+        result = trainer.run(progress=not args.quiet)
+        if trainer.rank == 0:
+            print(f"train: drafter -> {Path(args.out) / 'drafter'} | simulated tau at k=4: "
+                  f"{result.tau.get(4, float('nan')):.2f} | acc {' '.join(f'{a:.2f}' for a in result.acc)}")
     return 0
