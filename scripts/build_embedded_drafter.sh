@@ -4,7 +4,9 @@
 # too, then a drafter is trained online (target in process, TTT 7) and exported for vLLM in bf16.
 #
 #   GGUF=/path/SmolLM2-135M-Instruct.Q4_1.gguf W=/tmp/ds bash scripts/build_embedded_drafter.sh
-#   (the shipped drafter: SELF_COUNT=26000 WAVES='71:0 72:0.7' ROWS=2048 EPOCHS=3 LR=1e-3, new seeds for a new build)
+#   (the shipped drafter, session 23: WAVES='88:0 89:0' SELF_COUNT=20000 ROWS=2048 INIT_FROM=smollm2 EPOCHS=2 LR=4e-4
+#   DRAFT_VOCAB=12288 TRAIN_ARGS='--compile --cuda-graphs', fine-tuning session 17's SELF_COUNT=26000 WAVES='71:0 72:0.7'
+#   ROWS=2048 EPOCHS=3 LR=1e-3 from scratch; new seeds for a new build)
 #
 # Stages (STAGES, space-separated, default all): setup evalset data train export eval pack. Knobs: SELF_COUNT
 # (first-turn samples per self wave, 24000), WAVES (self waves as SEED:ANSWER_TEMPERATURE, default "1:0 2:0.7"),

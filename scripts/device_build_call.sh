@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Developer tool for the lent GPU machine (docs/gpu.md): call 2 (and every later call) of a device session that
+# rebuilds the embedded drafter. It joins the GGUF carried in two parts, starts scripts/build_embedded_drafter.sh
+# once under setsid, and polls; later calls, carrying only this script, poll the same job to its end.
+#
+#   call 1: carry [".whl", ".carry/gguf.xz.part00", ".carry/gguf.sha256"] (bash scripts/device_carry.sh prepare):
+#           python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && cp .carry/gguf.xz.part00 /tmp/
+#   call 2: bash scripts/device_carry.sh restore here, then at once carry [".carry/gguf.xz.part01", ".carry/gguf.sha256"]:
+#           BUILD='WAVES="88:0 89:0" SELF_COUNT=20000 ROWS=2048 INIT_FROM=smollm2 EPOCHS=2 LR=4e-4' POLL=570 bash scripts/device_build_call.sh
+#   call 3+: POLL=570 bash scripts/device_build_call.sh   (returns the pack under $OUT once the job is done)
+#
+# Safe against the ways session 22 lost its job: the GGUF is joined under a temporary name and moved into place
+# only when its sha256 matches; a running job is recognised by its pid, not by an input file; a call on a fresh
+# machine (the last one went back while this side was away) fails at once instead of polling nothing.
+# BUILD: the build's knobs as shell assignments (build_embedded_drafter.sh lists them); STAGES_1 / STAGES_2: the
+# two build passes (default 'setup data train export pack', then 'eval pack', so the weights come back first).
+set -u
+t0=$(date +%s)
+nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
+state=none
+if [ -f /tmp/job.done ]; then state=done
+elif [ -f /tmp/job.pid ] && kill -0 "$(cat /tmp/job.pid)" 2>/dev/null; then state=running
+elif [ -f /tmp/job.pid ]; then state=died; fi
+echo "job: $state"
+if [ "$state" = died ]; then echo "the job's process is gone without job.done; its log ends:"; tail -c 3000 /tmp/job.log; exit 6; fi
+if [ "$state" = none ]; then
+  [ -n "${BUILD:-}" ] || { echo "FATAL: no job on this machine and no BUILD given (a fresh machine: start again from call 1)"; exit 4; }
+  [ -f /tmp/gguf.xz.part00 ] && [ -f .carry/gguf.xz.part01 ] || { echo "FATAL: a GGUF part is missing (part00 comes from call 1 on this machine)"; exit 4; }
+  cat /tmp/gguf.xz.part00 .carry/gguf.xz.part01 | xz -d -T8 > /tmp/smollm2.gguf.tmp || { echo "FATAL: xz failed"; exit 3; }
+  echo "$(cat .carry/gguf.sha256)  /tmp/smollm2.gguf.tmp" | sha256sum -c - || { echo "FATAL: the joined GGUF's sha256 differs"; exit 3; }
+  mv /tmp/smollm2.gguf.tmp /tmp/smollm2.gguf
+  rm -rf /tmp/repo /tmp/pack /tmp/ds && mkdir -p /tmp/repo && cp -r src scripts configs benchmarks /tmp/repo/
+  cat > /tmp/job.sh <<JOB
+cd /tmp/repo
+export PYTHONPATH=/tmp/site W=/tmp/ds GGUF=/tmp/smollm2.gguf PACK=/tmp/pack
+export $BUILD
+STAGES='${STAGES_1:-setup data train export pack}' bash scripts/build_embedded_drafter.sh
+STAGES='${STAGES_2:-eval pack}' bash scripts/build_embedded_drafter.sh
+touch /tmp/job.done
+JOB
+  setsid nohup bash /tmp/job.sh > /tmp/job.log 2>&1 < /dev/null &
+  echo $! > /tmp/job.pid
+  echo "started the build, pid $(cat /tmp/job.pid)"
+  sleep 5
+fi
+[ -f /tmp/job.log ] || { echo "FATAL: no /tmp/job.log on this machine"; exit 5; }
+while [ $(( $(date +%s) - t0 )) -lt "${POLL:-560}" ] && [ ! -f /tmp/job.done ]; do
+  sleep 10
+  kill -0 "$(cat /tmp/job.pid)" 2>/dev/null || [ -f /tmp/job.done ] || { echo "the job ended without job.done"; break; }
+done
+echo "--- after $(( $(date +%s) - t0 )) s; done: $([ -f /tmp/job.done ] && echo yes || echo no)"
+grep -E "^\[|Error|Traceback" /tmp/job.log | tail -30
+tail -c 1500 /tmp/job.log
+if [ -d /tmp/pack ]; then cp /tmp/pack/* "$OUT"/ 2>/dev/null; fi
+cp /tmp/job.log "$OUT"/job.log
+ls -la "$OUT"
