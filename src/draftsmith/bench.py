@@ -64,6 +64,12 @@ SETTLE_MAX_S = 3.0
 # after a level on the 2-core CPU. Rounds that switch servers wait this long, or the server that ran
 # first would slow the next one's round (by half at concurrency 4 in one run).
 SWITCH_SETTLE_S = 1.25
+# Every request on a new connection, none kept alive: llama-server (cpp-httplib) can close a connection after a
+# streamed answer without saying so (no `Connection: close`), and the next request sent on it at once fails with
+# httpx's "Server disconnected without sending a response" (APIConnectionError after 2-6 ms: 1-3 of 8 requests per
+# server at concurrency 1 in run's bench, both servers). A new connection to a local server costs well under a
+# millisecond, the same for the server under test and its baseline.
+CONNECTION_LIMITS = {"max_connections": 1000, "max_keepalive_connections": 0}
 
 
 class BenchSettings(Settings):
@@ -393,8 +399,10 @@ async def connect(url: str, s: BenchSettings, extra_body: dict | None = None) ->
 
     base = normalize_base(url)
     key = api_key_from_env()
-    async with openai.AsyncOpenAI(base_url=base + "/v1", api_key=key, max_retries=0) as client, \
-            httpx.AsyncClient(timeout=30, headers={"Authorization": f"Bearer {key}"}) as http:
+    limits = httpx.Limits(**CONNECTION_LIMITS)
+    async with openai.AsyncOpenAI(base_url=base + "/v1", api_key=key, max_retries=0,
+                                  http_client=openai.DefaultAsyncHttpxClient(limits=limits)) as client, \
+            httpx.AsyncClient(timeout=30, limits=limits, headers={"Authorization": f"Bearer {key}"}) as http:
         yield Endpoint(base, s.model or await served_model(client, base), client, http, s.num_speculative_tokens,
                        extra_body)
 

@@ -2,15 +2,16 @@
 
 Reads only what the stages left in the run directory (`run_config.json`, `summary.json`,
 `conversations.jsonl`, `store/manifest.json`, `train/metrics.jsonl`, `eval.json`, `check.json`,
-`launch.json`, `bench/bench.json`) and writes next to them:
+`launch.json`, `bench/bench.json`, `bench/llamacpp.json`) and writes next to them:
 
 - `report.json`: every number on the page;
 - `report.md` with `report-*.png` plots beside it, and `report.html`, which embeds the same plots and
   needs no other file.
 
-The verdict at the top comes from bench (the drafter measured in the engine against the same engine
-without speculation) when it ran, else from eval (the reference speculative decoder); a failed stage
-is a no-go. `draftsmith run` writes the report at its end; this verb re-renders it.
+The verdict at the top comes from bench (the drafter measured in each engine, vLLM and llama.cpp, against the
+same engine without speculation: go when every engine measured is faster with it) when it ran, else from eval
+(the reference speculative decoder); a failed stage is a no-go. `draftsmith run` writes the report at its end;
+this verb re-renders it.
 
 Run: draftsmith report runs/demo
 """
@@ -161,8 +162,15 @@ def bench_summary(data: dict | None) -> dict | None:
             "sweep": data.get("sweep")}
 
 
-def k_choices(ev: dict | None, bench: dict | None) -> list[dict]:
-    """Which k each engine used and why: the reference decoder's from eval's sweep, vLLM's from bench's."""
+def llamacpp_summary(data: dict | None) -> dict | None:
+    """bench/llamacpp.json as bench_summary reads it, plus the p-min llama-server drafted with."""
+    summary = bench_summary(data)
+    return summary and {**summary, **{k: data[k] for k in ("p_min", "target_gguf", "drafter_gguf")}}
+
+
+def k_choices(ev: dict | None, bench: dict | None, llama: dict | None) -> list[dict]:
+    """Which k each engine used and why: the reference decoder's from eval's sweep, vLLM's and llama.cpp's from
+    bench's."""
     out = []
     if ev:
         sweep = ", ".join(f"k={r['k']} {fmt(r['speedup'])}x" for r in ev["sweep"])
@@ -180,6 +188,12 @@ def k_choices(ev: dict | None, bench: dict | None) -> list[dict]:
         else:
             why = "the one k the bench stage served (no sweep recorded)"
         out.append({"engine": "vLLM", "k": bench["k"], "why": why})
+    if llama:
+        s = llama["settings"]
+        out.append({"engine": "llama.cpp", "k": llama["k"],
+                    "why": f"{llama['sweep']['choice']['reason']}; measured in llama-server at batch 1, drafts ending "
+                           f"below p-min {llama['p_min']:g}, one server per k against one plain llama-server, "
+                           f"{s['num_prompts']} `{s['prompts']}` requests{rounds_phrase(s['rounds'])}"})
     return out
 
 
@@ -199,7 +213,8 @@ def parity(ev: dict | None, bench: dict | None) -> dict | None:
 
 
 def decide(doc: dict) -> dict:
-    """Go / no-go: from bench when it ran, else from eval; a failed stage is a no-go."""
+    """Go / no-go: from bench when it ran (go when every engine it measured is), else from eval; a failed stage
+    is a no-go."""
     reasons: list[str] = []
     failed = (doc.get("summary") or {}).get("failed")
     check_errors = {e: c["errors"] for e, c in (doc.get("check") or {}).items() if c["errors"]}
@@ -208,22 +223,14 @@ def decide(doc: dict) -> dict:
     if failed:
         return {"decision": "no-go", "source": f"{failed['stage']} failed",
                 "reasons": [failed["error"].splitlines()[0]] + reasons}
-    if doc.get("bench"):
-        v = doc["bench"]["verdict"]
-        why, p = list(v["reasons"]), doc.get("parity")
-        if p and p["reference_tau"] is not None and abs(p["difference"]) <= PARITY_TOLERANCE:
-            # bench alone cannot tell a misread drafter from a weak one; the reference decoder reads it as trained,
-            # so an engine tau this close to the reference's rules the wiring fault out.
-            why = [r for r in why if "reads wrong" not in r]
-            speedups = [lv.get("speedup") for lv in doc["bench"].get("levels", [])]
-            # a drafter that pays off at some level is not weak: the no-go comes from the load, not from acceptance
-            weak = "" if v["decision"] == "go" or any((x or 0) > 1 for x in speedups) \
-                else "; the drafter itself accepts little"
-            where = f" ({p['note']})" if p.get("note") else ""
-            why.insert(0, f"engine tau {p['engine_tau']:.2f} is within {PARITY_TOLERANCE} of the reference decoder's "
-                          f"{p['reference_tau']:.2f} at k={p['k']}{where}: the engine reads the drafter as trained{weak}")
-        return {"decision": v["decision"], "source": "bench: vLLM with and without the drafter",
-                "reasons": why + reasons, "next_steps": v.get("next_steps", [])}
+    engines = [v for v in (vllm_verdict(doc), llamacpp_verdict(doc.get("llamacpp"))) if v]
+    if engines:
+        decisions = {v["decision"] for v in engines}
+        named = len(engines) > 1  # one engine: the source names it
+        return {"decision": "no-go" if "no-go" in decisions else "go" if decisions == {"go"} else "inconclusive",
+                "source": f"bench: {' and '.join(v['engine'] for v in engines)} with and without the drafter",
+                "reasons": [f"{v['engine']}: {r}" if named else r for v in engines for r in v["reasons"]] + reasons,
+                "next_steps": [f"{v['engine']}: {n}" if named else n for v in engines for n in v["next_steps"]]}
     ev = doc.get("eval")
     if ev:
         from draftsmith.bench import SPEEDUP_FLOOR, TAU_WIRING_FAULT
@@ -240,6 +247,46 @@ def decide(doc: dict) -> dict:
     return {"decision": "incomplete", "source": "neither eval nor bench ran", "reasons": reasons}
 
 
+def vllm_verdict(doc: dict) -> dict | None:
+    """vLLM's go / no-go: bench's verdict at the chosen k, with the parity finding when there is one."""
+    if not doc.get("bench"):
+        return None
+    v = doc["bench"]["verdict"]
+    why, p = list(v["reasons"]), doc.get("parity")
+    if p and p["reference_tau"] is not None and abs(p["difference"]) <= PARITY_TOLERANCE:
+        # bench alone cannot tell a misread drafter from a weak one; the reference decoder reads it as trained,
+        # so an engine tau this close to the reference's rules the wiring fault out.
+        why = [r for r in why if "reads wrong" not in r]
+        speedups = [lv.get("speedup") for lv in doc["bench"].get("levels", [])]
+        # a drafter that pays off at some level is not weak: the no-go comes from the load, not from acceptance
+        weak = "" if v["decision"] == "go" or any((x or 0) > 1 for x in speedups) \
+            else "; the drafter itself accepts little"
+        where = f" ({p['note']})" if p.get("note") else ""
+        why.insert(0, f"engine tau {p['engine_tau']:.2f} is within {PARITY_TOLERANCE} of the reference decoder's "
+                      f"{p['reference_tau']:.2f} at k={p['k']}{where}: the engine reads the drafter as trained{weak}")
+    return {"engine": "vLLM", "decision": v["decision"], "reasons": why, "next_steps": v.get("next_steps", [])}
+
+
+def llamacpp_verdict(llama: dict | None) -> dict | None:
+    """llama.cpp's go / no-go: bench's verdict at the chosen k (failed requests, no drafts, a wiring-fault tau,
+    slower), and a go only when faster than the plain llama-server (speed-up above bench.SPEEDUP_FLOOR)."""
+    if not llama:
+        return None
+    from draftsmith.bench import SPEEDUP_FLOOR
+
+    v = llama["verdict"]
+    if v["decision"] != "go":
+        return {"engine": "llama.cpp", "decision": v["decision"], "reasons": v["reasons"],
+                "next_steps": v.get("next_steps", [])}
+    up = llama["levels"][0]["speedup"]
+    where = f"speed-up {up:.2f}x at k={llama['k']}, batch 1, tau {fmt(llama['tau'])}"
+    if up > SPEEDUP_FLOOR:
+        return {"engine": "llama.cpp", "decision": "go", "reasons": [where], "next_steps": []}
+    return {"engine": "llama.cpp", "decision": "no-go", "reasons": [f"{where}: not faster than without the drafter"],
+            "next_steps": ["serve llama.cpp without the drafter here, or raise acceptance (train longer, on the "
+                           "target's own outputs)"]}
+
+
 def collect(run: Path) -> dict:
     """Everything the page shows, as one JSON document."""
     run = Path(run)
@@ -251,13 +298,14 @@ def collect(run: Path) -> dict:
     drafter = read_json(run / "train" / "drafter" / "config.json")
     ev = eval_summary(read_json(run / "eval.json"))
     bench = bench_summary(read_json(run / "bench" / "bench.json"))
+    llama = llamacpp_summary(read_json(run / "bench" / "llamacpp.json"))
     doc = {"run": str(run), "target": cfg["target"], "config": cfg,
            "summary": {k: summary.get(k) for k in ("stages", "skipped", "stage_seconds", "failed")},
            "data": data_summary(run, cfg["target"]), "starting_drafter": starting_drafter(cfg), "training": training_summary(run / "train" / "metrics.jsonl"),
            "simulated_tau": (drafter or {}).get("draftsmith", {}).get("eval", {}).get("tau"),
            "selection": (drafter or {}).get("draftsmith", {}).get("selection"),
            "eval": ev, "check": read_json(run / "check.json"), "launch": read_json(run / "launch.json"),
-           "bench": bench, "parity": parity(ev, bench), "k_choice": k_choices(ev, bench)}
+           "bench": bench, "llamacpp": llama, "parity": parity(ev, bench), "k_choice": k_choices(ev, bench, llama)}
     doc["verdict"] = decide(doc)
     return doc
 
@@ -279,6 +327,12 @@ def headline(doc: dict) -> str:
     elif doc.get("eval"):
         ev = doc["eval"]
         parts.append(f"reference tau {ev['tau']:.2f} at k={ev['k']}, speed-up {fmt(ev['speedup'])}x")
+    llama = doc.get("llamacpp")
+    if llama and llama["levels"][0]["speedup"] is not None:
+        rows = (llama.get("sweep") or {}).get("rows") or []
+        chosen = f", chosen from k={','.join(str(r['k']) for r in rows)}" if len(rows) > 1 else ""
+        parts.append(f"llama.cpp speed-up {llama['levels'][0]['speedup']:.2f}x at k={llama['k']}{chosen} "
+                     f"(batch 1, tau {fmt(llama['tau'])})")
     return f"verdict: {v['decision'].upper()} ({v['source']})" + (": " + "; ".join(parts) if parts else "")
 
 
@@ -332,24 +386,26 @@ def draw_training(doc: dict, plt):
 
 
 def draw_acceptance(doc: dict, plt):
-    ev, bench, sim = doc.get("eval"), doc.get("bench"), doc.get("simulated_tau")
-    if not ev and not bench and not sim:
+    ev, bench, sim, llama = doc.get("eval"), doc.get("bench"), doc.get("simulated_tau"), doc.get("llamacpp")
+    if not ev and not bench and not sim and not llama:
         return None
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.4))
-    width = 0.4
-    if ev:
-        xs = range(1, len(ev["per_position"]) + 1)
-        a.bar([x - width / 2 for x in xs], ev["per_position"], width, label=f"reference decoder (k={ev['k']})")
-    if bench and bench["per_position"]:
-        xs = range(1, len(bench["per_position"]) + 1)
-        a.bar([x + width / 2 for x in xs], bench["per_position"], width, label=f"vLLM (k={bench['k']})")
+    bars = [(label, engine["per_position"]) for label, engine in (
+        (f"reference decoder (k={(ev or {}).get('k')})", ev), (f"vLLM (k={(bench or {}).get('k')})", bench),
+        (f"llama.cpp (k={(llama or {}).get('k')}, p-min {(llama or {}).get('p_min')})", llama))
+        if engine and engine["per_position"]]
+    width = 0.8 / max(len(bars), 1)  # the engines side by side at each position
+    for i, (label, per_position) in enumerate(bars):
+        offset = (i - (len(bars) - 1) / 2) * width
+        a.bar([x + offset for x in range(1, len(per_position) + 1)], per_position, width, label=label)
     from matplotlib.ticker import MaxNLocator
 
     for ax in (a, b):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     a.set(xlabel="draft position", ylabel="accepted / verification steps", ylim=(0, 1),
           title="acceptance per position")
-    a.legend(fontsize=7)
+    if bars:
+        a.legend(fontsize=7)
     if sim:
         ks = sorted(int(k) for k in sim)
         b.plot(ks, [sim[str(k)] if str(k) in sim else sim[k] for k in ks], "o--", label="simulated (training)")
@@ -360,18 +416,24 @@ def draw_acceptance(doc: dict, plt):
         b.plot([r["k"] for r in rows], [r["tau"] for r in rows], "D-", label="vLLM")
     if bench and bench["tau"] is not None:
         b.plot([bench["k"]], [bench["tau"]], "D", markersize=9, label="vLLM" if len(rows) < 2 else "vLLM, chosen k")
+    llama_rows = [r for r in ((llama or {}).get("sweep") or {}).get("rows", []) if r["tau"] is not None]
+    if llama_rows:
+        b.plot([r["k"] for r in llama_rows], [r["tau"] for r in llama_rows], "^-",
+               label=f"llama.cpp (p-min {llama['p_min']:g})")
     b.set(xlabel="k (drafted tokens)", ylabel="tau (tokens per target step)", title="tau against k")
     b.legend(fontsize=7)
     return fig
 
 
 def draw_throughput(doc: dict, plt):
-    bench, ev = doc.get("bench"), doc.get("eval")
-    if bench:
-        labels = [f"c={lv['concurrency']}" for lv in bench["levels"]]
-        spec = [lv["output_tokens_per_s"] for lv in bench["levels"]]
-        base = [lv["baseline_output_tokens_per_s"] or 0 for lv in bench["levels"]]
-        title = "vLLM output tokens/s"
+    ev = doc.get("eval")
+    measured = [(name, doc[key]) for name, key in (("vLLM", "bench"), ("llama.cpp", "llamacpp")) if doc.get(key)]
+    if measured:
+        levels = [(name, lv) for name, engine in measured for lv in engine["levels"]]
+        labels = [f"{name} c={lv['concurrency']}" for name, lv in levels]
+        spec = [lv["output_tokens_per_s"] for _, lv in levels]
+        base = [lv["baseline_output_tokens_per_s"] or 0 for _, lv in levels]
+        title = " and ".join(name for name, _ in measured) + " output tokens/s"
     elif ev:
         labels, spec, base = ["batch 1"], [ev["tokens_per_s_spec"]], [ev["tokens_per_s_base"] or 0]
         title = "reference decoder tokens/s"
@@ -463,10 +525,14 @@ def blocks(doc: dict, images: list[str]) -> list[tuple]:
                  [[f"c={lv['concurrency']}", fmt(lv["output_tokens_per_s"], ".1f"),
                    fmt(lv["baseline_output_tokens_per_s"], ".1f"), f"{fmt(lv['speedup'])}x", fmt(lv["tau"]),
                    fmt(lv["tpot_ms_p50"], ".1f"), lv["failed"]] for lv in b["levels"]])]
+    elif doc.get("llamacpp"):
+        out += [("h2", "Throughput"),
+                ("p", "vLLM did not run (the Stages table says why); llama.cpp's numbers follow.")]
     elif ev:
         out += [("h2", "Throughput"), ("p", f"Reference decoder only (no engine run): {ev['tokens_per_s_spec']:.1f} "
                  f"tok/s with the drafter, {fmt(ev['tokens_per_s_base'], '.1f')} without ({fmt(ev['speedup'])}x).")]
     out += [("img", n, "throughput") for n in images if n == PLOTS[2]]
+    out += llamacpp_blocks(doc)
     out += check_blocks(doc)
     sm = doc["summary"]
     failed = (sm.get("failed") or {}).get("stage")
@@ -501,6 +567,27 @@ def k_blocks(doc: dict) -> list[tuple]:
         out.append(("table", ["k", "vLLM tau", "reference tau", "vLLM acceptance per position"]
                     + [f"{label} speed-up (tok/s with / without; per round)" for label in labels], rows))
     return out
+
+
+def llamacpp_blocks(doc: dict) -> list[tuple]:
+    """llama.cpp's section: how it was measured, the k it serves and why, one row per k of its sweep."""
+    llama = doc.get("llamacpp")
+    if not llama:
+        return []
+    s, sweep = llama["settings"], llama["sweep"]
+    rows = [[f"**{r['k']}** (chosen)" if r["k"] == llama["k"] else r["k"], fmt(r["tau"]), fmt(r["per_position"]),
+             f"{fmt(lv['speedup'])}x", fmt(lv["output_tokens_per_s"], ".1f"),
+             fmt(lv["baseline_output_tokens_per_s"], ".1f"), fmt(lv["rounds_speedup"]), r["failed"]]
+            for r in sweep["rows"] for lv in r["levels"]]
+    return [("h2", "llama.cpp"),
+            ("p", f"`llama-server` with and without the drafter (`{Path(llama['drafter_gguf']).name}` on "
+                  f"`{Path(llama['target_gguf']).name}`), batch 1, each draft ending at the first token the drafter "
+                  f"gives less than p-min {llama['p_min']:g}; {s['num_prompts']} `{s['prompts']}` prompts"
+                  f"{rounds_phrase(s['rounds'])}, {s['max_tokens']} tokens, temperature {s['temperature']}, "
+                  f"{s['warmup']} warm-up request(s). **k={llama['k']}**: {sweep['choice']['reason']}. Its tau counts "
+                  "those shortened drafts: not the reference decoder's tau at k."),
+            ("table", ["k", "llama.cpp tau", "acceptance per position", "speed-up", "tok/s with drafter",
+                       "tok/s without", "speed-up per round", "failed"], rows)]
 
 
 def round_range(speedups: list[float] | None) -> str:

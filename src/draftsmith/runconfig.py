@@ -28,7 +28,7 @@ from draftsmith.regenerate import RegenerateSettings
 from draftsmith.train import TrainSettings, recipe_for
 
 STAGES = ("regenerate", "capture", "train", "export", "eval", "check", "launch", "bench")
-ENGINE_STAGES = ("launch", "bench")  # need a vLLM interpreter; skipped (and said so) without one
+ENGINE_STAGES = ("launch", "bench")  # need a vLLM interpreter (bench: or bench.llamacpp_k); skipped, and said so
 EXPORT_FORMATS = ("vllm", "sglang", "speculators")
 CHECK_ENGINES = ("vllm", "sglang")
 
@@ -102,22 +102,40 @@ LaunchStage = with_defaults(LaunchSection, "LaunchStage", "run's launch section:
 
 
 class BenchSection(BenchSettings):
-    """The bench verb's settings plus the draft lengths and the baseline `run` measures."""
+    """The bench verb's settings plus the draft lengths and the baseline `run` measures in vLLM, and llama.cpp's."""
 
     k: tuple[int, ...] = (2, 3, 4)
     """Draft lengths (num_speculative_tokens) vLLM serves the drafter at, one server at a time (launch's is
     the largest), each measured against the same baseline; the run chooses the k with the best speed-up at
     the lowest load level among those never slower than the baseline (sweep.choose_k). One value: that k."""
     baseline: bool = True
-    """Measure the speed-up against the target served without speculation."""
+    """vLLM: measure the speed-up against the target served without speculation (llama.cpp always measures
+    against a plain llama-server)."""
     baseline_endpoint: str | None = None
-    """An already running server of the target without speculation; null: start one like launch does."""
+    """vLLM: an already running server of the target without speculation; null: start one like launch does."""
+    llamacpp_k: tuple[int, ...] = (3, 4)
+    """Draft lengths (--spec-draft-n-max) llama.cpp's `llama-server` serves the drafter's f32 GGUF at, batch 1,
+    one server at a time at draftsmith's p-min (llamacpp.SERVE_P_MIN), each measured against one plain
+    llama-server in bench.rounds rounds; its k is chosen by vLLM's rule. []: no llama.cpp. Needs `make
+    llama-server`; runs without vLLM too."""
+    llamacpp_num_prompts: int = 8
+    """llama.cpp: requests per server, at concurrency 1 (the first of bench.prompts after bench.warmup)."""
+    llamacpp_max_tokens: int = 64
+    """llama.cpp: cap on generated tokens per request."""
 
     @model_validator(mode="after")
     def check_k(self) -> BenchSection:
         if not self.k or min(self.k) < 1:
             raise DraftsmithError("bad bench.k", got=str(list(self.k)), expected="one or more draft lengths >= 1",
                                   fix="for example bench.k=2,3,4, or bench.k=3 for one k")
+        problems = [f"bench.llamacpp_k {list(self.llamacpp_k)}"] if self.llamacpp_k and min(self.llamacpp_k) < 1 else []
+        problems += [f"bench.{key} {getattr(self, key)}" for key in ("llamacpp_num_prompts", "llamacpp_max_tokens")
+                     if getattr(self, key) < 1]
+        if problems:
+            raise DraftsmithError("bad bench llama.cpp settings", got=", ".join(problems),
+                                  expected="draft lengths >= 1 (or [] for no llama.cpp), at least 1 prompt and 1 token",
+                                  fix="for example bench.llamacpp_k=3,4 bench.llamacpp_num_prompts=8 "
+                                      "bench.llamacpp_max_tokens=64, or bench.llamacpp_k=[] to leave llama.cpp out")
         if len(set(self.k)) > 1 and not (self.baseline or self.baseline_endpoint):
             raise DraftsmithError("a k sweep needs a baseline", got=f"bench.k {list(self.k)} with bench.baseline false",
                                   expected="a baseline: the sweep chooses k by measured speed-up",
@@ -127,7 +145,10 @@ class BenchSection(BenchSettings):
 
 # run's bench defaults: cheap on a 2-core CPU (2 levels x 12 requests of 32 tokens per server: three waves at
 # concurrency 4, so one slow wave does not decide the verdict), in 3 rounds that alternate the drafter's server
-# and the baseline (this CPU is shared: a neighbour's job then slows both, not one)
+# and the baseline (this CPU is shared: a neighbour's job then slows both, not one). llama.cpp takes its own sizes
+# (BenchSection: 8 requests of 64 tokens at batch 1, those of benchmarks/llamacpp_bench.py): its prompt costs
+# ~110 ms, 17 % of a 32-token request at its ~18 ms per token and 9 % of a 64-token one, and both servers pay it
+# alike, so short requests pull the speed-up towards 1 (benchmarks/results/llamacpp_bench_embedded.json, `plain`)
 BenchStage = with_defaults(BenchSection, "BenchStage", "run's bench section: BenchSettings with run's defaults.",
                            prompts="chat-eval", num_prompts=12, concurrency=(1, 4), max_tokens=32, warmup=1, rounds=3)
 

@@ -64,18 +64,24 @@ def stage_outputs(out: Path, stage: str, cfg: RunConfig) -> list[Path]:
         "eval": [out / "eval.json"],
         "check": [out / "check.json"],
         "launch": [out / "launch.json", out / "launch.log"],
-        "bench": [out / "bench"],
+        "bench": [out / "bench", out / "export-llamacpp"],  # bench writes the GGUF export llama.cpp serves
     }[stage]
 
 
-def stage_settings(cfg: RunConfig, stage: str) -> Any:
-    """What a stage's hash covers besides everything upstream of it."""
+def bench_engines(cfg: RunConfig, python: Path | None) -> tuple[str, ...]:
+    """The engines the bench stage measures: vLLM when its interpreter is there, llama.cpp when bench.llamacpp_k."""
+    return tuple(name for name, on in (("vllm", python is not None), ("llamacpp", bool(cfg.bench.llamacpp_k))) if on)
+
+
+def stage_settings(cfg: RunConfig, stage: str, python: Path | None) -> Any:
+    """What a stage's hash covers besides everything upstream of it (bench: also the engines it measures, so a
+    bench that ran without vLLM runs again once vLLM is there)."""
     if stage == "regenerate":
         return [cfg.target, cfg.regenerate.model_dump()]
     section = getattr(cfg, stage).model_dump()
     if stage in ("check", "launch"):  # both use the largest k that bench measures (RunContext.engine_ks)
         return [section, cfg.engine_python, max(cfg.bench.k)]
-    return [section, cfg.engine_python] if stage == "bench" else section
+    return [section, cfg.engine_python, bench_engines(cfg, python)] if stage == "bench" else section
 
 
 def skip_reason(cfg: RunConfig, stage: str, python: Path | None) -> str | None:
@@ -83,6 +89,7 @@ def skip_reason(cfg: RunConfig, stage: str, python: Path | None) -> str | None:
         return "skip in the config"
     if stage == "capture" and cfg.train.mode == "online":
         return "train.mode=online: the target runs in the training process"
-    if stage in ENGINE_STAGES and python is None:
-        return "no vLLM interpreter (run `make engine-venv` or set engine_python)"
-    return None
+    no_vllm = "no vLLM interpreter (run `make engine-venv` or set engine_python)"
+    if stage == "bench":  # measures llama.cpp without vLLM
+        return None if bench_engines(cfg, python) else no_vllm + ", and bench.llamacpp_k is []"
+    return no_vllm if stage in ENGINE_STAGES and python is None else None

@@ -1,7 +1,8 @@
 """`draftsmith run`'s stage runners: each calls its verb with typed settings taken from the run config.
 
 `RUNNERS` maps a stage to its runner; `RunContext` is what the stages share (the run directory, the vLLM
-interpreter, the launch stage's speculative server while it runs, the engine lock).
+interpreter, the launch stage's speculative server while it runs, the engine lock). bench measures vLLM, then
+llama.cpp's `llama-server` (bench.llamacpp_k).
 """
 
 from __future__ import annotations
@@ -315,27 +316,121 @@ def sweep_order(ks: list[int], launched_k: int | None) -> list[int]:
 
 
 def do_bench(ctx: RunContext) -> None:
-    from draftsmith.bench import BenchSettings, print_report, write_plots
-    from draftsmith.sweep import choose_from_reports, measure_sweep, sweep_record
-
-    b, out = ctx.cfg.bench, ctx.out / "bench"
+    """vLLM's k sweep (when its interpreter is there), then llama.cpp's (bench.llamacpp_k), never both at once.
+    A resumed bench keeps vLLM's finished sweep (bench.json is written last) and measures llama.cpp again."""
+    out = ctx.out / "bench"
     out.mkdir(parents=True, exist_ok=True)
     ctx.hold_engine_lock()
+    if ctx.python is None:
+        print("run: bench: no vLLM interpreter (`make engine-venv`), llama.cpp only")
+    elif (out / "bench.json").exists():
+        print("run: bench: vLLM finished before this bench was interrupted (bench/bench.json), kept")
+    else:
+        bench_vllm(ctx, out)
+    if ctx.cfg.bench.llamacpp_k:
+        bench_llamacpp(ctx, out / "llamacpp")
+
+
+def bench_vllm(ctx: RunContext, out: Path) -> None:
+    """vLLM at each k of bench.k against one baseline server: bench.json (the chosen k's report), k<K>.json."""
+    from draftsmith.bench import BenchSettings
+    from draftsmith.sweep import measure_sweep
+
+    b = ctx.cfg.bench
     s = BenchSettings(**b.model_dump(include=set(BenchSettings.model_fields)))
     ks = sweep_order(ctx.engine_ks(), ctx.launched.k if ctx.launched else None)
     with contextlib.ExitStack() as baseline:
         base_url = None if not b.baseline else b.baseline_endpoint or \
             baseline.enter_context(engine_server(ctx, out / "baseline.log", None))[0]
         reports = measure_sweep(ks, lambda k: speculative_server(ctx, k, out), base_url, s)
+    write_sweep(reports, "vLLM", out, out / "bench.json")
+
+
+def write_sweep(reports: dict[int, dict], name: str, per_k: Path, result: Path, **extra: Any) -> None:
+    """Each k's report as `per_k/k<K>.json`; the chosen k's (sweep.choose_from_reports), with `extra` and the sweep
+    record, as `result`; its plots into `per_k`."""
+    from draftsmith.bench import print_report, write_plots
+    from draftsmith.sweep import choose_from_reports, sweep_record
+
     for k, report in reports.items():
-        (out / f"k{k}.json").write_text(json.dumps(report, indent=2) + "\n")
+        (per_k / f"k{k}.json").write_text(json.dumps(report, indent=2) + "\n")
     choice = choose_from_reports(reports)
     chosen = reports[choice.k if choice.k is not None else max(reports)]
-    result = {**chosen, "sweep": sweep_record(reports, choice)}
-    (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
-    write_plots(result, out)
-    print_report(result)
-    print(f"run: vLLM k={choice.k}: {choice.reason}")
+    doc = {**chosen, **extra, "sweep": sweep_record(reports, choice)}
+    result.write_text(json.dumps(doc, indent=2) + "\n")
+    write_plots(doc, per_k)
+    print_report(doc)
+    print(f"run: {name} k={choice.k}: {choice.reason}")
+
+
+# ---------------------------------------------------------------- llama.cpp in bench
+
+# f32 GGUFs: what llamacpp.target_gguf converts the target to, and where SERVE_P_MIN pays (q8_0 stayed slower than
+# the plain server, 0.80x at k=3: llamacpp.SERVE_P_MIN's sources)
+LLAMACPP_DTYPE = "float32"
+# Every prompt processed in full: the plain server answers the same prompts once per k, and its prompt cache
+# (llama-server --cache-ram, on by default) would serve the later passes faster than the first one
+LLAMACPP_SERVER_FLAGS = ("--no-cache-prompt",)
+
+
+@dataclass(frozen=True)
+class GgufPair:
+    """What llama-server serves: the target GGUF (converted once, cached) and the drafter GGUF (export-llamacpp/)."""
+
+    target: Path
+    drafter: Path
+
+
+def llamacpp_gguf(ctx: RunContext) -> GgufPair:
+    """The drafter exported for llama.cpp into export-llamacpp/ (run's export.formats are the vLLM-side layouts),
+    kept when a resumed bench already wrote it."""
+    from draftsmith import llamacpp
+    from draftsmith.export import export
+    from draftsmith.target import resolve_target
+
+    out = ctx.export_dir("llamacpp")
+    if not (out / llamacpp.MANIFEST).is_file():
+        print(f"run: bench: exporting the drafter for llama.cpp into {out}")
+        export(ctx.drafter, out, "llamacpp", LLAMACPP_DTYPE, max(ctx.cfg.bench.llamacpp_k),
+               str(resolve_target(ctx.cfg.target)))
+    manifest = json.loads((out / llamacpp.MANIFEST).read_text())
+    return GgufPair(Path(manifest["target_gguf"]), out / manifest["drafter_gguf"])
+
+
+@contextlib.contextmanager
+def llamacpp_server(gguf: GgufPair, k: int | None, log: Path) -> Iterator[str]:
+    """llama-server on the target GGUF, with the drafter at up to k draft tokens (None: without speculation)."""
+    from draftsmith import llamacpp
+
+    spec = llamacpp.LlamaServe(gguf.target, gguf.drafter if k else None, k=k or DEFAULT_K,
+                               extra_args=LLAMACPP_SERVER_FLAGS)
+    print(f"run: starting {f'speculative (k={k}, p-min {spec.p_min:g})' if k else 'baseline'} llama-server (log {log})")
+    with llamacpp.serve(spec, log) as url:
+        yield url
+
+
+def bench_llamacpp(ctx: RunContext, out: Path) -> None:
+    """llama.cpp at batch 1: llama-server at each k of bench.llamacpp_k (one at a time) against one plain
+    llama-server, in bench.rounds alternating rounds; bench/llamacpp.json is the chosen k's report with the sweep,
+    bench/llamacpp/ holds each k's report and every server's log."""
+    from draftsmith import llamacpp
+    from draftsmith.bench import BenchSettings
+    from draftsmith.sweep import measure_sweep
+
+    b = ctx.cfg.bench
+    out.mkdir(parents=True, exist_ok=True)
+    gguf = llamacpp_gguf(ctx)
+    # llama-server decodes one request at a time here (LlamaServe parallel 1): one level, c=1; the model is
+    # whatever it serves, not bench.model (vLLM's name)
+    s = BenchSettings(**{**b.model_dump(include=set(BenchSettings.model_fields)), "concurrency": (1,),
+                         "request_rate": (), "num_prompts": b.llamacpp_num_prompts,
+                         "max_tokens": b.llamacpp_max_tokens, "model": None})
+    with llamacpp_server(gguf, None, out / "baseline.log") as base_url:
+        reports = measure_sweep(sweep_order(sorted(set(b.llamacpp_k)), None),
+                                lambda k: llamacpp_server(gguf, k, out / f"speculative-k{k}.log"), base_url, s)
+    write_sweep(reports, "llama.cpp", out, out.parent / "llamacpp.json", engine="llama.cpp",
+                p_min=llamacpp.SERVE_P_MIN, target_gguf=str(gguf.target), drafter_gguf=str(gguf.drafter),
+                server_flags=list(LLAMACPP_SERVER_FLAGS))
 
 
 RUNNERS = {"regenerate": do_regenerate, "capture": do_capture, "train": do_train, "export": do_export,
