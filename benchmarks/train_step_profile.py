@@ -4,8 +4,14 @@ At SmolLM2's size a step is far from GEMM-bound: speculators' compiled loop ran 
 second at the same settings on one H200 (docs/peers.md). This runs the real Trainer on random features of
 SmolLM2's shapes, packed from lengths drawn from the committed histogram of the embedded drafter's data, for
 each named setting, and reports per setting: the median step (wall, end-of-step sync included), the GPU's busy
-time in the step (the sum of its kernels' durations, from torch.profiler), the kernel launches per step, and
-the top kernels and CPU-side ops. wall - busy is what launches, host work and syncs cost.
+time in the step (the sum of its kernels' durations, from torch.profiler), the kernel launches per step, the
+host's CUDA calls per step (eager kernel launches, CUDA graph launches, copies: count and CPU ms), the top kernels
+and CPU-side ops, and with --compile torch.compile's graph and graph-break counts. wall - busy is what launches,
+host work and syncs cost.
+
+Compiled settings of different shapes in one process share dynamo's cache: the second shape recompiles with
+dynamic shapes, which is not what a run of that shape alone compiles. scripts/device_step_profile.sh runs each
+setting in a process of its own.
 
 `--host` builds every batch as the store reader does: samples on the CPU (a pool of real-length tensors),
 packed there, then copied; without it, samples are made on the device (the step alone).
@@ -90,6 +96,21 @@ def parse_setting(text: str) -> tuple[str, dict]:
     return name, fields
 
 
+HOST_CALLS = {"eager_kernel_launches": "cudaLaunchKernel", "graph_launches": "cudaGraphLaunch",
+              "copies": "cudaMemcpyAsync"}
+"""The CUDA runtime calls that are the step's host work, by what they mean: each eager kernel is one launch, each
+CUDA graph replay one graph launch, each copy into a graph's static inputs (or from the host) one memcpy."""
+
+
+def dynamo_counts() -> dict:
+    """torch.compile's graphs and graph breaks so far in this process (a break splits the compiled forward)."""
+    from torch._dynamo.utils import counters
+
+    return {"unique_graphs": counters["stats"]["unique_graphs"],
+            "graph_breaks": sum(counters["graph_break"].values()),
+            "graph_break_reasons": sorted(counters["graph_break"])[:10]}
+
+
 def kernel_summary(prof, steps: int, top: int) -> dict:
     """Kernel launches and GPU busy time per step, and the top kernels and CPU-side ops."""
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -100,8 +121,13 @@ def kernel_summary(prof, steps: int, top: int) -> dict:
         t = e.device_time if hasattr(e, "device_time") else e.cuda_time
         by_kernel.setdefault(e.name[:90], []).append(t)
     kernels = sorted(((sum(v), len(v), k) for k, v in by_kernel.items()), reverse=True)[:top]
-    cpu = sorted(((e.self_cpu_time_total, e.count, e.key[:90]) for e in prof.key_averages()), reverse=True)[:top]
+    averages = prof.key_averages()
+    cpu = sorted(((e.self_cpu_time_total, e.count, e.key[:90]) for e in averages), reverse=True)[:top]
+    host = {e.key: e for e in averages if e.key in HOST_CALLS.values()}
     return {"kernels_per_step": len(events) / steps, "gpu_busy_ms_per_step": busy_us / 1000 / steps,
+            "host_calls_per_step": {name: {"calls": host[key].count / steps if key in host else 0.0,
+                                           "self_ms": host[key].self_cpu_time_total / 1000 / steps if key in host else 0.0}
+                                    for name, key in HOST_CALLS.items()},
             "top_kernels": [{"name": n, "ms_per_step": t / 1000 / steps, "calls_per_step": c / steps}
                             for t, c, n in kernels],
             "top_cpu_ops": [{"name": n, "self_ms_per_step": t / 1000 / steps, "calls_per_step": c / steps}
@@ -162,6 +188,8 @@ def measure(args, lengths: list[int], name: str, fields: dict) -> dict:
         result["profiled_step_ms"] = profiled_ms
         if cuda:
             result.update(kernel_summary(prof, args.profile_steps, args.top))
+    if cfg.compile:
+        result["dynamo"] = dynamo_counts()  # cumulative over the settings run before this one in the process
     trainer.close()
     shutil.rmtree(out, ignore_errors=True)
     return result
@@ -190,7 +218,10 @@ def main() -> None:
               f"median {r['pipelined_step_ms_median'] or float('nan'):.1f}), "
               f"{r['slot_tokens_per_s']:,.0f} tok/s, first "
               f"{r['first_step_s']:.1f} s" + (f", GPU busy {r['gpu_busy_ms_per_step']:.1f} ms, "
-                                               f"{r['kernels_per_step']:.0f} kernels/step" if "kernels_per_step" in r else ""),
+                                               f"{r['kernels_per_step']:.0f} kernels/step, host calls/step "
+                                               + ", ".join(f"{k} {v['calls']:.0f} ({v['self_ms']:.2f} ms)"
+                                                           for k, v in r["host_calls_per_step"].items())
+                                               if "kernels_per_step" in r else ""),
               flush=True)
         args.out.write_text(json.dumps({"what": "Trainer.train_step at SmolLM2 shapes: wall, GPU busy, launches",
                                         "command": " ".join(sys.argv), "date": str(datetime.date.today()),

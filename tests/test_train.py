@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -256,6 +257,152 @@ def test_the_loop_reads_each_step_behind_the_next_and_logs_what_a_waited_step_gi
     assert logged[0]["grad_norm"] > 0 and logged[-1]["loss"] < logged[0]["loss"], "nothing trained; proves little"
 
 
+def tiny_unroll_inputs(packed: bool):
+    """A float64 tiny drafter (the normed recipe's norms) with its draft vocabulary, the target head, and one batch:
+    documents packed into two rows of 256 tokens (a multiple of FlexAttention's block), or one padded per row."""
+    from test_drafter import packed_and_unpacked, random_documents, tiny_config
+
+    from draftsmith.drafter import Eagle3Drafter
+    from draftsmith.vocab import build_draft_vocab
+
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(tiny_config(norm_before_fc=True, norm_before_residual=True)).double()
+    vocab = build_draft_vocab(torch.arange(96, 0, -1), 48)
+    drafter.d2t.copy_(vocab.d2t)
+    drafter.t2d.copy_(vocab.t2d)
+    head = torch.randn(96, 40, dtype=torch.float64)
+    docs = random_documents([60, 90, 40, 120, 100])
+    for d in docs:
+        d[4].copy_((d[3] @ head.T).argmax(-1))
+    (ids, mask, aux, last, argmax), batch = packed_and_unpacked(
+        docs, [[(1, 0, 90), (0, 0, 60), (2, 0, 40)], [(3, 0, 120), (4, 0, 100)]], row_tokens=256)
+    if packed:
+        return drafter, head, (batch.aux, batch.input_ids, batch.loss_mask, batch.last, head), \
+            dict(t_argmax=batch.target_argmax, documents=batch.documents)
+    return drafter, head, (aux, ids, mask, last, head), dict(t_argmax=argmax)
+
+
+def unroll_and_grads(drafter, args, kwargs, grad: bool = True):
+    from draftsmith.drafter import ttt_forward
+
+    with torch.set_grad_enabled(grad):
+        out = ttt_forward(drafter, *args, steps=4, **kwargs)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    return out, torch.autograd.grad(out.loss, params) if grad else []
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_compiled_forward_is_one_graph_that_equals_the_eager_unroll(packed):
+    """`compile_for_training` compiles the whole forward, target softmax, masks and loss included, so that no
+    eager kernel runs around it (issue 23): it must trace as one graph (fullgraph: a graph break raises) and
+    compute what the eager unroll does, loss, statistics and every gradient (float64; the aot_eager backend runs
+    the traced graph's own ops, so this checks the capture, not inductor's kernels: tests/test_drafter.py and
+    tests/test_gpu.py run those)."""
+    from draftsmith.drafter import ttt_unroll
+
+    drafter, _, args, kwargs = tiny_unroll_inputs(packed)
+    eager, eager_grads = unroll_and_grads(drafter, args, kwargs)
+    drafter.ttt_unroll = torch.compile(ttt_unroll, backend="aot_eager", fullgraph=True)
+    out, grads = unroll_and_grads(drafter, args, kwargs)
+    assert eager.loss.item() > 0 and any(g.abs().max() > 0 for g in grads), "nothing to compare"
+    torch.testing.assert_close(out.loss, eager.loss, rtol=1e-12, atol=0)
+    torch.testing.assert_close(out.loss_sum, eager.loss_sum, rtol=1e-12, atol=1e-12)
+    assert torch.equal(out.correct, eager.correct) and torch.equal(out.valid, eager.valid)
+    for a, b in zip(grads, eager_grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_the_cuda_paths_block_mask_and_flex_attention_trace_inside_the_compiled_forward(monkeypatch):
+    """On CUDA the compiled forward also builds the packed rows' FlexAttention block mask (`document_block_mask`)
+    and attends through it. Here on CPU, with that mask swapped in for the dense one, the forward still traces as
+    one graph and gives the dense mask's loss and statistics (forward only: FlexAttention has no CPU backward)."""
+    import draftsmith.drafter as drafter_module
+    from draftsmith.drafter import ttt_unroll
+    from draftsmith.kernels import document_block_mask
+
+    drafter, _, args, kwargs = tiny_unroll_inputs(packed=True)
+    dense, _ = unroll_and_grads(drafter, args, kwargs, grad=False)
+    monkeypatch.setattr(drafter_module, "document_mask", document_block_mask)
+    drafter.ttt_unroll = torch.compile(ttt_unroll, backend="aot_eager", fullgraph=True)
+    block, _ = unroll_and_grads(drafter, args, kwargs, grad=False)
+    torch.testing.assert_close(block.loss, dense.loss, rtol=1e-10, atol=0)
+    torch.testing.assert_close(block.loss_sum, dense.loss_sum, rtol=1e-10, atol=1e-12)
+    assert torch.equal(block.correct, dense.correct)
+
+
+def test_one_micro_batch_normalised_by_its_own_counts_is_the_explicit_global_denominator():
+    """One process, one micro-batch: `launch_step` lets the forward count the supervised positions itself
+    (denominators None) instead of passing the global counts; loss and gradients are the same, exactly."""
+    from draftsmith.drafter import step_masks
+
+    drafter, _, args, kwargs = tiny_unroll_inputs(packed=True)
+    own, own_grads = unroll_and_grads(drafter, args, kwargs)
+    denom = step_masks(args[2], 4, kwargs["documents"]).sum(dim=(1, 2)).float()
+    given, given_grads = unroll_and_grads(drafter, args, {**kwargs, "denominators": denom})
+    assert torch.equal(own.loss, given.loss) and torch.equal(own.loss_sum, given.loss_sum)
+    assert all(torch.equal(a, b) for a, b in zip(own_grads, given_grads))
+
+
+def test_a_compiled_trainer_logs_what_the_eager_one_does(store, tmp_path, monkeypatch):
+    """`train --compile` on the real Trainer (compile_for_training, the static target head, the step's statistics
+    read from the compiled forward's outputs, evaluation under no_grad): each step's record and the held-back
+    result equal the eager run's. torch.compile runs with the aot_eager backend here (inductor on CPU would take
+    minutes), fullgraph so that a graph break fails."""
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend="aot_eager", fullgraph=True))
+
+    def run(name: str, **kw) -> tuple[list[dict], dict]:
+        cfg = TrainConfig(out=str(tmp_path / name), store=str(store), lr=3e-3, batch_tokens=256, row_tokens=128,
+                          draft_vocab_size=128, ttt_steps=3, eval_fraction=0.2, max_steps=4, eval_every=10**6,
+                          save_every=10**6, log_every=10**6, **kw)
+        with Trainer(cfg) as trainer:
+            records = []
+            for _ in range(cfg.max_steps):
+                records.append(trainer.train_step())
+                trainer.step += 1
+            return records, asdict(trainer.evaluate())
+
+    (eager, eager_eval), (compiled, compiled_eval) = run("eager"), run("compiled", compile=True)
+    assert eager[-1]["loss"] < eager[0]["loss"], "nothing trained; proves little"
+    for a, b in zip(eager, compiled):
+        for key in ("loss", "loss_per_step", "acc", "grad_norm", "real_tokens", "supervised_tokens", "tokens"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5), (a["step"], key, a[key], b[key])
+    for key in ("acc", "loss", "tau"):
+        assert compiled_eval[key] == pytest.approx(eager_eval[key], rel=1e-5), key
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_trainer_with_cuda_graphs_follows_the_eager_one_on_cuda_across_evaluations(store, tmp_path):
+    """`train --compile --cuda-graphs` on the real Trainer on CUDA (inductor, CUDA graph trees, bf16 autocast):
+    training steps, a held-back evaluation under no_grad (its own graphs), then more training steps replaying
+    the training graphs again; each step's record and both evaluations follow the eager run's within bf16
+    rounding. A replay reading memory another graph overwrote would be far off (or raise)."""
+    torch._dynamo.reset()
+
+    def run(name: str, **kw) -> tuple[list[dict], list[dict]]:
+        cfg = TrainConfig(out=str(tmp_path / name), store=str(store), lr=3e-3, batch_tokens=256, row_tokens=128,
+                          draft_vocab_size=128, ttt_steps=3, eval_fraction=0.2, max_steps=6, eval_every=10**6,
+                          save_every=10**6, log_every=10**6, device="cuda", **kw)
+        records, evals = [], []
+        with Trainer(cfg) as trainer:
+            for i in range(cfg.max_steps):
+                records.append(trainer.train_step())
+                trainer.step += 1
+                if i in (2, 5):
+                    evals.append(asdict(trainer.evaluate()))
+        return records, evals
+
+    (eager, eager_evals), (graphs, graph_evals) = run("eager"), run("graphs", compile=True, cuda_graphs=True)
+    torch._dynamo.reset()
+    assert eager[-1]["loss"] < eager[0]["loss"], "nothing trained; proves little"
+    for a, b in zip(eager, graphs):
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-2), (a["step"], a["loss"], b["loss"])
+        assert b["supervised_tokens"] == a["supervised_tokens"]
+    for a, b in zip(eager_evals, graph_evals):
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-2) and b["tau"] == pytest.approx(a["tau"], rel=5e-2), (a, b)
+
+
 def test_a_new_drafter_takes_speculators_norm_variants_and_the_learning_rate_default_follows_init_from(store,
                                                                                                       tmp_path):
     """--norm-before-fc / --norm-output / --norm-before-residual build a drafter that has them, trains its input
@@ -424,6 +571,10 @@ def test_cuda_graphs_are_refused_without_a_compiled_step_at_one_shape():
     assert "add --compile" in str(e.value)
     with pytest.raises(DraftsmithError, match="--cuda-graphs with --compile, --no-pack"):
         TrainConfig(out="o", store="s", compile=True, cuda_graphs=True, pack=False)
+    # the replays of two micro-batches share their output memory: the first one's gradients would be overwritten
+    with pytest.raises(DraftsmithError, match="--cuda-graphs with --grad-accum 2") as e:
+        TrainConfig(out="o", store="s", compile=True, cuda_graphs=True, grad_accum=2)
+    assert "--batch-tokens 2x" in str(e.value)
 
 
 def test_run_trains_the_normed_recipe_only_for_formats_whose_engines_compute_its_norms():

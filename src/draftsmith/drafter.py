@@ -269,7 +269,7 @@ class Eagle3Drafter(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
-        self.soft_ce_rows = soft_ce_rows  # the loss's elementwise pass; `compile_for_training` swaps in a compiled copy
+        self.ttt_unroll = ttt_unroll  # what `ttt_forward` runs; `compile_for_training` swaps in a compiled copy
 
     def project_aux(self, aux: torch.Tensor) -> torch.Tensor:
         """h = fc(a), through input_norm first where norm_before_fc is set. (B, T, 3Ht) -> (B, T, H)"""
@@ -337,7 +337,7 @@ class Eagle3Drafter(nn.Module):
                 cache.values.append(v)
             # The same math; each the faster where it runs (flash kernels take half precision only; packed rows on
             # CUDA go through FlexAttention's block mask, any dtype).
-            lse = q.is_cuda and (mask is not None or q.dtype in (torch.bfloat16, torch.float16))
+            lse = is_block_mask(mask) or (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16))
             extra = {}
             if lse and not first and not is_block_mask(mask):  # the flash kernel reads K/V at the query heads
                 extra["causal_kv"] = cache.repeated_causal_kv(attn_mod.nh // attn_mod.nkv)
@@ -470,7 +470,20 @@ def ttt_forward(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tens
     Returns:
         TTTOutput. Step i at index t is fed token t+1+i and predicts token t+2+i, whose target
         distribution is the target's softmax at t+1+i restricted to the draft vocabulary.
+
+    Runs `drafter.ttt_unroll`: `ttt_unroll`, or the compiled copy `compile_for_training` put there.
     """
+    return drafter.ttt_unroll(drafter, aux, input_ids, loss_mask, last, target_head, steps, decay, denominators,
+                              t_argmax, documents)
+
+
+def ttt_unroll(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+               last: torch.Tensor, target_head: torch.Tensor, steps: int, decay: float,
+               denominators: torch.Tensor | None, t_argmax: torch.Tensor | None,
+               documents: torch.Tensor | None) -> TTTOutput:
+    """`ttt_forward`'s work, from the batch to the loss: the function `compile_for_training` compiles whole, so
+    that nothing of the forward (the target's softmax, the masks, the positions, the head and its loss) runs as
+    eager kernels around the compiled region."""
     valid = step_masks(loss_mask, steps, documents)  # (K, B, T)
     cfg = drafter.config
     B, T = input_ids.shape
@@ -511,30 +524,37 @@ def ttt_forward(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tens
     # Step i at index t predicts token t+2+i; its target is the target's softmax at t+1+i.
     weight = valid & torch.stack([in_vocab[:, 1 + i:1 + i + T] for i in range(steps)])  # (K, B, T)
     loss, ce, top = DraftHeadLoss.apply(torch.stack(xs), drafter.lm_head.weight, p_target,
-                                        weight * scales[:, None, None], drafter.soft_ce_rows)
+                                        weight * scales[:, None, None], soft_ce_rows)
     t_next = torch.stack([shift_left(t_argmax, 1 + i) for i in range(steps)])  # (K, B, T)
     return TTTOutput(loss=loss, loss_sum=(ce * weight).sum(dim=(1, 2)).detach(),
                      correct=drafter.draft_to_target_ids(top) == t_next, valid=valid)
 
 
 def compile_for_training(drafter: Eagle3Drafter, cuda_graphs: bool = False) -> None:
-    """torch.compile the two pieces of the TTT unroll that are elementwise-heavy: the step up to the final
-    norm, and the loss's pass over the logits (GPU runs, where it pays back the compile time; a new
-    sequence length recompiles once, then runs with dynamic shapes: packed rows (`TrainConfig.pack`) keep
-    one shape, so the first step compiles and no later one does).
+    """torch.compile the drafter's whole training forward, `ttt_unroll`: the target's softmax over the draft
+    vocabulary, the step masks, positions and document mask, the K TTT steps and the head's loss (GPU runs, where
+    it pays back the compile time). One compiled region with one forward and one backward graph: each eager op
+    around a compiled region costs a kernel launch and each region a guard check, a launch and copies of its
+    inputs, the host time that bounded the small drafter's step (docs/gpu.md, "CUDA graphs over the compiled
+    step"). Packed rows (`TrainConfig.pack`) keep one shape, so the first step compiles and no later one does;
+    unpacked micro-batches recompile once for dynamic shapes, and again where the loss's grouping of TTT steps
+    changes (`HEAD_GEMM_ROWS`: at most K groupings).
 
-    cuda_graphs: the step's forward and backward graphs replay as CUDA graphs (torch.compile's
-    `reduce-overhead` mode, CUDA graph trees): one launch per graph instead of one per kernel, for steps too
-    small to keep the GPU busy between launches. The caller marks each forward's start
-    (`torch.compiler.cudagraph_mark_step_begin`); on CPU the mode compiles as the default one."""
+    cuda_graphs: the forward and backward graphs replay as CUDA graphs (torch.compile's `reduce-overhead` mode,
+    CUDA graph trees): one launch each instead of one per kernel. The caller marks each forward's start
+    (`torch.compiler.cudagraph_mark_step_begin`) and keeps the inputs that do not change between steps (the
+    target's head) at a static address (`torch._dynamo.mark_static_address`), so a replay copies only the batch;
+    on CPU the mode compiles as the default one."""
     import torch._dynamo.config as dynamo_config
 
-    # ttt_step compiles one graph per step index (the cache it reads grows), static at the first length and
-    # dynamic after it: 2 x K graphs for unpacked micro-batches of varying length. torch's default limit (8)
-    # would send the later steps back to eager without a word.
+    # One graph per shape and grad mode (training, evaluation), and per grouping of the loss's TTT steps: torch's
+    # default limit (8) would send later shapes of unpacked runs back to eager without a word.
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 4 * TTT_STEPS)
-    drafter.ttt_step = torch.compile(drafter.ttt_step, mode="reduce-overhead" if cuda_graphs else None)
-    drafter.soft_ce_rows = torch.compile(soft_ce_rows)
+    # CUDA graphs replay one recorded shape each (packing gives one): static shapes, so that a second shape is
+    # compiled as its own static graph rather than dynamic in the row length (inductor cannot split the block
+    # mask's 128-token blocks of a symbolic length)
+    drafter.ttt_unroll = torch.compile(ttt_unroll, mode="reduce-overhead" if cuda_graphs else None,
+                                       dynamic=False if cuda_graphs else None)
 
 
 def simulated_acceptance(correct: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[float, int]:

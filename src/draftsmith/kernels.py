@@ -329,7 +329,8 @@ class DraftHeadLoss(torch.autograd.Function):
     Args: x (K, B, T, H) the normed hidden state of every step, in the compute dtype; weight (Vd, H) the
         head (any dtype; cast to x's); p (B, T+K, Vd) target probabilities, step i reading rows
         [1+i, 1+i+T) (not differentiated); w (K, B, T) row weights (decay^i / denominator where
-        supervised, 0 elsewhere; not differentiated); rows: `soft_ce_rows` or a compiled copy of it.
+        supervised, 0 elsewhere; not differentiated); rows: `soft_ce_rows` (compiled with the rest of the forward
+        under `drafter.compile_for_training`).
     Returns: (loss () fp32, ce (K, B, T) fp32 unweighted, argmax (K, B, T) int64); only loss is differentiable.
     """
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import functools
 import gc
 import json
 import math
@@ -177,14 +178,15 @@ class TrainSettings(Settings):
     fine-tune on little data can lower it). --no-keep-start always writes the fine-tuned drafter. Not with --follow
     (the held-back set grows while the store lands)."""
     compile: bool = False
-    """torch.compile the drafter's TTT step and the loss's pass over the logits (`compile_for_training`: fuses
-    their elementwise work; varying sequence lengths recompile once, then run with dynamic shapes). For long GPU
+    """torch.compile the drafter's whole training forward, from the target's softmax and the masks through the TTT
+    steps to the loss, as one region (`compile_for_training`; unpacked lengths recompile once, then run with
+    dynamic shapes). Measured before the region grew to the whole forward: for long GPU
     runs: on one H200 at SmolLM2's size its 33-96 s of compile paid back after about 1,000 steps with 8192-token
     rows and TTT 3, and about 12,000 steps (49 M tokens) at the defaults (docs/gpu.md, "A small drafter's step")."""
     cuda_graphs: bool = False
-    """With --compile on CUDA: the compiled TTT step's forward and backward replay as CUDA graphs (torch.compile's
-    reduce-overhead mode), one launch per graph instead of one per kernel, for small drafters whose step is
-    launch-bound. Needs one tensor shape per run (--pack, the default); each new shape records its own graphs."""
+    """With --compile on CUDA: the compiled training forward and its backward replay as CUDA graphs (torch.compile's
+    reduce-overhead mode), one launch each instead of one per kernel, for small drafters whose step is
+    launch-bound. Needs one tensor shape per run (--pack, the default) and --grad-accum 1."""
     parallel: str = "ddp"
     """Under torchrun: ddp (each rank holds the whole drafter) or fsdp (FSDP2 `fully_shard`: weights,
     gradients and AdamW state sharded across ranks, for drafters whose training state does not fit one device)."""
@@ -214,6 +216,14 @@ class TrainSettings(Settings):
                                   f"--{'' if self.compile else 'no-'}compile, --{'' if self.pack else 'no-'}pack",
                                   expected="--compile and --pack (the default) with it",
                                   fix="add --compile (and leave --pack on), or drop --cuda-graphs")
+        if self.cuda_graphs and self.grad_accum > 1:
+            # measured on an H200 (tests/test_gpu.py): the second micro-batch's replay writes into the memory that
+            # holds the first one's gradients ("accessing tensor output of CUDAGraphs that has been overwritten")
+            raise DraftsmithError("--cuda-graphs accumulates no gradients across micro-batches",
+                                  got=f"--cuda-graphs with --grad-accum {self.grad_accum}",
+                                  expected="--grad-accum 1 with --cuda-graphs",
+                                  fix=f"raise --batch-tokens {self.grad_accum}x instead (one micro-batch per step), "
+                                      "or drop --cuda-graphs")
         if self.parallel not in ("ddp", "fsdp"):
             raise DraftsmithError("unknown --parallel", got=self.parallel, expected="ddp or fsdp",
                                   fix="pass --parallel ddp (default) or --parallel fsdp")
@@ -542,6 +552,8 @@ class Trainer:
         self.target_head = self.data.target_head().to(self.device, feature_dtype(self.device))
         if cfg.compile:
             compile_for_training(self.drafter, cuda_graphs=cfg.cuda_graphs)
+            if cfg.cuda_graphs:  # the same tensor every step: a replay reads it in place instead of copying it in
+                torch._dynamo.mark_static_address(self.target_head)
         self.model = self.drafter
         if self.fsdp:  # shards the drafter's parameters in place; the optimizer then holds only this rank's shard
             from torch.distributed.fsdp import fully_shard
@@ -881,39 +893,40 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         plan, batches = self.step_batches(self.step)
-        # Global denominators: supervised positions per TTT step over the whole global batch.
-        denom = sum(step_masks(b.loss_mask, self.cfg.ttt_steps, b.documents).sum(dim=(1, 2)) for b in batches).float()
+        # Global denominators: supervised positions per TTT step over the whole global batch. One micro-batch in
+        # one process is the whole global batch: the forward counts them itself (the same numbers), inside the
+        # compiled region with --compile, instead of some 50 eager kernels here.
+        denom = None
+        if self.world > 1 or len(batches) > 1:
+            denom = sum(step_masks(b.loss_mask, self.cfg.ttt_steps, b.documents).sum(dim=(1, 2)) for b in batches).float()
         if self.world > 1:
             dist.all_reduce(denom)
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros(self.cfg.ttt_steps, device=self.device)
-        correct = torch.zeros(self.cfg.ttt_steps, device=self.device)
-        count = torch.zeros(self.cfg.ttt_steps, device=self.device)
-        total_loss = torch.zeros((), device=self.device)
+        sums = None  # [loss, loss_sum (K), correct (K), count (K)] summed over the micro-batches
         for i, batch in enumerate(batches):
             out = self.forward(batch, denom)
-            scale = float(self.world)  # DDP and FSDP average gradients over ranks; the loss is already global
+            # DDP and FSDP average gradients over ranks; the loss is already global
+            loss = out.loss * float(self.world) if self.world > 1 else out.loss
             last = i == len(batches) - 1
             if self.fsdp:
                 self.drafter.set_requires_gradient_sync(last)
-                (out.loss * scale).backward()
+                loss.backward()
             elif self.world > 1 and not last:
                 with self.model.no_sync():
-                    (out.loss * scale).backward()
+                    loss.backward()
             else:
-                (out.loss * scale).backward()
-            total_loss += out.loss.detach()
-            loss_sum += out.loss_sum
-            correct += out.correct_count
-            count += out.count
+                loss.backward()
+            # Read now: with --cuda-graphs the next micro-batch's forward replays into the same output memory.
+            part = torch.cat([out.loss.detach().view(1), out.loss_sum, out.correct_count, out.count]).float()
+            sums = part if sums is None else sums + part
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.clip)
         if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
             grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
-        supervised = sum(b.loss_mask.sum() for b in batches).float().view(1)
+        supervised = functools.reduce(torch.add, [b.loss_mask.sum() for b in batches]).float().view(1)
         # A fill kernel, not a copy: a tensor made from a host list would synchronise the stream here.
         real = torch.full((1,), float(sum(self.real_tokens(mb) for mb in plan)), device=self.device)
-        stats = torch.cat([total_loss.view(1), loss_sum, correct, count, real, supervised])
+        stats = torch.cat([sums, real, supervised])
         if self.world > 1:
             dist.all_reduce(stats)
         stats = torch.cat([stats, grad_norm.detach().float().view(1)])
