@@ -306,12 +306,19 @@ def measure_rounds(servers: list[Server], ctx: list[int], fresh, args) -> tuple[
     return samples, waited
 
 
-def start_servers(stack: contextlib.ExitStack, target_gguf: Path, drafter_gguf: Path,
+def server_name(k: int, p_min: float, drafter_type: str | None) -> str:
+    """`k3` is k=3 at p_min 0, `k3@0.5` at 0.5, `k3@0.5/f16` with an f16 drafter beside the run's --outtype."""
+    return (f"k{k}" if p_min == 0 else f"k{k}@{p_min:g}") + (f"/{drafter_type}" if drafter_type else "")
+
+
+def start_servers(stack: contextlib.ExitStack, target_gguf: Path, drafters: dict[str | None, Path],
                   settings: list[tuple[int, float]], extra: tuple[str, ...], tmp: Path) -> list[Server]:
-    """One plain server and one per (k, p_min), all running at once; `k3` is k=3 at p_min 0, `k3@0.5` at 0.5."""
+    """One plain server and one per (k, p_min, drafter GGUF), all running at once (`server_name`); `drafters` maps
+    None to the drafter at the target's type and each other --drafter-outtype to its GGUF."""
     specs = [("plain", None, 0.0, llamacpp.LlamaServe(target_gguf, extra_args=extra))]
-    specs += [(f"k{k}" if p == 0 else f"k{k}@{p:g}", k, p,
-               llamacpp.LlamaServe(target_gguf, drafter_gguf, k=k, p_min=p, extra_args=extra)) for k, p in settings]
+    specs += [(server_name(k, p, t), k, p,
+               llamacpp.LlamaServe(target_gguf, gguf, k=k, p_min=p, extra_args=extra))
+              for t, gguf in drafters.items() for k, p in settings]
     return [Server(name, k, p, stack.enter_context(llamacpp.serve(spec, tmp / f"{name}.log")), tmp / f"{name}.log")
             for name, k, p, spec in specs]
 
@@ -334,6 +341,8 @@ def main() -> None:
     ap.add_argument("--chat-repeats", type=int, default=1, help="times each chat prompt is sent to every server")
     ap.add_argument("--max-foreign", type=float, default=0.25, help="drop a block where other processes kept more "
                     "than this many cores busy")
+    ap.add_argument("--drafter-outtype", default="", help="further drafter GGUF types served beside the --outtype one "
+                    "against the same target, a comma list (f16,q8_0): one more server per (k, p-min) and type")
     ap.add_argument("--server-args", default="", help="extra llama-server flags for every server (e.g. '-td 1')")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
@@ -362,7 +371,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         tmp = Path(tmp)
         target_gguf, drafter_gguf = gguf_pair(args.drafter, args.target, args.outtype, tmp)
-        servers = start_servers(stack, target_gguf, drafter_gguf, settings, extra, tmp)
+        drafters: dict[str | None, Path] = {None: drafter_gguf}
+        for t in filter(None, args.drafter_outtype.split(",")):
+            drafters[t] = llamacpp.convert(tmp / "llamacpp", tmp / f"drafter-{t}.gguf", t, resolve_target(args.target))
+        servers = start_servers(stack, target_gguf, drafters, settings, extra, tmp)
         for s in servers:  # warm-up: the context in the cache, one generation, the first statistics line
             llamacpp.complete(s.base, ctx, args.gen_tokens, cache_prompt=True, ignore_eos=True)
             s.stats = next_stats(s.log, None) if s.k else None
@@ -372,7 +384,8 @@ def main() -> None:
         command = first.command(Path("llama-server"))
     summary = summarize(samples, [k for k in ks if f"k{k}" in samples], chat)
     print_table(summary)
-    key = " ".join([args.outtype, args.server_args]).strip()
+    key = " ".join([args.outtype, args.server_args] + ([f"drafters {args.drafter_outtype}"] if args.drafter_outtype
+                                                        else [])).strip()
     result = {"what": f"llama-server ({args.outtype} target + {args.outtype} EAGLE-3 drafter GGUF of {args.drafter}): "
                       "the pieces of one speculative cycle, batch 1, greedy", "outtype": args.outtype,
               "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",

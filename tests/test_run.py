@@ -134,7 +134,7 @@ def test_bench_measures_the_launch_server_first_and_stops_it_before_the_next_k(t
         stop.callback(lambda: stopped.append(4))
         run_stack.callback(stop.close)  # what do_launch registers: closing twice is harmless
         ctx = RunContext(RunConfig(), tmp_path, None, run_stack, launched=Served(4, "http://launched", stop))
-        assert ctx.engine_ks() == [2, 3, 4]
+        assert ctx.engine_ks() == [3, 4]
         with speculative_server(ctx, 4, tmp_path) as url:
             assert url == "http://launched" and not stopped
         assert stopped == [4] and ctx.launched is None

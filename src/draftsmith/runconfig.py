@@ -33,11 +33,11 @@ EXPORT_FORMATS = ("vllm", "sglang", "speculators")
 CHECK_ENGINES = ("vllm", "sglang")
 
 
-# run's regenerate defaults: the CPU demo, the target writes 128 user turns, single-turn, and answers them greedily
+# run's regenerate defaults: the CPU demo, the target writes 64 user turns, single-turn, and answers them greedily
 # in short turns (0.25 multi-turn and thousands of turns built the shipped drafter)
 RegenerateStage = with_defaults(RegenerateSettings, "RegenerateStage",
                                 "run's regenerate section: RegenerateSettings with run's defaults.",
-                                prompts="self", self_count=128, multi_turn=0.0, limit=256, max_new_tokens=128,
+                                prompts="self", self_count=64, multi_turn=0.0, limit=256, max_new_tokens=128,
                                 batch_size=64, temperature=0.0)
 
 
@@ -58,7 +58,7 @@ class TrainSection(TrainSettings):
 # shipped drafter in minutes (a fine-tuning lr; raise it, e.g. 1e-3, to train a small drafter from scratch; 4 TTT
 # steps; a 4096-token draft vocabulary; frequent checkpoints; one eval at the end), while `train`'s are the
 # from-scratch recipe of EAGLE-3 / SpecForge. Same keys, types and docs; only these defaults differ.
-RUN_TRAIN_DEFAULTS = {"epochs": 2.0, "lr": 2e-4, "ttt_steps": 4, "draft_vocab_size": 4096, "save_every": 20,
+RUN_TRAIN_DEFAULTS = {"lr": 2e-4, "ttt_steps": 4, "draft_vocab_size": 4096, "save_every": 20,
                       "log_every": 10, "eval_every": 10**9, "init_from": "auto"}
 TrainStage = with_defaults(TrainSection, "TrainStage", "run's train section: TrainSettings with RUN_TRAIN_DEFAULTS.",
                            **RUN_TRAIN_DEFAULTS)
@@ -71,7 +71,7 @@ ExportStage = with_defaults(ExportSettings, "ExportStage", "run's export section
 
 # run's eval defaults: a short sweep on the general-chat prompts, read as vLLM will read the export
 EvalStage = with_defaults(EvalSettings, "EvalStage", "run's eval section: EvalSettings with run's defaults.",
-                          prompts="chat-eval", limit=6, k=(2, 3, 4), max_new_tokens=64, engine="vllm")
+                          prompts="chat-eval", limit=6, k=(3, 4), max_new_tokens=64, engine="vllm")
 
 
 class CheckStage(EngineFlags):
@@ -104,7 +104,7 @@ LaunchStage = with_defaults(LaunchSection, "LaunchStage", "run's launch section:
 class BenchSection(BenchSettings):
     """The bench verb's settings plus the draft lengths and the baseline `run` measures in vLLM, and llama.cpp's."""
 
-    k: tuple[int, ...] = (2, 3, 4)
+    k: tuple[int, ...] = (3, 4)
     """Draft lengths (num_speculative_tokens) vLLM serves the drafter at, one server at a time (launch's is
     the largest), each measured against the same baseline; the run chooses the k with the best speed-up at
     the lowest load level among those never slower than the baseline (sweep.choose_k). One value: that k."""
@@ -114,7 +114,8 @@ class BenchSection(BenchSettings):
     baseline_endpoint: str | None = None
     """vLLM: an already running server of the target without speculation; null: start one like launch does."""
     llamacpp_k: tuple[int, ...] = (3, 4)
-    """Draft lengths (--spec-draft-n-max) llama.cpp's `llama-server` serves the drafter's f32 GGUF at, batch 1,
+    """Draft lengths (--spec-draft-n-max) llama.cpp's `llama-server` serves the drafter's f16 GGUF at (the target's
+    f32 GGUF), batch 1,
     one server at a time at draftsmith's p-min (llamacpp.SERVE_P_MIN), each measured against one plain
     llama-server in bench.rounds rounds; its k is chosen by vLLM's rule. []: no llama.cpp. Needs `make
     llama-server`; runs without vLLM too."""

@@ -365,9 +365,11 @@ def write_sweep(reports: dict[int, dict], name: str, per_k: Path, result: Path, 
 
 # ---------------------------------------------------------------- llama.cpp in bench
 
-# f32 GGUFs: what llamacpp.target_gguf converts the target to, and where SERVE_P_MIN pays (q8_0 stayed slower than
-# the plain server, 0.80x at k=3: llamacpp.SERVE_P_MIN's sources)
-LLAMACPP_DTYPE = "float32"
+# The target as an f32 GGUF, where SERVE_P_MIN pays (a q8_0 target stayed slower than its plain server, 0.80x at
+# k=3: llamacpp.SERVE_P_MIN's sources); the drafter as f16, half the bytes each draft step reads: on this CPU 1.15x
+# against 1.08x for the f32 drafter at k=3, p-min 0.5, the same tau 2.41 (docs/llamacpp.md, "The drafter's type")
+LLAMACPP_TARGET_OUTTYPE = "f32"
+LLAMACPP_DRAFTER_DTYPE = "float16"
 # Every prompt processed in full: the plain server answers the same prompts once per k, and its prompt cache
 # (llama-server --cache-ram, on by default) would serve the later passes faster than the first one
 LLAMACPP_SERVER_FLAGS = ("--no-cache-prompt",)
@@ -391,8 +393,9 @@ def llamacpp_gguf(ctx: RunContext) -> GgufPair:
     out = ctx.export_dir("llamacpp")
     if not (out / llamacpp.MANIFEST).is_file():
         print(f"run: bench: exporting the drafter for llama.cpp into {out}")
-        export(ctx.drafter, out, "llamacpp", LLAMACPP_DTYPE, max(ctx.cfg.bench.llamacpp_k),
-               str(resolve_target(ctx.cfg.target)))
+        target_dir = resolve_target(ctx.cfg.target)
+        export(ctx.drafter, out, "llamacpp", LLAMACPP_DRAFTER_DTYPE, max(ctx.cfg.bench.llamacpp_k), str(target_dir),
+               str(llamacpp.target_gguf(target_dir, LLAMACPP_TARGET_OUTTYPE)))
     manifest = json.loads((out / llamacpp.MANIFEST).read_text())
     return GgufPair(Path(manifest["target_gguf"]), out / manifest["drafter_gguf"])
 
