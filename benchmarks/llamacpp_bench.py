@@ -57,6 +57,11 @@ def bench(endpoint: str, args, k: int | None, concurrency: str = "1", baseline: 
         raise SystemExit(f"bench failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
 
 
+def export_dir(tmp: Path) -> Path:
+    """Where `gguf_pair` exports the drafter (its vLLM-layout files, which the converter reads again for another type)."""
+    return tmp / "llamacpp"
+
+
 def gguf_pair(drafter: str, target: str, outtype: str, tmp: Path) -> tuple[Path, Path]:
     """Target and drafter GGUFs at `outtype`: the drafter exported (`--format llamacpp`, f32) into `tmp`, and
     for another type both converted again by llama.cpp's converter (the target once, cached)."""
@@ -65,7 +70,7 @@ def gguf_pair(drafter: str, target: str, outtype: str, tmp: Path) -> tuple[Path,
     from draftsmith.target import resolve_target
 
     target_dir = resolve_target(target)
-    gguf = export(drafter_path(drafter), tmp / "llamacpp", "llamacpp", "float32", 3, str(target_dir))
+    gguf = export(drafter_path(drafter), export_dir(tmp), "llamacpp", "float32", 3, str(target_dir))
     manifest = json.loads((gguf / "llamacpp.json").read_text())
     if outtype == "f32":
         return Path(manifest["target_gguf"]), gguf / manifest["drafter_gguf"]

@@ -351,7 +351,7 @@ def main() -> None:
     from draftsmith.chat import prompt_ids
     from draftsmith.prompts import load_prompts
     from draftsmith.target import resolve_target
-    from llamacpp_bench import gguf_pair  # benchmarks/ is on sys.path when run as a script
+    from llamacpp_bench import export_dir, gguf_pair  # benchmarks/ is on sys.path when run as a script
 
     ks = [int(k) for k in args.k.split(",")]
     settings = [(k, float(p)) for k in ks for p in args.p_min.split(",")]
@@ -373,7 +373,7 @@ def main() -> None:
         target_gguf, drafter_gguf = gguf_pair(args.drafter, args.target, args.outtype, tmp)
         drafters: dict[str | None, Path] = {None: drafter_gguf}
         for t in filter(None, args.drafter_outtype.split(",")):
-            drafters[t] = llamacpp.convert(tmp / "llamacpp", tmp / f"drafter-{t}.gguf", t, resolve_target(args.target))
+            drafters[t] = llamacpp.convert(export_dir(tmp), tmp / f"drafter-{t}.gguf", t, resolve_target(args.target))
         servers = start_servers(stack, target_gguf, drafters, settings, extra, tmp)
         for s in servers:  # warm-up: the context in the cache, one generation, the first statistics line
             llamacpp.complete(s.base, ctx, args.gen_tokens, cache_prompt=True, ignore_eos=True)

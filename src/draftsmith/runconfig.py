@@ -115,9 +115,8 @@ class BenchSection(BenchSettings):
     """vLLM: an already running server of the target without speculation; null: start one like launch does."""
     llamacpp_k: tuple[int, ...] = (3, 4)
     """Draft lengths (--spec-draft-n-max) llama.cpp's `llama-server` serves the drafter's f16 GGUF at (the target's
-    f32 GGUF), batch 1,
-    one server at a time at draftsmith's p-min (llamacpp.SERVE_P_MIN), each measured against one plain
-    llama-server in bench.rounds rounds; its k is chosen by vLLM's rule. []: no llama.cpp. Needs `make
+    f32 GGUF), batch 1, one server at a time at draftsmith's p-min (llamacpp.SERVE_P_MIN), each measured against
+    one plain llama-server in bench.rounds rounds; its k is chosen by vLLM's rule. []: no llama.cpp. Needs `make
     llama-server`; runs without vLLM too."""
     llamacpp_num_prompts: int = 8
     """llama.cpp: requests per server, at concurrency 1 (the first of bench.prompts after bench.warmup)."""
