@@ -14,6 +14,11 @@
 # machine (the last one went back while this side was away) fails at once instead of polling nothing.
 # BUILD: the build's knobs as shell assignments (build_embedded_drafter.sh lists them); STAGES_1 / STAGES_2: the
 # two build passes (default 'setup data train export pack', then 'eval pack', so the weights come back first).
+# AFTER (given with BUILD): more work for the same job once the build is done, run from the build's copy of the tree
+# with the build's files in /tmp/ds (e.g. scripts/gpu_speculators_compare.sh on a slice of its conversations);
+# its output goes to /tmp/after.log and it writes what it returns under /tmp/after. The build's end is marked by
+# /tmp/build.done, the job's by /tmp/job.done. UNTIL (build, the default, or job): what a call waits for;
+# RETURN (pack, the default, or after): which folder comes back under $OUT, with the log of that part.
 set -u
 t0=$(date +%s)
 nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
@@ -25,8 +30,9 @@ echo "job: $state"
 if [ "$state" = died ]; then echo "the job's process is gone without job.done; its log ends:"; tail -c 3000 /tmp/job.log; exit 6; fi
 if [ "$state" = none ]; then
   [ -n "${BUILD:-}" ] || { echo "FATAL: no job on this machine and no BUILD given (a fresh machine: start again from call 1)"; exit 4; }
-  [ -f /tmp/gguf.xz.part00 ] && [ -f .carry/gguf.xz.part01 ] || { echo "FATAL: a GGUF part is missing (part00 comes from call 1 on this machine)"; exit 4; }
-  cat /tmp/gguf.xz.part00 .carry/gguf.xz.part01 | xz -d -T8 > /tmp/smollm2.gguf.tmp || { echo "FATAL: xz failed"; exit 3; }
+  part1=.carry/gguf.xz.part01; [ -f "$part1" ] || part1=/tmp/gguf.xz.part01  # call 2 may have left it there
+  [ -f /tmp/gguf.xz.part00 ] && [ -f "$part1" ] || { echo "FATAL: a GGUF part is missing (part00 comes from call 1 on this machine, part01 from call 2 or this one)"; exit 4; }
+  cat /tmp/gguf.xz.part00 "$part1" | xz -d -T8 > /tmp/smollm2.gguf.tmp || { echo "FATAL: xz failed"; exit 3; }
   echo "$(cat .carry/gguf.sha256)  /tmp/smollm2.gguf.tmp" | sha256sum -c - || { echo "FATAL: the joined GGUF's sha256 differs"; exit 3; }
   mv /tmp/smollm2.gguf.tmp /tmp/smollm2.gguf
   rm -rf /tmp/repo /tmp/pack /tmp/ds && mkdir -p /tmp/repo && cp -r src scripts configs benchmarks /tmp/repo/
@@ -36,6 +42,9 @@ export PYTHONPATH=/tmp/site W=/tmp/ds GGUF=/tmp/smollm2.gguf PACK=/tmp/pack
 export $BUILD
 STAGES='${STAGES_1:-setup data train export pack}' bash scripts/build_embedded_drafter.sh
 STAGES='${STAGES_2:-eval pack}' bash scripts/build_embedded_drafter.sh
+touch /tmp/build.done
+mkdir -p /tmp/after
+( ${AFTER:-true} ) > /tmp/after.log 2>&1
 touch /tmp/job.done
 JOB
   setsid nohup bash /tmp/job.sh > /tmp/job.log 2>&1 < /dev/null &
@@ -44,13 +53,20 @@ JOB
   sleep 5
 fi
 [ -f /tmp/job.log ] || { echo "FATAL: no /tmp/job.log on this machine"; exit 5; }
-while [ $(( $(date +%s) - t0 )) -lt "${POLL:-560}" ] && [ ! -f /tmp/job.done ]; do
+until_file=/tmp/${UNTIL:-build}.done
+while [ $(( $(date +%s) - t0 )) -lt "${POLL:-560}" ] && [ ! -f "$until_file" ]; do
   sleep 10
   kill -0 "$(cat /tmp/job.pid)" 2>/dev/null || [ -f /tmp/job.done ] || { echo "the job ended without job.done"; break; }
 done
-echo "--- after $(( $(date +%s) - t0 )) s; done: $([ -f /tmp/job.done ] && echo yes || echo no)"
+echo "--- after $(( $(date +%s) - t0 )) s; build done: $([ -f /tmp/build.done ] && echo yes || echo no); job done: $([ -f /tmp/job.done ] && echo yes || echo no)"
 grep -E "^\[|Error|Traceback" /tmp/job.log | tail -30
 tail -c 1500 /tmp/job.log
-if [ -d /tmp/pack ]; then cp /tmp/pack/* "$OUT"/ 2>/dev/null; fi
-cp /tmp/job.log "$OUT"/job.log
+if [ "${RETURN:-pack}" = after ]; then
+  tail -c 3000 /tmp/after.log 2>/dev/null
+  if [ -d /tmp/after ]; then cp /tmp/after/* "$OUT"/ 2>/dev/null; fi
+  cp /tmp/after.log "$OUT"/after.log 2>/dev/null
+else
+  if [ -d /tmp/pack ]; then cp /tmp/pack/* "$OUT"/ 2>/dev/null; fi
+  cp /tmp/job.log "$OUT"/job.log
+fi
 ls -la "$OUT"
