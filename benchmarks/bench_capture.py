@@ -2,7 +2,9 @@
 
 The plain forward is `model(input_ids)` of the causal LM (logits included), the same batches and
 padding; capture is draftsmith's `target_features` (aux states, final state, argmax of the logits) plus
-the bf16 copy and the shard write of `StoreWriter`. Warm-up batch excluded; `--reps` alternating repetitions, medians reported.
+the bf16 copy and the shard write of `StoreWriter`, run as `capture` runs it (right-padded rows, no attention mask)
+and, beside it, with the padding mask the target took before session 25 (`capture_masked_tokens_per_s`). Warm-up
+batch excluded; `--reps` alternating repetitions, medians reported.
 
 Run: .venv/bin/python benchmarks/bench_capture.py [--conversations FILE] [--limit 64]
 Writes benchmarks/results/capture_cpu.json.
@@ -52,11 +54,11 @@ def main() -> None:
                 model(input_ids=ids, attention_mask=att, use_cache=False)
         return time.perf_counter() - t
 
-    def capture(out: Path) -> float:
+    def capture(out: Path, masked: bool = False) -> float:
         writer = StoreWriter(out, {"bench": True}, shard_tokens=1 << 16)
         t = time.perf_counter()
         for (ids, att, loss), group in zip(batches[1:], groups[1:]):
-            f = target_features(model, ids, att, aux_ids)
+            f = target_features(model, ids, att if masked else None, aux_ids)
             aux, last = f.aux.to(torch.bfloat16), f.last.to(torch.bfloat16)
             for b, s in enumerate(group):
                 n = len(s.input_ids)
@@ -69,15 +71,17 @@ def main() -> None:
     runs = []  # alternate the two so that drift in the machine's load hits both alike
     for _ in range(args.reps):
         with tempfile.TemporaryDirectory() as d:
-            runs.append((plain(), capture(Path(d) / "store")))
+            runs.append((plain(), capture(Path(d) / "store"), capture(Path(d) / "masked", masked=True)))
     plain_s = statistics.median(r[0] for r in runs)
     capture_s = statistics.median(r[1] for r in runs)
+    masked_s = statistics.median(r[2] for r in runs)
     h = spec.hidden_size
     result = {"command": " ".join(sys.argv), "date": datetime.date.today().isoformat(), "device": platform.processor() or "cpu",
               "threads": torch.get_num_threads(), "dtype": args.dtype, "tokens": tokens, "batches": len(batches) - 1,
               "plain_forward_tokens_per_s": tokens / plain_s, "capture_tokens_per_s": tokens / capture_s,
-              "ratio": plain_s / capture_s, "reps": args.reps,
-              "runs_s": [{"plain": round(a, 3), "capture": round(b, 3)} for a, b in runs],
+              "ratio": plain_s / capture_s, "capture_masked_tokens_per_s": tokens / masked_s,
+              "unmasked_over_masked": masked_s / capture_s, "reps": args.reps,
+              "runs_s": [{"plain": round(a, 3), "capture": round(b, 3), "capture_masked": round(c, 3)} for a, b, c in runs],
               "load_average_1m": os.getloadavg()[0], "bytes_per_token_stored": bytes_per_token(h),
               "bytes_per_token_usual_8xHx2": 8 * h * 2, "hidden_size": h}
     out = Path("benchmarks/results/capture_cpu.json")

@@ -194,3 +194,26 @@ def test_target_features_are_the_boundary_hidden_states(tiny_target, aux_ids):
     assert torch.equal(f.last, out.hidden_states[-1])
     assert torch.equal(f.target_argmax, out.logits.argmax(-1))
     assert [len(m._forward_hooks) for m in model.modules()] == hooks_before  # ours are gone afterwards
+
+
+def test_right_padded_rows_give_the_same_features_without_an_attention_mask(tiny_target):
+    """capture and online training run the target on right-padded rows with no mask (causal kernels): every real
+    position's aux states, final state and argmax are those of the masked forward, and of each row alone."""
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.capture import pad_batch, target_features
+    from draftsmith.chat import TokenizedSample
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
+    lengths = (12, 5, 9)
+    samples = [TokenizedSample(torch.randint(1, model.config.vocab_size, (n,)).tolist(), [1] * n) for n in lengths]
+    ids, att, _ = pad_batch(samples, pad_id=0)
+    assert att[1].tolist() == [1] * 5 + [0] * 7  # right padding
+    masked, unmasked = target_features(model, ids, att, (1, 2, 3)), target_features(model, ids, None, (1, 2, 3))
+    for b, n in enumerate(lengths):
+        alone = target_features(model, ids[b:b + 1, :n], None, (1, 2, 3))
+        for f in (masked, unmasked):
+            torch.testing.assert_close(f.aux[b, :n], alone.aux[0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(f.last[b, :n], alone.last[0], rtol=1e-5, atol=1e-5)
+            assert torch.equal(f.target_argmax[b, :n], alone.target_argmax[0])

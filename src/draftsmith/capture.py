@@ -54,11 +54,16 @@ def target_identity(model_dir: Path, name: str) -> dict:
 
 
 @torch.inference_mode()
-def target_features(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, aux_ids: tuple[int, ...]) -> TargetFeatures:
+def target_features(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                    aux_ids: tuple[int, ...]) -> TargetFeatures:
     """One target forward: the aux states, the final (post-norm) hidden state and the argmax of its logits.
 
     Args:
-        input_ids, attention_mask: (B, T).
+        input_ids: (B, T).
+        attention_mask: (B, T), or None for right-padded rows (`pad_batch`'s): under causal attention a real
+            position never sees the padding after it, and positions count from 0 either way, so the real
+            positions' features are the same without the mask, and attention runs its causal kernels (flash on
+            CUDA) instead of a masked one. What the padding positions get is then not defined: callers drop it.
         aux_ids: boundary indices into HF `output_hidden_states`.
     """
     body = model.model
@@ -137,7 +142,8 @@ def group_by_tokens(lengths: list[int], max_tokens: int) -> list[list[int]]:
 
 
 def pad_batch(samples: list[TokenizedSample], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-pad to (B, T): input_ids, attention_mask, loss_mask."""
+    """Right-pad to (B, T): input_ids, attention_mask, loss_mask. The target needs no attention mask for such
+    rows (`target_features`); the mask marks the real tokens for the rest."""
     T = max(len(s.input_ids) for s in samples)
     ids = torch.full((len(samples), T), pad_id, dtype=torch.long)
     att = torch.zeros((len(samples), T), dtype=torch.long)
@@ -220,12 +226,13 @@ def capture(conversations: Path, out: Path, target: str = "smollm2", aux_ids: tu
     with progress_bar("capture", total=len(todo), unit="samples") as bar:
         for group in batches_by_tokens(todo, batch_tokens):
             batch = [todo[i] for i in group]
-            ids, att, loss = pad_batch(batch, pad)
-            feats = target_features(model, ids.to(device), att.to(device), aux_ids)
+            ids, _, loss = pad_batch(batch, pad)
+            feats = target_features(model, ids.to(device), None, aux_ids)  # right-padded: no mask needed
             aux, last = feats.aux.to("cpu", torch.bfloat16), feats.last.to("cpu", torch.bfloat16)
+            argmax = feats.target_argmax.cpu()  # one copy a batch, not one device sync a sample
             for b, s in enumerate(batch):
                 n = len(s.input_ids)
-                writer.add(Sample(ids[b, :n], loss[b, :n], aux[b, :n], last[b, :n], feats.target_argmax[b, :n].cpu()))
+                writer.add(Sample(ids[b, :n], loss[b, :n], aux[b, :n], last[b, :n], argmax[b, :n]))
                 tokens += n
             bar.advance(len(batch), tokens=tokens)
     finish_store(writer, counts, model.get_input_embeddings().weight, model.get_output_embeddings().weight,

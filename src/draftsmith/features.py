@@ -171,16 +171,16 @@ class OnlineSource:
         return len(self.samples)
 
     def batch(self, indices: list[int], device: torch.device) -> Batch:
-        ids, att, mask = pad_batch([self.samples[k] for k in indices], pad_id=0)
-        feats = target_features(self.model, ids.to(device), att.to(device), self.aux_ids)
+        ids, _, mask = pad_batch([self.samples[k] for k in indices], pad_id=0)
+        feats = target_features(self.model, ids.to(device), None, self.aux_ids)  # right-padded: no mask needed
         return Batch(ids.to(device), mask.to(device), feats.aux.clone(), feats.last.clone(), feats.target_argmax.clone())
 
     def packed_batch(self, rows: list[list[Segment]], row_tokens: int, device: torch.device) -> Batch:
         """The target runs over the rows' samples whole (a piece of a split sample keeps its full left context,
         as in a store), then their features are packed into the rows."""
         keys = sorted({k for row in rows for k, _, _ in row})
-        ids, att, mask = pad_batch([self.samples[k] for k in keys], pad_id=0)
-        feats = target_features(self.model, ids.to(device), att.to(device), self.aux_ids)
+        ids, _, mask = pad_batch([self.samples[k] for k in keys], pad_id=0)
+        feats = target_features(self.model, ids.to(device), None, self.aux_ids)  # right-padded: no mask needed
         ids, mask, at = ids.to(device), mask.to(device), {k: j for j, k in enumerate(keys)}
 
         def sample(k: int) -> Sample:
