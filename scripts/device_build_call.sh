@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Developer tool for the lent GPU machine (docs/gpu.md): call 2 (and every later call) of a device session that
+# Developer tool for the lent GPU machine (docs/gpu.md): call 3 (and every later call) of a device session that
 # rebuilds the embedded drafter. It joins the GGUF carried in two parts, starts scripts/build_embedded_drafter.sh
 # once under setsid, and polls; later calls, carrying only this script, poll the same job to its end.
 #
 #   call 1: carry [".whl", ".carry/gguf.xz.part00", ".carry/gguf.sha256"] (bash scripts/device_carry.sh prepare):
 #           python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && cp .carry/gguf.xz.part00 /tmp/
-#   call 2: bash scripts/device_carry.sh restore here, then at once carry [".carry/gguf.xz.part01", ".carry/gguf.sha256"]:
-#           BUILD='WAVES="88:0 89:0" SELF_COUNT=20000 ROWS=2048 INIT_FROM=smollm2 EPOCHS=2 LR=4e-4' POLL=570 bash scripts/device_build_call.sh
-#   call 3+: POLL=570 bash scripts/device_build_call.sh   (returns the pack under $OUT once the job is done)
+#   call 2: carry [".carry/gguf.xz.part01"]: cp .carry/gguf.xz.part01 /tmp/
+#   call 3: bash scripts/device_carry.sh restore here, then at once carry [".carry/gguf.sha256"]:
+#           BUILD='WAVES="90:0 91:0" SELF_COUNT=30000 ROWS=2048 INIT_FROM=smollm2 EPOCHS=3 LR=4e-4' POLL=560 bash scripts/device_build_call.sh
+#   call 4+: POLL=560 bash scripts/device_build_call.sh   (returns the pack under $OUT once the job is done)
 #
 # Safe against the ways session 22 lost its job: the GGUF is joined under a temporary name and moved into place
 # only when its sha256 matches; a running job is recognised by its pid, not by an input file; a call on a fresh
@@ -35,7 +36,7 @@ if [ "$state" = none ]; then
   cat /tmp/gguf.xz.part00 "$part1" | xz -d -T8 > /tmp/smollm2.gguf.tmp || { echo "FATAL: xz failed"; exit 3; }
   echo "$(cat .carry/gguf.sha256)  /tmp/smollm2.gguf.tmp" | sha256sum -c - || { echo "FATAL: the joined GGUF's sha256 differs"; exit 3; }
   mv /tmp/smollm2.gguf.tmp /tmp/smollm2.gguf
-  rm -rf /tmp/repo /tmp/pack /tmp/ds && mkdir -p /tmp/repo && cp -r src scripts configs benchmarks /tmp/repo/
+  rm -rf /tmp/repo /tmp/pack /tmp/ds /tmp/after /tmp/build.done && mkdir -p /tmp/repo && cp -r src scripts configs benchmarks /tmp/repo/
   cat > /tmp/job.sh <<JOB
 cd /tmp/repo
 export PYTHONPATH=/tmp/site W=/tmp/ds GGUF=/tmp/smollm2.gguf PACK=/tmp/pack
