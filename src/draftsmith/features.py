@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from draftsmith.capture import pad_batch, target_features, target_identity, tokenized_conversations
+from draftsmith.capture import TargetFeatures, pad_batch, target_features, target_identity, tokenized_conversations
 from draftsmith.chat import TokenizedSample
 from draftsmith.conventions import validate_aux_ids
 from draftsmith.store import FeatureStore, Sample
@@ -170,18 +170,23 @@ class OnlineSource:
     def __len__(self) -> int:
         return len(self.samples)
 
+    def features(self, keys: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, TargetFeatures]:
+        """Samples `keys` right-padded on `device`: input_ids (B, T), loss_mask (B, T) and the target's features
+        (run without an attention mask: right padding needs none, `target_features`)."""
+        ids, _, mask = pad_batch([self.samples[k] for k in keys], pad_id=0)
+        ids, mask = ids.to(device), mask.to(device)
+        return ids, mask, target_features(self.model, ids, None, self.aux_ids)
+
     def batch(self, indices: list[int], device: torch.device) -> Batch:
-        ids, _, mask = pad_batch([self.samples[k] for k in indices], pad_id=0)
-        feats = target_features(self.model, ids.to(device), None, self.aux_ids)  # right-padded: no mask needed
-        return Batch(ids.to(device), mask.to(device), feats.aux.clone(), feats.last.clone(), feats.target_argmax.clone())
+        ids, mask, feats = self.features(indices, device)
+        return Batch(ids, mask, feats.aux.clone(), feats.last.clone(), feats.target_argmax.clone())
 
     def packed_batch(self, rows: list[list[Segment]], row_tokens: int, device: torch.device) -> Batch:
         """The target runs over the rows' samples whole (a piece of a split sample keeps its full left context,
         as in a store), then their features are packed into the rows."""
         keys = sorted({k for row in rows for k, _, _ in row})
-        ids, _, mask = pad_batch([self.samples[k] for k in keys], pad_id=0)
-        feats = target_features(self.model, ids.to(device), None, self.aux_ids)  # right-padded: no mask needed
-        ids, mask, at = ids.to(device), mask.to(device), {k: j for j, k in enumerate(keys)}
+        ids, mask, feats = self.features(keys, device)
+        at = {k: j for j, k in enumerate(keys)}
 
         def sample(k: int) -> Sample:
             j = at[k]
