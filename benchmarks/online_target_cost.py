@@ -13,7 +13,7 @@ The target is SmolLM2-135M-shaped with random bf16 weights (its config below): n
 Token ids are random; the forward's cost does not depend on them.
 
     python3 benchmarks/online_target_cost.py --out $OUT/online_target_cost.json            # CUDA, bf16
-    .venv/bin/python benchmarks/online_target_cost.py --device cpu --layers 2 --micro-batches 2 --row-tokens 2048 \\
+    .venv/bin/python benchmarks/online_target_cost.py --device cpu --layers 6 --micro-batches 2 --row-tokens 2048 \\
         --out /tmp/x.json                                                                    # a smoke run
 """
 
@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_packing import draw_lengths, load_histogram  # noqa: E402
 
 from draftsmith.capture import target_features  # noqa: E402
+from draftsmith.conventions import default_aux_ids  # noqa: E402
 from draftsmith.train import pack_plan  # noqa: E402
 
 HISTOGRAM = ROOT / "benchmarks/results/length_histogram_smollm2_self.json"
@@ -66,7 +67,7 @@ def timed(fn, device: torch.device, reps: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--layers", type=int, default=30, help="target layers (SmolLM2-135M: 30)")
+    ap.add_argument("--layers", type=int, default=30, help="target layers (SmolLM2-135M: 30; at least 6)")
     ap.add_argument("--row-tokens", type=int, default=32768, help="tokens per packed row (the build's BATCH_TOKENS)")
     ap.add_argument("--max-length", type=int, default=2048)
     ap.add_argument("--micro-batches", type=int, default=12, help="micro-batches timed, from the start of the plan")
@@ -85,7 +86,7 @@ def main() -> None:
     model = LlamaForCausalLM(cfg).to(device, dtype).eval()
     lengths = [min(n, args.max_length) for n in draw_lengths(load_histogram(args.histogram), 4000, seed=0)]
     plan = pack_plan([(i, 0, n) for i, n in enumerate(lengths)], args.row_tokens, 1, seed=0, epoch=0)
-    aux_ids = (2, args.layers // 2, args.layers - 3)
+    aux_ids = default_aux_ids(args.layers)  # EAGLE-3's (2, N//2, N-3); 6 layers at least
     rows = []
     for micro_batch in plan[:args.micro_batches]:
         keys = sorted({k for row in micro_batch for k, _, _ in row})
