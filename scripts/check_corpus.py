@@ -5,19 +5,20 @@ engine doc, with the outcome that thread reports: `start` (the server did not co
 and died on a request), `accept` (it served with collapsed acceptance) or `fine`. check's prediction is the
 kind of its first error finding (start before serve before accept), else `fine`.
 
-Seven sets, gathered independently: `set1` (cases.yaml), `set2` (cases_set2.yaml, gathered after set 1's
+Eight sets, gathered independently: `set1` (cases.yaml), `set2` (cases_set2.yaml, gathered after set 1's
 held-back half had been read), `set3` (cases_set3.yaml, gathered after set 2's development half had been tuned
 on), `set4` (cases_set4.yaml, gathered after set 3's development half had been tuned on), `set5`
 (cases_set5.yaml, gathered after set 4's development half had been tuned on), `set6` (cases_set6.yaml,
-gathered after set 5's development half had been tuned on) and `set7` (cases_set7.yaml, gathered after the class
-pass that followed set 6). Each is split into
+gathered after set 5's development half had been tuned on), `set7` (cases_set7.yaml, gathered after the class
+pass that followed set 6) and `set8` (cases_set8.yaml, gathered 2026-12-04 blind to the rules: by a helper that
+neither ran check nor read its rules). Each is split into
 `development` and `held-back` by the SHA-256 of the case's source URL (README.md in the
 corpus folder). Rules may be tuned on set 1 (both halves: its held-back misses have been read, so it no longer
-scores anything honestly) and on the development halves of sets 2-7; their held-back halves are the honest scores.
+scores anything honestly) and on the development halves of sets 2-8; their held-back halves are the honest scores.
 
 Run: `PYTHONPATH=src .venv/bin/python scripts/check_corpus.py` -> benchmarks/results/check_corpus.json (the
 command, the per-half scores of the result it replaces under `previous`, a summary of every half, and the rows of
-every half rules may be tuned on). Held-back rows of sets 2-7 are neither printed nor written. `--half
+every half rules may be tuned on). Held-back rows of sets 2-8 are neither printed nor written. `--half
 development` scores only what rules may be tuned on and writes nothing: the command to run while changing rules,
 so that the held-back halves are scored only when a pass is done.
 """
@@ -41,9 +42,10 @@ DRAFTERS = ROOT / "tests" / "fixtures" / "configs" / "drafters"
 RESULT = ROOT / "benchmarks" / "results" / "check_corpus.json"
 OUTCOMES = ("start", "serve", "accept", "fine")
 CASE_FILES = {"set1": "cases.yaml", "set2": "cases_set2.yaml", "set3": "cases_set3.yaml", "set4": "cases_set4.yaml",
-              "set5": "cases_set5.yaml", "set6": "cases_set6.yaml", "set7": "cases_set7.yaml"}
+              "set5": "cases_set5.yaml", "set6": "cases_set6.yaml", "set7": "cases_set7.yaml",
+              "set8": "cases_set8.yaml"}
 HONEST = ("set2/held-back", "set3/held-back", "set4/held-back", "set5/held-back", "set6/held-back",
-          "set7/held-back")
+          "set7/held-back", "set8/held-back")
 """The halves no rule was tuned on: scored as counts, their rows never printed or written."""
 
 
@@ -59,7 +61,7 @@ def load_cases() -> list[dict]:
 
 
 def tunable(case: dict) -> bool:
-    """Whether rules may be changed in answer to this case: everything but the held-back halves of sets 2-7."""
+    """Whether rules may be changed in answer to this case: everything but the held-back halves of sets 2-8."""
     return f"{case['set']}/{half(case['source'])}" not in HONEST
 
 
@@ -137,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--half", choices=("both", "development"), default="both",
                    help="both (default): score every half and write the result file; development: score only "
-                        "the cases rules may be tuned on (set 1, the development halves of sets 2-7), print, "
+                        "the cases rules may be tuned on (set 1, the development halves of sets 2-8), print, "
                         "write nothing")
     args = p.parse_args(argv)
     cases = load_cases()
