@@ -160,6 +160,13 @@ class Server:
     dropped: int = 0
     major_faults: int = 0
     """Pages read back from disk machine-wide during this server's blocks."""
+    build: str = ""
+    """The --builds label of the llama-server binary it runs ("" without --builds); names start with `label/`."""
+
+    @property
+    def plain(self) -> str:
+        """The name of the plain server of the same build, the one this server's speed-up is measured against."""
+        return f"{self.build}/plain" if self.build else "plain"
 
 
 def context_ids(tok, n: int) -> list[int]:
@@ -223,18 +230,20 @@ def chat_phase(servers: list[Server], prompts: list[list[int]], args) -> dict:
         return sum(c.timings.predicted_ms for c in cs) / sum(c.timings.predicted_n - 1 for c in cs)
 
     out: dict = {"groups_kept": f"{len(groups)}/{len(groups) + dropped}"}
-    plain = ms_per_token([g["plain"] for g in groups])
+    first_plain = ms_per_token([g[servers[0].plain] for g in groups])
     for s in servers:
         mine = ms_per_token([g[s.name] for g in groups])
-        out[s.name] = {"ms_per_token": mine, "speedup": plain / mine}
+        out[s.name] = {"ms_per_token": mine, "speedup": ms_per_token([g[s.plain] for g in groups]) / mine}
+        if s.build:
+            out[s.name]["speedup_vs_first_build_plain"] = first_plain / mine
         if s.k:
             source, after = parse_spec_counters(metrics_text(s.base))
             acc = acceptance_from_counters(after.minus(before[s.name][1]), source)
-            paired = [ms_per_token([g["plain"]]) / ms_per_token([g[s.name]]) for g in groups]
+            paired = [ms_per_token([g[s.plain]]) / ms_per_token([g[s.name]]) for g in groups]
             out[s.name] |= {"k": s.k, "p_min": s.p_min, "tau": acc.tau, "per_position": acc.per_position,
                             "speedup_per_prompt_median": statistics.median(paired),
                             "speedup_per_prompt_quartiles": statistics.quantiles(paired, n=4),
-                            "prompts_with_the_plain_tokens": f"{sum(g[s.name].tokens == g['plain'].tokens for g in groups)}"
+                            "prompts_with_the_plain_tokens": f"{sum(g[s.name].tokens == g[s.plain].tokens for g in groups)}"
                                                              f"/{len(groups)}"}
     return out
 
@@ -244,8 +253,12 @@ def median(values: list) -> float | None:
     return statistics.median(values) if values else None
 
 
-def summarize(samples: dict, ks: list[int], chat: dict) -> dict:
-    """The cost rows of the servers at p_min 0 (fixed k), from the rounds' medians and the chat phase's tau."""
+def summarize(samples: dict, ks: list[int], chat: dict, build: str = "") -> dict:
+    """The cost rows of one build's servers at p_min 0 (fixed k), from the rounds' medians and the chat phase's
+    tau (`build`: its --builds label, the prefix of its server names)."""
+    pre = f"{build}/" if build else ""
+    samples = {name[len(pre):]: rows for name, rows in samples.items() if name.startswith(pre)
+               and (pre or "/" not in name.split("@")[0])}
     if not samples:
         return {"chat": chat}
     ext = {name: {n: median([r["ext"].get(n) for r in rows]) for n in range(1, 9)} for name, rows in samples.items()}
@@ -253,26 +266,33 @@ def summarize(samples: dict, ks: list[int], chat: dict) -> dict:
     rows = []
     for k in ks:
         name = f"k{k}"
+        if name not in samples:
+            continue
         cycle_ms = median([r["cycle_ms"] for r in samples[name]])
         draft_call_ms = median([r["draft_call_ms"] for r in samples[name]])
         costs = split_cycle(k, plain_ms, cycle_ms, ext["plain"][k + 1], draft_call_ms)
-        tau = chat[name]["tau"]
+        tau = chat[pre + name]["tau"]
         rows.append({"k": k, "tau": tau, "cycle_ms": cycle_ms, "verify_ms": costs.verify_ms,
                      "draft_step_ms": costs.draft_step_ms, "drafts_ms": k * costs.draft_step_ms,
                      "overhead_ms": costs.overhead_ms,
                      "reprocess_ms": ext[name][k + 1] - ext["plain"][k + 1],
                      "bound_speedup": costs.speedup(tau),
                      "ceiling_free_drafter": tau * plain_ms / costs.verify_ms,
-                     "measured_speedup": chat[name]["speedup"],
+                     "measured_speedup": chat[pre + name]["speedup"],
                      "tau_for_1x": costs.tau_needed(1.0), "tau_for_1_5x": costs.tau_needed(1.5), "max_tau": k + 1})
     return {"plain_ms": plain_ms, "verify_ms": ext["plain"], "extension_ms": ext, "per_k": rows, "chat": chat}
 
 
-def print_table(s: dict) -> None:
+def print_table(s: dict, build: str = "") -> None:
     for name, c in s["chat"].items():
-        if isinstance(c, dict) and "tau" in c:
-            print(f"{name}: {c['speedup']:.2f}x on the chat prompts (per prompt: median {c['speedup_per_prompt_median']:.2f}x), "
-                  f"tau {c['tau']:.2f}", flush=True)
+        if isinstance(c, dict) and (not build or name.startswith(f"{build}/")):
+            if "tau" in c:
+                print(f"{name}: {c['speedup']:.2f}x on the chat prompts (per prompt: median "
+                      f"{c['speedup_per_prompt_median']:.2f}x), tau {c['tau']:.2f}"
+                      + (f"; {c['speedup_vs_first_build_plain']:.2f}x against the first build's plain server"
+                         if "speedup_vs_first_build_plain" in c else ""), flush=True)
+            else:
+                print(f"{name}: {c['ms_per_token']:.2f} ms per token", flush=True)
     if "plain_ms" not in s:
         return
     print(f"plain step {s['plain_ms']:.2f} ms; verify(n) " +
@@ -312,15 +332,39 @@ def server_name(k: int, p_min: float, drafter_type: str | None) -> str:
 
 
 def start_servers(stack: contextlib.ExitStack, target_gguf: Path, drafters: dict[str | None, Path],
-                  settings: list[tuple[int, float]], extra: tuple[str, ...], tmp: Path) -> list[Server]:
+                  settings: list[tuple[int, float]], extra: tuple[str, ...], tmp: Path,
+                  builds: dict[str, Path | None] | None = None) -> list[Server]:
     """One plain server and one per (k, p_min, drafter GGUF), all running at once (`server_name`); `drafters` maps
-    None to the drafter at the target's type and each other --drafter-outtype to its GGUF."""
-    specs = [("plain", None, 0.0, llamacpp.LlamaServe(target_gguf, extra_args=extra))]
-    specs += [(server_name(k, p, t), k, p,
-               llamacpp.LlamaServe(target_gguf, gguf, k=k, p_min=p, extra_args=extra))
-              for t, gguf in drafters.items() for k, p in settings]
-    return [Server(name, k, p, stack.enter_context(llamacpp.serve(spec, tmp / f"{name}.log")), tmp / f"{name}.log")
-            for name, k, p, spec in specs]
+    None to the drafter at the target's type and each other --drafter-outtype to its GGUF. With `builds` (label ->
+    llama-server binary), that set once per build, each name prefixed `label/`."""
+    out = []
+    for build, binary in (builds or {"": None}).items():
+        pre = f"{build}/" if build else ""
+        specs = [(pre + "plain", None, 0.0, llamacpp.LlamaServe(target_gguf, extra_args=extra, binary=binary))]
+        specs += [(pre + server_name(k, p, t), k, p,
+                   llamacpp.LlamaServe(target_gguf, gguf, k=k, p_min=p, extra_args=extra, binary=binary))
+                  for t, gguf in drafters.items() for k, p in settings]
+        log = lambda name: tmp / (name.replace("/", "_") + ".log")  # noqa: E731
+        out += [Server(name, k, p, stack.enter_context(llamacpp.serve(spec, log(name))), log(name), build=build)
+                for name, k, p, spec in specs]
+    return out
+
+
+def parse_builds(text: str) -> dict[str, Path | None] | None:
+    """`--builds label=DIR,...` -> label -> llama-server binary (DIR is an install dir holding build/bin/llama-server,
+    or the binary itself; `default` is the one `make llama-server` built). None when empty."""
+    if not text:
+        return None
+    out: dict[str, Path | None] = {}
+    for item in text.split(","):
+        label, _, where = item.partition("=")
+        if not label or not where or "/" in label:
+            raise SystemExit(f"--builds: expected label=DIR (a label without '/'), got {item!r}")
+        path = Path(where)
+        out[label] = None if where == "default" else (path if path.is_file() else path / "build" / "bin" / "llama-server")
+        if out[label] is not None and not out[label].is_file():
+            raise SystemExit(f"--builds: no llama-server at {out[label]}")
+    return out
 
 
 def main() -> None:
@@ -344,8 +388,12 @@ def main() -> None:
     ap.add_argument("--drafter-outtype", default="", help="further drafter GGUF types served beside the --outtype one "
                     "against the same target, a comma list (f16,q8_0): one more server per (k, p-min) and type")
     ap.add_argument("--server-args", default="", help="extra llama-server flags for every server (e.g. '-td 1')")
+    ap.add_argument("--builds", default="", help="compare llama-server builds of one source side by side: "
+                    "label=DIR,... (DIR an install dir with build/bin/llama-server, or `default`); every build gets "
+                    "its own plain and speculative servers, measured in the same rounds")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
+    builds = parse_builds(args.builds)
     from transformers import AutoTokenizer
 
     from draftsmith.chat import prompt_ids
@@ -374,7 +422,7 @@ def main() -> None:
         drafters: dict[str | None, Path] = {None: drafter_gguf}
         for t in filter(None, args.drafter_outtype.split(",")):
             drafters[t] = llamacpp.convert(export_dir(tmp), tmp / f"drafter-{t}.gguf", t, resolve_target(args.target))
-        servers = start_servers(stack, target_gguf, drafters, settings, extra, tmp)
+        servers = start_servers(stack, target_gguf, drafters, settings, extra, tmp, builds)
         for s in servers:  # warm-up: the context in the cache, one generation, the first statistics line
             llamacpp.complete(s.base, ctx, args.gen_tokens, cache_prompt=True, ignore_eos=True)
             s.stats = next_stats(s.log, None) if s.k else None
@@ -382,10 +430,17 @@ def main() -> None:
         chat = chat_phase(servers, chat_prompts, args)
         first = llamacpp.LlamaServe(target_gguf, drafter_gguf, k=settings[0][0], p_min=settings[0][1], extra_args=extra)
         command = first.command(Path("llama-server"))
-    summary = summarize(samples, [k for k in ks if f"k{k}" in samples], chat)
-    print_table(summary)
+    if builds:
+        summary = {"chat": chat, "builds": {b: {"binary": str(path or llamacpp.server_binary()),
+                                                **summarize(samples, ks, chat, b)} for b, path in builds.items()}}
+        for b in builds:
+            print(f"--- build {b}")
+            print_table(summary["builds"][b] | {"chat": chat}, b)
+    else:
+        summary = summarize(samples, ks, chat)
+        print_table(summary)
     key = " ".join([args.outtype, args.server_args] + ([f"drafters {args.drafter_outtype}"] if args.drafter_outtype
-                                                        else [])).strip()
+                                                        else []) + ([f"builds {args.builds}"] if builds else [])).strip()
     result = {"what": f"llama-server ({args.outtype} target + {args.outtype} EAGLE-3 drafter GGUF of {args.drafter}): "
                       "the pieces of one speculative cycle, batch 1, greedy", "outtype": args.outtype,
               "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",

@@ -55,3 +55,30 @@ def test_foreign_load_is_the_machines_busy_time_minus_our_own():
     assert machine_load.foreign_cores(busy_s=1.5, ours_s=1.0, wall_s=1.0) == pytest.approx(0.5)
     assert machine_load.foreign_cores(busy_s=0.9, ours_s=1.0, wall_s=1.0) == 0.0  # tick rounding never goes negative
     assert machine_load.foreign_cores(busy_s=1.0, ours_s=0.0, wall_s=0.0) == 0.0
+
+
+def test_builds_name_their_binaries_and_bad_ones_stop_before_any_server_starts(tmp_path):
+    binary = tmp_path / "A" / "build" / "bin" / "llama-server"
+    binary.parent.mkdir(parents=True)
+    binary.write_text("")
+    assert costs.parse_builds("") is None
+    assert costs.parse_builds(f"old=default,new={tmp_path / 'A'},direct={binary}") == {
+        "old": None, "new": binary, "direct": binary}
+    for bad in ("noequals", f"a/b={binary}", f"x={tmp_path / 'missing'}"):
+        with pytest.raises(SystemExit):
+            costs.parse_builds(bad)
+
+
+def test_each_build_is_summarised_from_its_own_servers_only():
+    def rows(plain_ms, cycle_ms):
+        return ([{"ext": {n: plain_ms * (1 + 0.2 * (n - 1)) for n in range(1, 9)}, "plain_ms": plain_ms}],
+                [{"ext": {n: plain_ms * (1 + 0.2 * (n - 1)) + 1 for n in range(1, 9)}, "cycle_ms": cycle_ms,
+                  "draft_call_ms": 3.0}])
+    samples, chat = {}, {}
+    for build, plain_ms, cycle_ms in (("old", 10.0, 30.0), ("new", 10.0, 25.0)):
+        samples[f"{build}/plain"], samples[f"{build}/k3"] = rows(plain_ms, cycle_ms)
+        chat[f"{build}/k3"] = {"tau": 2.5, "speedup": 1.0}
+    old, new = (costs.summarize(samples, [3], chat, b)["per_k"][0] for b in ("old", "new"))
+    assert old["cycle_ms"] == 30.0 and new["cycle_ms"] == 25.0
+    assert new["bound_speedup"] == pytest.approx(2.5 * 10.0 / 25.0)
+    assert costs.summarize(samples, [3], chat)["chat"] is chat  # no build named: no plain server of its own

@@ -245,6 +245,9 @@ class LlamaServe:
     parallel: int = 1
     extra_args: tuple[str, ...] = ()
     """Further llama-server flags, last (benchmarks: `-lv 4` logs the drafter's own timings per request)."""
+    binary: Path | None = None
+    """The llama-server to run; None: the one `make llama-server` built (`server_binary`). Benchmarks set it to
+    compare builds of one source (say, other ggml CPU flags) side by side."""
 
     def command(self, binary: Path) -> list[str]:
         cmd = [str(binary), "-m", str(self.target), "--host", "127.0.0.1", "--port", str(self.port),
@@ -262,7 +265,7 @@ def serve(spec: LlamaServe, log: Path, timeout_s: float = 300.0) -> Iterator[str
 
     if spec.port == 0:
         spec = dataclasses.replace(spec, port=free_port())
-    with serve_process(spec.command(server_binary()), spec.port, log, timeout_s) as base:
+    with serve_process(spec.command(spec.binary or server_binary()), spec.port, log, timeout_s) as base:
         yield base
 
 
