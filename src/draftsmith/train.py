@@ -623,7 +623,9 @@ class Trainer:
             drafter.t2d.copy_(vocab.t2d)
             if self.layout.head_init == "target":  # (V_d, H): the target's head rows, in draft-id order
                 drafter.lm_head.weight.copy_(self.data.target_head()[vocab.token_ids])
-        self.vocab_coverage = vocab.coverage
+        if self.rank == 0:
+            print(f"draft vocabulary: the {size} most frequent of this data's supervised tokens, coverage "
+                  f"{vocab.coverage:.4f}", flush=True)
         return drafter
 
     # -- one optimizer step ---------------------------------------------------------------------------
