@@ -53,3 +53,13 @@ def test_no_half_rules_are_tuned_on_drops_below_its_committed_score():
             continue
         assert scored[key]["correct"] >= summary[key]["correct"], (
             f"{key}: {scored[key]['correct']} correct, committed {summary[key]['correct']}")
+
+
+def test_development_scoring_holds_back_a_set_whose_held_back_half_was_never_scored(monkeypatch, capsys):
+    scored = {key: value for key, value in scorer.previous_halves().items() if not key.startswith("set8/")}
+    monkeypatch.setattr(scorer, "previous_halves", lambda: scored)
+    given: list[dict] = []
+    monkeypatch.setattr(scorer, "score", lambda cases: given.extend(cases) or {"summary": {}, "cases": []})
+    scorer.main(["--half", "development"])
+    assert "not scored: set8" in capsys.readouterr().out
+    assert given and {c["set"] for c in given} == {f"set{i}" for i in range(1, 8)}
