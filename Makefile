@@ -11,11 +11,11 @@ LLAMACPP_SPEC ?= llama-cpp-python==0.3.36
 LLAMACPP_DIR ?= $(CACHE)/llama.cpp/$(subst ==,-,$(LLAMACPP_SPEC))
 LLAMA_SERVER := $(LLAMACPP_DIR)/build/bin/llama-server
 # ggml's CPU flags. GGML_NATIVE=OFF: a native build uses AMX instructions these CPUs advertise but do not allow
-# (Illegal instruction on the first request). GGML_LLAMAFILE=OFF: llamafile's sgemm, which ggml otherwise uses for
-# every matrix product over 2+ rows, tiles an AVX2 product at most 3 columns wide, so a 4-5 token verification
-# reads the weights twice; ggml's own kernel makes it 5-9 % cheaper and llama.cpp's speed-up with the drafter 6-7 %
-# higher at k=3 on this CPU (docs/llamacpp.md, "The build"). One-token decoding never used sgemm: plain speed is
-# unchanged. A change here rebuilds (the stamp below).
+# (Illegal instruction on the first request). GGML_LLAMAFILE=OFF: ggml otherwise multiplies 2+ rows (a verification
+# over k+1 tokens) with llamafile's sgemm, whose AVX2 tiles are at most 3 columns wide; ggml's own kernel made a
+# 4-5 token forward 5-9 % cheaper and llama.cpp's speed-up with the drafter 6-7 % higher at k=3 on this CPU
+# (docs/llamacpp.md, "The build"). One-token decoding never used sgemm: plain speed is unchanged. A change here
+# rebuilds (the stamp below).
 LLAMACPP_CMAKE_FLAGS ?= -DGGML_NATIVE=OFF -DGGML_LLAMAFILE=OFF
 LLAMACPP_FLAGS_STAMP := $(LLAMACPP_DIR)/cmake-flags
 PY := $(VENV)/bin/python
