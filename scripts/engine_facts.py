@@ -23,7 +23,9 @@ Facts per release (each names the file it came from in `sources`):
          drafter that ships d2t cannot load: llama_eagle3.py builds no draft_id_to_target_id for it), kv_mixed_page_groups
          (the KV-cache config groups full-attention layers of different page sizes: UniformTypeKVCacheSpecs),
          mrope_propose_reads_positions (the proposer's M-RoPE branch reads self.positions, never allocated for an
-         M-RoPE drafter).
+         M-RoPE drafter), aux_forced_runners (model runners that hand aux hidden states to every eagle3 drafter,
+         ignoring eagle_config.use_aux_hidden_state), mrv2_default (the runner vLLM picks when
+         VLLM_USE_V2_MODEL_RUNNER is unset: off | some | all | only).
   SGLang eagle3_archs (EntryClass names whose class or a parent defines set_eagle3_layers_to_capture),
          embed_head_archs (EntryClass names whose class or a parent defines get_embed_and_head, which the EAGLE /
          EAGLE-3 draft worker calls on the target right after loading the drafter),
@@ -279,6 +281,35 @@ def vllm_d2t_full_vocab_unloadable(eagle3: str) -> bool:
             and "draft_id_to_target_id is None" not in load)
 
 
+VLLM_RUNNER_FILES = {"v1": "vllm/v1/worker/gpu_model_runner.py", "v2": "vllm/v1/worker/gpu/model_runner.py"}
+"""vLLM's model runners: V1, and Model Runner V2 (MRV2, from 0.17.0)."""
+
+
+def vllm_eagle3_aux_forced(runner: str) -> bool:
+    """Whether a model runner turns on the target's aux hidden-state outputs for every `eagle3` drafter, whatever
+    its `eagle_config.use_aux_hidden_state` says: `self.use_aux_hidden_state_outputs = True` under a condition on
+    the method "eagle3" (V1 to 0.11.x; MRV2 0.17.0-0.32.x). Runners that ask the drafter's config instead
+    (`requires_aux_hidden_states`, V1 from 0.12.0 with vllm PR #27688, MRV2 from 0.33.0) assign it from a call."""
+    for m in re.finditer(r"self\.use_aux_hidden_state_outputs = True", runner):
+        before = runner[max(0, m.start() - 300):m.start()]
+        condition = before[before.rfind("if "):] if "if " in before else ""
+        if re.search(r"[\"']eagle3[\"']", condition):
+            return True
+    return False
+
+
+def vllm_mrv2_default(config: str, wheel_names: list[str]) -> str:
+    """Which runner vLLM picks when VLLM_USE_V2_MODEL_RUNNER is unset (config/vllm.py `use_v2_model_runner`):
+    `only` (the V1 runner is gone, 0.34.0), `off` (no such property: the variable defaults to 0, V1), `some` (MRV2
+    for the architectures of `_is_default_v2_model_runner_model`, 0.22.0-0.28.x) or `all` (MRV2 unless a feature
+    it lacks is on)."""
+    if VLLM_RUNNER_FILES["v1"] not in wheel_names and VLLM_RUNNER_FILES["v2"] in wheel_names:
+        return "only"
+    if "def use_v2_model_runner" not in config:
+        return "off"
+    return "some" if "_is_default_v2_model_runner_model()" in config else "all"
+
+
 def vllm_facts(wheel: Wheel) -> dict:
     cfg_name, cfg = wheel.first(*VLLM_CONFIG_FILES)
     eagle3_name, eagle3 = wheel.first("vllm/model_executor/models/llama_eagle3.py")
@@ -315,6 +346,8 @@ def vllm_facts(wheel: Wheel) -> dict:
         # the M-RoPE branch of propose() indexes self.positions, which __init__ allocates only without M-RoPE
         "mrope_propose_reads_positions": bool(re.search(r"if self\.uses_mrope:\s*\n\s*positions = self\.positions\[:,",
                                                         proposer)),
+        "aux_forced_runners": [r for r, name in VLLM_RUNNER_FILES.items() if vllm_eagle3_aux_forced(wheel.text(name))],
+        "mrv2_default": vllm_mrv2_default(wheel.text("vllm/config/vllm.py"), wheel.names),
         "sources": {"config": cfg_name, "drafter": eagle3_name, "aux_ids": aux_read_files, "proposer": proposer_name,
                     "kv_cache": "vllm/v1/core/kv_cache_utils.py"},
     }

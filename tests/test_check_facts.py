@@ -22,7 +22,7 @@ VLLM_KEYS = {"eagle3_whitelist", "eagle3_modules", "eagle3_archs", "aux_ids_read
              "draft_max_position_override", "tp_key_rejected", "multimodal_probes", "mla_drafter", "sources",
              "arch_modules", "transformers_backend_eagle3", "speculators_types", "mla_drafter_model_types",
              "multimodal_probe_map", "eagle3_arch_naming", "d2t_full_vocab_unloadable", "kv_mixed_page_groups",
-             "mrope_propose_reads_positions", "cli_flags"}
+             "mrope_propose_reads_positions", "cli_flags", "aux_forced_runners", "mrv2_default"}
 SGLANG_KEYS = {"eagle3_modules", "eagle3_archs", "arch_modules", "draft_archs", "aux_shift", "aux_ids_read", "norm_flags_read",
                "mla_drafter", "capture_error", "draft_context", "draft_context_rope_raised", "sm100_trtllm_mla_archs",
                "pp_spec_algorithms", "embed_head_archs", "spec_v2_topk", "cli_flags"}
@@ -624,3 +624,34 @@ def test_vllm_0_15_dies_on_the_first_request_with_an_mrope_drafter(tmp_path, ver
     findings, _ = run(TARGETS / "qwen2.5-vl-7b", drafter, version=version,
                       spec={"method": "eagle3", "num_speculative_tokens": k})
     assert ("vllm.mrope-drafter-positions" in errors(findings, "serve")) is fires
+
+
+@pytest.mark.parametrize("version, forced, default", [
+    ("0.11.0", ["v1"], "off"), ("0.12.0", [], "off"), ("0.17.0", ["v2"], "off"), ("0.28.0", ["v2"], "some"),
+    ("0.29.0", ["v2"], "all"), ("0.32.0", ["v2"], "all"), ("0.33.0", [], "all"), ("0.34.0", [], "only")])
+def test_which_runner_ignores_use_aux_hidden_state_per_release_is_the_one_the_wheel_holds(version, forced, default):
+    """V1 to 0.11.x and MRV2 from 0.17.0 to 0.32.x turn on aux outputs for every eagle3 drafter; MRV2 is the default
+    runner for some targets from 0.22.0 and for all from 0.29.0 (config/vllm.py use_v2_model_runner)."""
+    facts = check.engine_release("vllm", version).facts
+    assert facts["aux_forced_runners"] == forced and facts["mrv2_default"] == default
+
+
+@pytest.mark.parametrize("version, env, use_aux, rule", [
+    ("0.30.0", "", False, "vllm.aux-forced"),  # MRV2 by default, which ignores the flag
+    ("0.30.0", "VLLM_USE_V2_MODEL_RUNNER=0", False, None),  # V1 reads it
+    ("0.30.0", "", True, None),  # a drafter trained on aux states gets what it wants
+    ("0.33.0", "VLLM_USE_V2_MODEL_RUNNER=1", False, None),  # MRV2 reads it from 0.33.0
+    ("0.20.0", "", False, None),  # V1 by default (0.12.0-0.21.x read the flag)
+    ("0.20.0", "VLLM_USE_V2_MODEL_RUNNER=1", False, "vllm.aux-forced"),
+    ("0.25.0", "", False, "vllm.aux-forced-maybe"),  # MRV2 by default for some architectures only
+    ("0.11.0", "", False, "vllm.aux-forced")])  # V1 before it read the flag
+def test_a_drafter_without_aux_states_is_warned_where_the_runner_feeds_it_aux_states(tmp_path, version, env, use_aux,
+                                                                                    rule):
+    drafter = llama_drafter(tmp_path, eagle_config={"use_aux_hidden_state": use_aux})
+    findings, facts = run(TARGETS / "llama-3.1-8b", drafter, version=version,
+                          spec={"method": "eagle3", "num_speculative_tokens": 3}, engine_args=env)
+    fired = {f.rule for f in findings if f.severity == "warning" and f.rule.startswith("vllm.aux-forced")}
+    assert fired == ({rule} if rule else set())
+    if rule == "vllm.aux-forced":
+        message = next(f.message for f in findings if f.rule == rule)
+        assert ("Model Runner V2" if facts["vllm_runner"] == "v2" else "V1 model runner") in message

@@ -163,6 +163,7 @@ def release_facts(rel: EngineRelease) -> dict[str, Any]:
         "engine_d2t_full_vocab_unloadable": get("d2t_full_vocab_unloadable"),
         "engine_kv_mixed_page_groups": get("kv_mixed_page_groups"), "engine_spec_v2_topk": get("spec_v2_topk"),
         "engine_mrope_propose_reads_positions": get("mrope_propose_reads_positions"),
+        "engine_aux_forced_runners": get("aux_forced_runners"), "engine_mrv2_default": get("mrv2_default"),
     }
 
 
@@ -251,6 +252,9 @@ def drafter_facts(path: Path, hidden: int, vocab: int) -> dict[str, Any]:
     layer = filled.get("transformer_layer_config") or filled  # speculators nests the layer's config
     return {
         "drafter_path": str(path), "drafter_format": d.format, "drafter_speculators_type": raw.get("speculators_model_type"),
+        # vLLM reads it from eagle_config (v1/worker/gpu/spec_decode/eagle/eagle3_utils.py requires_aux_hidden_states)
+        "drafter_uses_aux_hidden_state": (raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict)
+                                          else {}).get("use_aux_hidden_state", True),
         "drafter_arch": d.architectures[0] if d.architectures else None, "drafter_model_type": d.model_type,
         "drafter_is_mla": d.is_mla,
         "drafter_num_heads": (raw.get("transformer_layer_config") or raw).get("num_attention_heads"),
@@ -420,7 +424,7 @@ def spec_facts(engine: str, spec: dict, args: dict[str, str], f: dict[str, Any])
                                                  f["engine_eagle3_naming"] if f["facts_release"] else "prefix_unless_suffix")
         out["spec_draft_arch_registered"] = (None if not f["engine_arch_modules"] or out["spec_draft_arch"] is None
                                              else out["spec_draft_arch"] in f["engine_arch_modules"])
-        return out
+        return out | vllm_runner_facts(f)
     if engine == "llamacpp":
         p_min = spec.get("spec_draft_p_min")
         return out | {"ll_spec_type": spec.get("spec_type"), "ll_p_min": float(p_min) if p_min else None}
@@ -489,6 +493,32 @@ def kv_page_facts(f: dict[str, Any]) -> dict[str, Any]:
     target_heads, drafter_heads = max(1, f["target_num_kv_heads"] // tp), max(1, f["drafter_num_kv_heads"] // tp)
     return {"target_kv_heads_per_rank": target_heads, "drafter_kv_heads_per_rank": drafter_heads,
             "kv_page_mismatch": target_heads * f["target_head_dim"] != drafter_heads * f["drafter_head_dim"]}
+
+
+RUNNER_NAMES = {"v1": "V1 model runner", "v2": "Model Runner V2"}
+
+
+def vllm_runner_facts(f: dict[str, Any]) -> dict[str, Any]:
+    """Which vLLM model runner serves (VLLM_USE_V2_MODEL_RUNNER when set, else the release's default: `mrv2_default`;
+    None where the default depends on the architecture), and whether that runner hands aux hidden states to every
+    eagle3 drafter whatever its eagle_config.use_aux_hidden_state (`aux_forced_runners`); None when unknown."""
+    env = f["engine_env"].get("VLLM_USE_V2_MODEL_RUNNER")
+    if f["engine_mrv2_default"] == "only":
+        runner = "v2"
+    elif env is not None:
+        runner = "v2" if env.strip().lower() in ("1", "true") else "v1"
+    else:
+        runner = {"off": "v1", "all": "v2"}.get(f["engine_mrv2_default"])
+    forced = f["engine_aux_forced_runners"]
+    if forced is None:
+        here = None
+    elif not forced:
+        here = False
+    else:
+        here = None if runner is None else runner in forced
+    return {"vllm_runner": runner, "vllm_runner_name": RUNNER_NAMES.get(runner, "model runner"),
+            "vllm_runner_set": env is not None, "vllm_aux_forced": here,
+            "vllm_aux_forced_maybe": here is None and bool(forced)}
 
 
 def gather_facts(target: Path, drafter: Path, engine: str, version: str, book: RuleBook,
