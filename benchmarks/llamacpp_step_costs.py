@@ -257,9 +257,9 @@ def summarize(samples: dict, ks: list[int], chat: dict, build: str = "") -> dict
     """The cost rows of one build's servers at p_min 0 (fixed k), from the rounds' medians and the chat phase's
     tau (`build`: its --builds label, the prefix of its server names)."""
     pre = f"{build}/" if build else ""
-    samples = {name[len(pre):]: rows for name, rows in samples.items() if name.startswith(pre)
-               and (pre or "/" not in name.split("@")[0])}
-    if not samples:
+    if build:
+        samples = {name[len(pre):]: rows for name, rows in samples.items() if name.startswith(pre)}
+    if "plain" not in samples:  # no cost rounds (--rounds 0), or no plain server of this build
         return {"chat": chat}
     ext = {name: {n: median([r["ext"].get(n) for r in rows]) for n in range(1, 9)} for name, rows in samples.items()}
     plain_ms = median([r["plain_ms"] for r in samples["plain"]])
@@ -435,7 +435,7 @@ def main() -> None:
                                                 **summarize(samples, ks, chat, b)} for b, path in builds.items()}}
         for b in builds:
             print(f"--- build {b}")
-            print_table(summary["builds"][b] | {"chat": chat}, b)
+            print_table(summary["builds"][b], b)
     else:
         summary = summarize(samples, ks, chat)
         print_table(summary)

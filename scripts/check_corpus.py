@@ -144,17 +144,18 @@ def main(argv: list[str] | None = None) -> int:
                         "write nothing")
     args = p.parse_args(argv)
     cases = load_cases()
+    previous = previous_halves()
     (CORPUS / "split.json").write_text(json.dumps(split_table(cases), indent=1) + "\n")
     if args.half == "development":
         cases = [c for c in cases if tunable(c)]
-        unscored = sorted({c["set"] for c in cases} - {key.split("/")[0] for key in previous_halves()})
+        unscored = sorted({c["set"] for c in cases} - {key.split("/")[0] for key in previous})
         if unscored:  # score a new set's held-back half once, before its development rows are read
             print(f"not scored: {', '.join(unscored)} (its held-back half has no committed score yet; run once "
                   "without --half, commit the result, then tune on its development half)")
             cases = [c for c in cases if c["set"] not in unscored]
     scored = score(cases)
     dev_rows = [row for row in scored["cases"] if row["half"] not in HONEST]
-    result = {"command": COMMAND, "previous": previous_halves(), "summary": scored["summary"], "cases": dev_rows}
+    result = {"command": COMMAND, "previous": previous, "summary": scored["summary"], "cases": dev_rows}
     if args.half == "both":
         RESULT.parent.mkdir(parents=True, exist_ok=True)
         RESULT.write_text(json.dumps(result, indent=1) + "\n")

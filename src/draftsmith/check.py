@@ -104,11 +104,6 @@ def installed_engine(python: Path, engine: str) -> InstalledEngine:
     return InstalledEngine(info["dist"], info["version"], upstream)
 
 
-def engine_version_of(python: Path, engine: str) -> str:
-    """The upstream engine version installed in `python` (`installed_engine(...).upstream`)."""
-    return installed_engine(python, engine).upstream
-
-
 def dry_run_vllm(python: Path, target: Path, spec: dict, args: dict[str, str], timeout_s: float = 300) -> Finding:
     """vLLM's own config validation (`EngineArgs(...).create_engine_config()`), in its interpreter."""
     req: dict[str, Any] = {"model": str(target), "speculative_config": spec}

@@ -65,6 +65,9 @@ class DrafterSpec:
     is_mla: bool
     draftsmith: dict[str, Any]
     """The `draftsmith` section our exports write (what the drafter was trained with), or {}."""
+    uses_aux_hidden_state: bool = True
+    """`eagle_config.use_aux_hidden_state` (vLLM reads it there: requires_aux_hidden_states); false for a head
+    trained on the target's last hidden state alone."""
 
 
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
@@ -95,6 +98,7 @@ def describe_drafter(config: dict[str, Any]) -> DrafterSpec:
         speculative_tokens=config.get("n_predict") or proposals[0].get("speculative_tokens"),
         is_mla=any(a in MLA_DRAFTER_ARCHITECTURES for a in archs) or layer.get("kv_lora_rank") is not None,
         draftsmith=config.get("draftsmith") if isinstance(config.get("draftsmith"), dict) else {},
+        uses_aux_hidden_state=eagle.get("use_aux_hidden_state", True) is not False,
     )
 
 
@@ -252,9 +256,7 @@ def drafter_facts(path: Path, hidden: int, vocab: int) -> dict[str, Any]:
     layer = filled.get("transformer_layer_config") or filled  # speculators nests the layer's config
     return {
         "drafter_path": str(path), "drafter_format": d.format, "drafter_speculators_type": raw.get("speculators_model_type"),
-        # vLLM reads it from eagle_config (v1/worker/gpu/spec_decode/eagle/eagle3_utils.py requires_aux_hidden_states)
-        "drafter_uses_aux_hidden_state": (raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict)
-                                          else {}).get("use_aux_hidden_state", True),
+        "drafter_uses_aux_hidden_state": d.uses_aux_hidden_state,
         "drafter_arch": d.architectures[0] if d.architectures else None, "drafter_model_type": d.model_type,
         "drafter_is_mla": d.is_mla,
         "drafter_num_heads": (raw.get("transformer_layer_config") or raw).get("num_attention_heads"),
@@ -517,7 +519,7 @@ def vllm_runner_facts(f: dict[str, Any]) -> dict[str, Any]:
     else:
         here = None if runner is None else runner in forced
     return {"vllm_runner": runner, "vllm_runner_name": RUNNER_NAMES.get(runner, "model runner"),
-            "vllm_runner_set": env is not None, "vllm_aux_forced": here,
+            "vllm_aux_forced": here,
             "vllm_aux_forced_maybe": here is None and bool(forced)}
 
 
