@@ -14,11 +14,13 @@ pass that followed set 6) and `set8` (cases_set8.yaml, gathered 2026-12-04 blind
 neither ran check nor read its rules). Each is split into
 `development` and `held-back` by the SHA-256 of the case's source URL (README.md in the
 corpus folder). Rules may be tuned on set 1 (both halves: its held-back misses have been read, so it no longer
-scores anything honestly) and on the development halves of sets 2-8; their held-back halves are the honest scores.
+scores anything honestly) and on the development halves of sets 2-8; their held-back halves were the honest scores
+until 2026-12-05, when their misses were read after a last score of 36/51 (FINAL_HONEST); from then on every half is
+tunable, and an honest score needs a new set gathered blind to the rules.
 
 Run: `PYTHONPATH=src .venv/bin/python scripts/check_corpus.py` -> benchmarks/results/check_corpus.json (the
 command, the per-half scores of the result it replaces under `previous`, a summary of every half, and the rows of
-every half rules may be tuned on). Held-back rows of sets 2-8 are neither printed nor written. `--half
+every half rules may be tuned on). Held-back rows of the halves in HONEST are neither printed nor written. `--half
 development` scores only what rules may be tuned on and writes nothing: the command to run while changing rules,
 so that the held-back halves are scored only when a pass is done. It leaves out a set whose held-back half has no
 committed score yet (a new set: score it once without --half and commit that first).
@@ -45,9 +47,16 @@ OUTCOMES = ("start", "serve", "accept", "fine")
 CASE_FILES = {"set1": "cases.yaml", "set2": "cases_set2.yaml", "set3": "cases_set3.yaml", "set4": "cases_set4.yaml",
               "set5": "cases_set5.yaml", "set6": "cases_set6.yaml", "set7": "cases_set7.yaml",
               "set8": "cases_set8.yaml"}
-HONEST = ("set2/held-back", "set3/held-back", "set4/held-back", "set5/held-back", "set6/held-back",
-          "set7/held-back", "set8/held-back")
-"""The halves no rule was tuned on: scored as counts, their rows never printed or written."""
+HONEST: tuple[str, ...] = ()
+"""The halves no rule was tuned on: scored as counts, their rows never printed or written. Empty since 2026-12-05:
+the held-back halves of sets 2-8 were then read, after their last honest score (FINAL_HONEST), to measure what
+limits it; a new set's held-back half goes here until its misses are read."""
+
+FINAL_HONEST = {"set2/held-back": (8, 15), "set3/held-back": (2, 5), "set4/held-back": (7, 8),
+                "set5/held-back": (10, 10), "set6/held-back": (3, 5), "set7/held-back": (0, 2),
+                "set8/held-back": (6, 6)}
+"""(correct, cases) of each held-back half of sets 2-8 at commit a2aa829, the last score before any of their misses
+was read: 36 of 51 (0.706). Those misses were then classified (docs/check.md, "What limits the held-back score")."""
 
 
 def half(source: str) -> str:
@@ -62,7 +71,7 @@ def load_cases() -> list[dict]:
 
 
 def tunable(case: dict) -> bool:
-    """Whether rules may be changed in answer to this case: everything but the held-back halves of sets 2-8."""
+    """Whether rules may be changed in answer to this case: everything but the halves in HONEST."""
     return f"{case['set']}/{half(case['source'])}" not in HONEST
 
 
@@ -140,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--half", choices=("both", "development"), default="both",
                    help="both (default): score every half and write the result file; development: score only "
-                        "the cases rules may be tuned on (set 1, the development halves of sets 2-8), print, "
+                        "the cases rules may be tuned on (every half but those in HONEST), print, "
                         "write nothing")
     args = p.parse_args(argv)
     cases = load_cases()

@@ -310,6 +310,28 @@ def vllm_mrv2_default(config: str, wheel_names: list[str]) -> str:
     return "some" if "_is_default_v2_model_runner_model()" in config else "all"
 
 
+def vllm_fc_aux_count(eagle3: str) -> str | None:
+    """How the EAGLE-3 drafter (llama_eagle3.py) sizes fc, its input width in aux states: `configured` (the config's
+    num_aux_hidden_states, else the length of eagle_config's eagle_aux_hidden_state_layer_ids, else 3), `fixed3`
+    (hidden_size * 3 whatever ids the drafter names), None without the file. The speculators adapter copies a
+    drafter's ids to the top level only (transformers_utils/configs/speculators/algos.py), which `configured` does
+    not read: a speculators drafter with 4 ids gets an fc for 3 (vllm#54526)."""
+    if not eagle3:
+        return None
+    if re.search(r"num_aux_hidden_states = len\(layer_ids\)", eagle3):
+        return "configured"
+    return "fixed3" if re.search(r"hidden_size \* 3", eagle3) else None
+
+
+def vllm_draft_layer_kv_config(eagle3: str) -> bool | None:
+    """Whether the drafter's decoder layer gets the engine's cache config (and so its --kv-cache-dtype): its
+    `super().__init__(...)` passes vllm_config or cache_config. Where it does not (0.9.2-0.10.2), the drafter's
+    attention runs with kv dtype `auto` over the fp8 KV tensors the runner allocates, and FlashAttention raises
+    "query and key must have the same dtype" on the first request (vllm#21177; 0.11.0 passes vllm_config)."""
+    m = re.search(r"class LlamaDecoderLayer\(.*?super\(\).__init__\(([^)]*)\)", eagle3, re.S)
+    return None if m is None else bool(re.search(r"vllm_config|cache_config", m.group(1)))
+
+
 def vllm_facts(wheel: Wheel) -> dict:
     cfg_name, cfg = wheel.first(*VLLM_CONFIG_FILES)
     eagle3_name, eagle3 = wheel.first("vllm/model_executor/models/llama_eagle3.py")
@@ -348,6 +370,12 @@ def vllm_facts(wheel: Wheel) -> dict:
                                                         proposer)),
         "aux_forced_runners": [r for r, name in VLLM_RUNNER_FILES.items() if vllm_eagle3_aux_forced(wheel.text(name))],
         "mrv2_default": vllm_mrv2_default(wheel.text("vllm/config/vllm.py"), wheel.names),
+        "fc_aux_count": vllm_fc_aux_count(eagle3),
+        "draft_layer_kv_config": vllm_draft_layer_kv_config(eagle3),
+        # llama.py's attention reads config.layer_types[layer_idx]; the drafter's layer index is the target's layer
+        # count, past a one-entry layer_types (0.10.1-0.10.1.1: IndexError at start; 0.10.2 subtracts the offset)
+        "layer_types_unshifted": bool(re.search(r"layer_types\[layer_idx\]", wheel.text(
+            "vllm/model_executor/models/llama.py"))),
         "sources": {"config": cfg_name, "drafter": eagle3_name, "aux_ids": aux_read_files, "proposer": proposer_name,
                     "kv_cache": "vllm/v1/core/kv_cache_utils.py"},
     }
@@ -412,6 +440,11 @@ def sglang_facts(wheel: Wheel) -> dict:
         "sm100_trtllm_mla_archs": sglang_sm100_mla_archs(wheel),
         "pp_spec_algorithms": sglang_pp_spec_algorithms(wheel),
         "spec_v2_topk": sglang_spec_v2_topk(wheel),
+        # model files whose forward unpacks (hidden_states, aux_hidden_states) from hidden_states twice: the second
+        # unpacks a tensor and raises at CUDA-graph capture (qwen2.py in 0.5.2 only, sglang PR #10517)
+        "aux_unpacked_twice": sorted(_module(n) for n in wheel.under("sglang/srt/models/")
+                                     if any(b.count("hidden_states, aux_hidden_states = hidden_states") > 1
+                                            for b in _def_bodies(wheel.text(n), "forward"))),
         "cli_flags": cli_flags(wheel, sglang_cli_files(wheel)),
         "sources": {"drafter": eagle3_name, "aux_ids": readers, "capture_error": capture_error},
     }

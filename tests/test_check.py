@@ -599,3 +599,17 @@ def test_norm_flag_fixes_name_the_first_release_that_reads_the_flag(tmp_path, sm
                                                           "--speculative-draft-model-path D")[0])
     found, _ = run(smol_target, drafter, engine="vllm", version="0.18.0")
     assert next(f.fix for f in found if f.rule == "vllm.fc-norm").startswith(f"use vLLM >= {first['vllm']['fc_norm']} ")
+
+
+@pytest.mark.parametrize("version, fc_errors", [
+    ("0.28.0", set()),  # fc sized from eagle_config's four ids: the weights load
+    ("0.21.0", {"vllm.fc-aux-count"})])  # fc hard-wired to 3 x hidden: one finding, not three
+def test_a_four_aux_layer_drafter_is_judged_by_the_fc_the_release_builds(tmp_path, smol_target, version, fc_errors):
+    ids = [2, 10, 20, 27]
+    config = builder.drafter_config(eagle_config={"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+                                    draftsmith={"aux_layer_ids_boundary": ids, "aux_id_convention": "vllm",
+                                                "norm_before_residual": False})
+    drafter = smol_drafter(tmp_path, config=config, tensors=builder.drafter_tensors(fc_in=4 * 576))
+    findings, facts = run(smol_target, drafter, version=version, spec={"method": "eagle3", "num_speculative_tokens": 3})
+    assert errors(findings) & {"vllm.fc-aux-count", "vllm.fc-shape", "vllm.fc-vs-target"} == fc_errors
+    assert facts["fc_in"] == 4 * 576

@@ -22,10 +22,11 @@ VLLM_KEYS = {"eagle3_whitelist", "eagle3_modules", "eagle3_archs", "aux_ids_read
              "draft_max_position_override", "tp_key_rejected", "multimodal_probes", "mla_drafter", "sources",
              "arch_modules", "transformers_backend_eagle3", "speculators_types", "mla_drafter_model_types",
              "multimodal_probe_map", "eagle3_arch_naming", "d2t_full_vocab_unloadable", "kv_mixed_page_groups",
-             "mrope_propose_reads_positions", "cli_flags", "aux_forced_runners", "mrv2_default"}
+             "mrope_propose_reads_positions", "cli_flags", "aux_forced_runners", "mrv2_default", "fc_aux_count",
+             "draft_layer_kv_config", "layer_types_unshifted"}
 SGLANG_KEYS = {"eagle3_modules", "eagle3_archs", "arch_modules", "draft_archs", "aux_shift", "aux_ids_read", "norm_flags_read",
                "mla_drafter", "capture_error", "draft_context", "draft_context_rope_raised", "sm100_trtllm_mla_archs",
-               "pp_spec_algorithms", "embed_head_archs", "spec_v2_topk", "cli_flags"}
+               "pp_spec_algorithms", "embed_head_archs", "spec_v2_topk", "cli_flags", "aux_unpacked_twice"}
 
 
 def write(folder: Path, config: dict) -> Path:
@@ -655,3 +656,85 @@ def test_a_drafter_without_aux_states_is_warned_where_the_runner_feeds_it_aux_st
     if rule == "vllm.aux-forced":
         message = next(f.message for f in findings if f.rule == rule)
         assert ("Model Runner V2" if facts["vllm_runner"] == "v2" else "V1 model runner") in message
+
+
+@pytest.mark.parametrize("version, kind, kv, layer_types", [
+    ("0.8.5", "fixed3", False, False), ("0.10.0", "fixed3", False, False), ("0.10.1.1", "fixed3", False, True),
+    ("0.10.2", "fixed3", False, False), ("0.11.0", "fixed3", True, False), ("0.21.0", "fixed3", True, False),
+    ("0.22.0", "configured", True, False), ("0.34.0", "configured", True, False)])
+def test_how_each_release_builds_the_drafter_is_what_its_wheel_holds(version, kind, kv, layer_types):
+    """llama_eagle3.py sizes fc x3 until 0.21.x and from the config from 0.22.0; its decoder layer gets the cache
+    config from 0.11.0; llama.py reads layer_types[layer_idx] unshifted in 0.10.1-0.10.1.1 (scripts/engine_facts.py)."""
+    facts = check.engine_release("vllm", version).facts
+    assert (facts["fc_aux_count"], facts["draft_layer_kv_config"], facts["layer_types_unshifted"]) == (kind, kv,
+                                                                                                        layer_types)
+
+
+FOUR_IDS = [2, 16, 29, 31]
+
+
+@pytest.mark.parametrize("version, layout, fires", [
+    ("0.28.0", "speculators", True),  # the adapter copies the ids to the top level only: fc for 3 (vllm#54526)
+    ("0.34.0", "speculators", True),
+    ("0.28.0", "eagle_config", False),  # fc sized from eagle_config's ids
+    ("0.28.0", "num_aux", False),  # ... or from num_aux_hidden_states
+    ("0.28.0", "top-level", True),  # top-level ids alone do not size fc
+    ("0.21.0", "eagle_config", True),  # fc hard-wired to 3 x hidden
+    ("0.28.0", "three", False)])
+def test_a_drafter_with_four_aux_layers_fails_where_vllm_builds_fc_for_three(tmp_path, version, layout, fires):
+    base = {"top-level": {"eagle_aux_hidden_state_layer_ids": FOUR_IDS},
+            "eagle_config": {"eagle_config": {"eagle_aux_hidden_state_layer_ids": FOUR_IDS}},
+            "num_aux": {"eagle_aux_hidden_state_layer_ids": FOUR_IDS, "num_aux_hidden_states": 4},
+            "three": {"eagle_config": {"eagle_aux_hidden_state_layer_ids": FOUR_IDS[:3]}}}
+    if layout == "speculators":
+        drafter = write(tmp_path / "drafter-eagle3", {
+            "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "draft_vocab_size": 32000,
+            "eagle_aux_hidden_state_layer_ids": FOUR_IDS, "target_hidden_size": 4096,
+            "speculators_config": {"algorithm": "eagle3", "proposal_methods": [
+                {"proposal_type": "greedy", "speculative_tokens": 3}], "default_proposal_method": "greedy",
+                "verifier": {"name_or_path": "meta-llama/Llama-3.1-8B-Instruct", "architectures": ["LlamaForCausalLM"]}},
+            "transformer_layer_config": {"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32,
+                                         "num_key_value_heads": 8, "num_hidden_layers": 1, "vocab_size": 128256,
+                                         "intermediate_size": 14336, "max_position_embeddings": 131072}})
+    else:
+        drafter = llama_drafter(tmp_path, **base[layout])
+    findings, facts = run(TARGETS / "llama-3.1-8b", drafter, version=version,
+                          spec={"method": "eagle3", "num_speculative_tokens": 3})
+    assert ("vllm.fc-aux-count" in errors(findings, "start")) is fires
+    assert facts["drafter_aux_count"] == (3 if layout == "three" else 4)
+
+
+@pytest.mark.parametrize("version, kv, fires", [
+    ("0.10.2", "--kv-cache-dtype fp8", True), ("0.9.2", "--kv-cache-dtype=fp8_e4m3", True),
+    ("0.11.0", "--kv-cache-dtype fp8", False), ("0.10.2", "", False), ("0.10.2", "--kv-cache-dtype auto", False)])
+def test_an_fp8_kv_cache_kills_the_first_request_where_the_drafter_layer_lacks_the_cache_config(tmp_path, version, kv,
+                                                                                                fires):
+    findings, facts = run(TARGETS / "llama-3.1-8b", llama_drafter(tmp_path), version=version,
+                          spec={"method": "eagle3", "num_speculative_tokens": 3}, engine_args=kv)
+    assert ("vllm.draft-kv-fp8" in errors(findings, "serve")) is fires
+
+
+@pytest.mark.parametrize("version, layer_types, fires", [
+    ("0.10.1.1", ["full_attention"], True), ("0.10.1", ["full_attention"], True),
+    ("0.10.2", ["full_attention"], False), ("0.10.1.1", None, False),
+    ("0.10.1.1", ["full_attention"] * 40, False)])  # long enough to hold index 32
+def test_a_drafter_layer_types_list_is_read_past_its_end_in_vllm_0_10_1(tmp_path, version, layer_types, fires):
+    over = {"layer_types": layer_types} if layer_types else {}
+    findings, _ = run(TARGETS / "llama-3.1-8b", llama_drafter(tmp_path, **over), version=version,
+                      spec={"method": "eagle3", "num_speculative_tokens": 3})
+    assert ("vllm.drafter-layer-types" in errors(findings, "start")) is fires
+
+
+@pytest.mark.parametrize("version, fires", [("0.5.1.post3", False), ("0.5.2", True), ("0.5.3", False)])
+def test_sglang_0_5_2_unpacks_qwen2_aux_states_twice(tmp_path, version, fires):
+    """qwen2.py's forward repeats the unpack in 0.5.2 only (SpecForge#231, sglang PR #10517)."""
+    assert ("qwen2" in check.engine_release("sglang", version).facts["aux_unpacked_twice"]) is fires
+    drafter = llama_drafter(tmp_path, hidden_size=3584, num_attention_heads=28, num_key_value_heads=4,
+                            vocab_size=152064)
+    target = write(tmp_path / "qwen2.5-7b", {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584, "num_hidden_layers": 28,
+        "num_attention_heads": 28, "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064,
+        "max_position_embeddings": 32768, "torch_dtype": "bfloat16"})
+    findings, _ = run(target, drafter, engine="sglang", version=version,
+                      engine_args="--speculative-algorithm EAGLE3 --speculative-draft-model-path D")
+    assert ("sglang.aux-unpacked-twice" in errors(findings, "start")) is fires

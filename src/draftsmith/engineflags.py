@@ -24,7 +24,7 @@ FLAGS_READ = ("tensor-parallel-size", "pipeline-parallel-size", "max-model-len",
               "max-num-batched-tokens", "dtype", "page-size", "attention-backend", "decode-attention-backend",
               "speculative-draft-attention-backend", "disable-cuda-graph", "speculative-config",
               "speculative-algorithm", "speculative-draft-model-path", "speculative-num-steps",
-              "speculative-eagle-topk", "speculative-num-draft-tokens")
+              "speculative-eagle-topk", "speculative-num-draft-tokens", "kv-cache-dtype")
 """The long engine flags check reads. The facts table records, per release, the option strings of each one's
 add_argument call and, per long option string, the shortest prefix that names it alone among the release's option
 strings (`cli_flags`):

@@ -168,6 +168,9 @@ def release_facts(rel: EngineRelease) -> dict[str, Any]:
         "engine_kv_mixed_page_groups": get("kv_mixed_page_groups"), "engine_spec_v2_topk": get("spec_v2_topk"),
         "engine_mrope_propose_reads_positions": get("mrope_propose_reads_positions"),
         "engine_aux_forced_runners": get("aux_forced_runners"), "engine_mrv2_default": get("mrv2_default"),
+        "engine_fc_aux_count": get("fc_aux_count"), "engine_draft_layer_kv_config": get("draft_layer_kv_config"),
+        "engine_layer_types_unshifted": get("layer_types_unshifted"),
+        "engine_aux_unpacked_twice": get("aux_unpacked_twice"),
     }
 
 
@@ -523,6 +526,45 @@ def vllm_runner_facts(f: dict[str, Any]) -> dict[str, Any]:
             "vllm_aux_forced_maybe": here is None and bool(forced)}
 
 
+def vllm_drafter_load_facts(f: dict[str, Any], raw: dict[str, Any], args: dict[str, str]) -> dict[str, Any]:
+    """How vLLM builds this drafter (engine facts fc_aux_count, draft_layer_kv_config, layer_types_unshifted):
+
+    - `vllm_fc_aux_count`: the aux states fc is sized for: 3 where the release hard-wires it; else the config's
+      num_aux_hidden_states, else the length of eagle_config's ids, else 3. A speculators drafter reaches vLLM
+      through an adapter that copies its ids to the top level only, so it always gets 3 there.
+    - `drafter_aux_count`: the number of aux ids the drafter names (None when it names none: then vLLM captures its
+      default three and sizes fc for three alike). fc.weight's width, when the weights are there, is held against
+      `expected_fc_in` (the engine's count x the target width) by vllm.fc-shape.
+    - `vllm_draft_kv_fp8_unquantized`: --kv-cache-dtype fp8* where the drafter's layer never sees the cache config.
+    - `vllm_layer_types_out_of_range`: the drafter config has a layer_types list no longer than the target's layer
+      count, read at the drafter's layer index (the target's layer count) where the release does not subtract it."""
+    kind = f["engine_fc_aux_count"]
+    if kind == "fixed3" or (kind == "configured" and f["drafter_format"] == "speculators"):
+        engine_count: int | None = 3
+    elif kind == "configured":
+        engine_count = int(raw.get("num_aux_hidden_states") or len(find_aux_ids(raw, ("eagle_config",))[0] or ()) or 3)
+    else:
+        engine_count = None
+    width = f["drafter_target_hidden_size"] or f["drafter_hidden_size"]
+    drafter_count = len(f["drafter_aux_ids"]) if f["drafter_aux_ids"] else None
+    mismatch = None not in (engine_count, drafter_count) and engine_count != drafter_count
+    layer = raw.get("transformer_layer_config") or raw
+    types = layer.get("layer_types")
+    kv = str(args.get("kv_cache_dtype") or "auto")
+    return {
+        "vllm_fc_aux_count": engine_count, "drafter_aux_count": drafter_count, "vllm_fc_aux_mismatch": mismatch,
+        "expected_fc_in": engine_count * width if engine_count and width else f["expected_fc_in"],
+        "expected_fc_in_target": (engine_count * f["target_hidden_size"] if engine_count and f["target_hidden_size"]
+                                  else f["expected_fc_in_target"]),
+        "target_aux_width": f"{engine_count or 3} x {f['target_hidden_size']}",
+        "kv_cache_dtype": kv,
+        "vllm_draft_kv_fp8_unquantized": f["engine_draft_layer_kv_config"] is False and kv.startswith("fp8"),
+        "drafter_layer_types_len": len(types) if isinstance(types, list) else None,
+        "vllm_layer_types_out_of_range": bool(f["engine_layer_types_unshifted"]) and isinstance(types, list)
+        and bool(types) and len(types) <= (f["target_num_layers"] or 0),
+    }
+
+
 def gather_facts(target: Path, drafter: Path, engine: str, version: str, book: RuleBook,
                  spec: dict, args: dict[str, str], env: dict[str, str] | None = None,
                  gpu: str | None = None) -> dict[str, Any]:
@@ -539,6 +581,11 @@ def gather_facts(target: Path, drafter: Path, engine: str, version: str, book: R
     f |= spec_facts(engine, spec, args, f)
     f |= kv_page_facts(f)
     f |= aux_facts(f, engine, version, read_dir_config(drafter))
+    if engine == "vllm":
+        f |= vllm_drafter_load_facts(f, read_dir_config(drafter), args)
+    if engine == "sglang":
+        f["sglang_aux_unpacked_twice"] = f["engine_aux_unpacked_twice"] is not None and (
+            f["target_module"] in f["engine_aux_unpacked_twice"])
     f |= norm_facts(f, engine, book, version)
     f["dtype_mismatch"] = (f["drafter_dtype"] or f["drafter_header_dtype"]) is not None and _dtype_name(
         f["drafter_dtype"] or f["drafter_header_dtype"]) != _dtype_name(f["serve_dtype"])

@@ -34,11 +34,13 @@ def read_dir_config(path: Path) -> dict[str, Any]:
 # Hugging Face configs that name the common fields through `attribute_map` aliases (transformers
 # models/gpt2/configuration_gpt2.py: GPT2Config.attribute_map; the same names in GPT-J, Bloom-era configs).
 HF_ALIASES = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
-              "n_positions": "max_position_embeddings"}
+              "n_positions": "max_position_embeddings", "num_layers": "num_hidden_layers"}
+"""Other names of standard fields: GPT-2's, and `num_layers` (LongCat-Flash, ChatGLM), which SGLang's own config
+classes read as num_hidden_layers (sglang/srt/configs/longcat_flash.py)."""
 
 
 def with_standard_names(config: dict[str, Any]) -> dict[str, Any]:
-    """`config` with hidden_size & co. filled in from their GPT-2-style aliases where only those exist."""
+    """`config` with hidden_size & co. filled in from their aliases (HF_ALIASES) where only those exist."""
     return {**{std: config[alias] for alias, std in HF_ALIASES.items() if alias in config}, **config}
 
 
