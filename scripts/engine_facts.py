@@ -442,12 +442,48 @@ def sglang_facts(wheel: Wheel) -> dict:
         "spec_v2_topk": sglang_spec_v2_topk(wheel),
         # model files whose forward unpacks (hidden_states, aux_hidden_states) from hidden_states twice: the second
         # unpacks a tensor and raises at CUDA-graph capture (qwen2.py in 0.5.2 only, sglang PR #10517)
+        "capture_ignored_archs": sglang_capture_ignored(wheel, all_classes, entry, set(shifts)),
         "aux_unpacked_twice": sorted(_module(n) for n in wheel.under("sglang/srt/models/")
                                      if any(b.count("hidden_states, aux_hidden_states = hidden_states") > 1
                                             for b in _def_bodies(wheel.text(n), "forward"))),
         "cli_flags": cli_flags(wheel, sglang_cli_files(wheel)),
         "sources": {"drafter": eagle3_name, "aux_ids": readers, "capture_error": capture_error},
     }
+
+
+def defining_body(all_classes: dict[str, tuple[list[str], str]], name: str, method: str) -> str | None:
+    """The body of the class that `name` gets `method` from (itself or the first base, depth first, that defines it)."""
+    seen, todo = set(), [name]
+    while todo:
+        cls = todo.pop(0)
+        if cls in seen or cls not in all_classes:
+            continue
+        seen.add(cls)
+        bases, body = all_classes[cls]
+        if f"def {method}(" in body:
+            return body
+        todo = list(bases) + todo
+    return None
+
+
+def sglang_capture_ignored(wheel: Wheel, all_classes: dict, entry: dict[str, str], own_hook: set[str]) -> list[str]:
+    """Target architectures whose EAGLE-3 capture hook does nothing: the class inherits set_eagle3_layers_to_capture
+    from another model file, where it assigns `layers_to_capture` on the inner model (no delegation to a hook of the
+    inner model), while the architecture's own file collects aux states only from layers flagged
+    `_is_layer_to_capture` and reads no `layers_to_capture` in a forward. Nothing sets the flags, forward returns no
+    aux states and the wrapper's unpack fails at CUDA-graph capture (Qwen3.5 on 0.5.11-0.5.21, sglang#38307; 0.5.22
+    gave qwen3_5.py its own hook and made Qwen3-VL's delegate)."""
+    out = []
+    for arch, module in entry.items():
+        if module in own_hook or arch not in all_classes:
+            continue
+        hook = defining_body(all_classes, arch, "set_eagle3_layers_to_capture")
+        if not hook or ".set_eagle3_layers_to_capture(" in hook or "layers_to_capture =" not in hook:
+            continue
+        forwards = _def_bodies(wheel.text(f"sglang/srt/models/{module}.py"), "forward")
+        if any("_is_layer_to_capture" in b for b in forwards) and not any("layers_to_capture" in b for b in forwards):
+            out.append(arch)
+    return sorted(out)
 
 
 def entry_classes(text: str) -> list[str]:

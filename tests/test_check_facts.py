@@ -26,7 +26,8 @@ VLLM_KEYS = {"eagle3_whitelist", "eagle3_modules", "eagle3_archs", "aux_ids_read
              "draft_layer_kv_config", "layer_types_unshifted"}
 SGLANG_KEYS = {"eagle3_modules", "eagle3_archs", "arch_modules", "draft_archs", "aux_shift", "aux_ids_read", "norm_flags_read",
                "mla_drafter", "capture_error", "draft_context", "draft_context_rope_raised", "sm100_trtllm_mla_archs",
-               "pp_spec_algorithms", "embed_head_archs", "spec_v2_topk", "cli_flags", "aux_unpacked_twice"}
+               "pp_spec_algorithms", "embed_head_archs", "spec_v2_topk", "cli_flags", "aux_unpacked_twice",
+               "capture_ignored_archs"}
 
 
 def write(folder: Path, config: dict) -> Path:
@@ -738,3 +739,22 @@ def test_sglang_0_5_2_unpacks_qwen2_aux_states_twice(tmp_path, version, fires):
     findings, _ = run(target, drafter, engine="sglang", version=version,
                       engine_args="--speculative-algorithm EAGLE3 --speculative-draft-model-path D")
     assert ("sglang.aux-unpacked-twice" in errors(findings, "start")) is fires
+
+
+@pytest.mark.parametrize("version, fires", [("0.5.10", False), ("0.5.11", True), ("0.5.21", True), ("0.5.22", False)])
+def test_sglang_qwen3_5_inherits_a_capture_hook_its_language_model_ignores(tmp_path, version, fires):
+    """qwen3_5.py's wrapper inherits Qwen3-VL's hook (it sets layers_to_capture) while its language model collects
+    only layers flagged _is_layer_to_capture, 0.5.11-0.5.21 (sglang#38307)."""
+    facts = check.engine_release("sglang", version).facts
+    assert ("Qwen3_5MoeForConditionalGeneration" in facts["capture_ignored_archs"]) is fires
+    target = write(tmp_path / "qwen3.5", {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+        "text_config": {"model_type": "qwen3_5_moe_text", "hidden_size": 2048, "num_hidden_layers": 40,
+                        "num_attention_heads": 16, "num_key_value_heads": 2, "vocab_size": 248320, "head_dim": 256,
+                        "max_position_embeddings": 262144},
+        "vision_config": {"hidden_size": 1152}, "torch_dtype": "bfloat16"})
+    drafter = llama_drafter(tmp_path, hidden_size=2048, num_attention_heads=16, num_key_value_heads=4,
+                            vocab_size=248320)
+    findings, _ = run(target, drafter, engine="sglang", version=version,
+                      engine_args="--speculative-algorithm EAGLE3 --speculative-draft-model-path D")
+    assert ("sglang.capture-ignored" in errors(findings, "start")) is fires

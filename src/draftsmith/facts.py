@@ -170,7 +170,7 @@ def release_facts(rel: EngineRelease) -> dict[str, Any]:
         "engine_aux_forced_runners": get("aux_forced_runners"), "engine_mrv2_default": get("mrv2_default"),
         "engine_fc_aux_count": get("fc_aux_count"), "engine_draft_layer_kv_config": get("draft_layer_kv_config"),
         "engine_layer_types_unshifted": get("layer_types_unshifted"),
-        "engine_aux_unpacked_twice": get("aux_unpacked_twice"),
+        "engine_aux_unpacked_twice": get("aux_unpacked_twice"), "engine_capture_ignored_archs": get("capture_ignored_archs"),
     }
 
 
@@ -586,6 +586,7 @@ def gather_facts(target: Path, drafter: Path, engine: str, version: str, book: R
     if engine == "sglang":
         f["sglang_aux_unpacked_twice"] = f["engine_aux_unpacked_twice"] is not None and (
             f["target_module"] in f["engine_aux_unpacked_twice"])
+        f["sglang_capture_ignored"] = f["target_arch"] in (f["engine_capture_ignored_archs"] or ())
     f |= norm_facts(f, engine, book, version)
     f["dtype_mismatch"] = (f["drafter_dtype"] or f["drafter_header_dtype"]) is not None and _dtype_name(
         f["drafter_dtype"] or f["drafter_header_dtype"]) != _dtype_name(f["serve_dtype"])
