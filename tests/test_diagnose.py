@@ -265,6 +265,28 @@ def test_hints_cover_named_causes():
     assert choose_root_cause(col).hint_name == "multimodal_config_attribute"
 
 
+@pytest.mark.parametrize("lines, hint", [
+    (["Traceback (most recent call last):",
+      '  File "/sgl/python/sglang/srt/models/qwen3_vl.py", line 1519, in forward',
+      "    hidden_states, aux_hidden_states = hidden_states",
+      "ValueError: too many values to unpack (expected 2)"], "eagle3_no_aux_states"),
+    (["Traceback (most recent call last):",
+      '  File "/v/vllm/v1/attention/backends/flash_attn.py", line 518, in forward',
+      "    flash_attn_varlen_func(",
+      "RuntimeError: query and key must have the same dtype"], "eagle3_draft_kv_dtype"),
+    (["Traceback (most recent call last):",
+      '  File "/v/vllm/model_executor/models/llama.py", line 172, in __init__',
+      '    is_sliding = layer_types[layer_idx] == "sliding_attention"',
+      "IndexError: list index out of range"], "drafter_layer_types")])
+def test_the_engine_bugs_check_knows_get_their_fix_in_diagnose(lines, hint):
+    """The start and serve failures of vllm.draft-kv-fp8, vllm.drafter-layer-types and sglang.aux-unpacked-twice /
+    sglang.capture-ignored, as their tracebacks end, name their own fix rather than a generic one."""
+    col = TracebackCollector()
+    for line in lines:
+        col.feed(line)
+    assert choose_root_cause(col).hint_name == hint
+
+
 def _expected(log: Path) -> dict:
     sidecar = log.with_suffix(".expected.json")
     assert sidecar.exists(), f"{log.name} has no {sidecar.name}"

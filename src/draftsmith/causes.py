@@ -28,6 +28,19 @@ HINTS: tuple[Hint, ...] = (
        "a drafter tensor has a different shape than the engine built from its config.json (fc is "
        "[hidden, 3 x target hidden]): re-export the drafter against this target, or fix hidden_size / "
        "target_hidden_size in config.json"),
+    _h("eagle3_no_aux_states", r"aux_hidden_states = hidden_states",
+       "the target's forward returned no aux hidden states where the EAGLE-3 path unpacks them (\"too many "
+       "values to unpack\"): its capture hook never reached the layers (SGLang 0.5.11-0.5.21 with Qwen3.5 and "
+       "models built on it), or its forward unpacks twice (qwen2.py in SGLang 0.5.2). Use a release that "
+       "captures for this model; `draftsmith check --engine sglang --engine-version V` says which"),
+    _h("eagle3_draft_kv_dtype", r"query and key must have the same dtype",
+       "the EAGLE-3 drafter's attention ran unquantized against an fp8 KV cache: vLLM 0.8.5-0.10.2 build the "
+       "drafter's layer without the cache config (vllm#21177). Drop --kv-cache-dtype fp8 while speculating, or "
+       "use vLLM >= 0.11.0"),
+    _h("drafter_layer_types", r"layer_types\[layer_idx\]",
+       "vLLM 0.10.1.x reads the drafter config's layer_types at the drafter's layer index (the target's layer "
+       "count), past the end of a short list: remove layer_types from the drafter's config.json, or use vLLM "
+       ">= 0.10.2"),
     _h("drafter_unknown_tensor", r"There is no module or parameter named",
        "the checkpoint has a tensor name the engine does not know: export with the engine's key map "
        "(midlayer.*, fc, norm, lm_head, d2t, t2d)"),
