@@ -11,7 +11,7 @@ LLAMACPP_SPEC ?= llama-cpp-python==0.3.36
 LLAMACPP_DIR ?= $(CACHE)/llama.cpp/$(subst ==,-,$(LLAMACPP_SPEC))
 LLAMA_SERVER := $(LLAMACPP_DIR)/build/bin/llama-server
 # ggml's CPU flags. GGML_NATIVE=OFF: a portable AVX2 build (a native one compiles for whatever the build machine has;
-# on these Sapphire Rapids CPUs that includes ggml's AMX kernels, below). GGML_LLAMAFILE=OFF: ggml otherwise multiplies
+# on this machine's Intel Xeon (Emerald Rapids) that includes ggml's AMX kernels, below). GGML_LLAMAFILE=OFF: ggml otherwise multiplies
 # 2+ rows (a verification over k+1 tokens) with llamafile's sgemm, whose AVX2 tiles are at most 3 columns wide; ggml's
 # own kernel made a 4-5 token forward 5-9 % cheaper and llama.cpp's speed-up with the drafter 6-7 % higher at k=3 on
 # this CPU (docs/llamacpp.md, "The build"). One-token decoding never used sgemm: plain speed is unchanged. A change
