@@ -553,6 +553,12 @@ def compile_for_training(drafter: Eagle3Drafter, cuda_graphs: bool = False) -> N
     # CUDA graphs replay one recorded shape each (packing gives one): static shapes, so that a second shape is
     # compiled as its own static graph rather than dynamic in the row length (inductor cannot split the block
     # mask's 128-token blocks of a symbolic length)
+    # torch 2.11's coalescing analysis (it only chooses tile shapes) asserts on the unpacked step's dynamic-shape
+    # reductions (InductorError in tiling_utils.get_pw_red_splits, one H200, 2026-12-05): off, where it exists
+    import torch._inductor.config as inductor_config
+
+    if hasattr(inductor_config.triton, "coalesce_tiling_analysis"):
+        inductor_config.triton.coalesce_tiling_analysis = False
     drafter.ttt_unroll = torch.compile(ttt_unroll, mode="reduce-overhead" if cuda_graphs else None,
                                        dynamic=False if cuda_graphs else None)
 
