@@ -580,9 +580,10 @@ def gather_facts(target: Path, drafter: Path, engine: str, version: str, book: R
         f |= llamacpp_facts(drafter, f["target_num_layers"])
     f |= spec_facts(engine, spec, args, f)
     f |= kv_page_facts(f)
-    f |= aux_facts(f, engine, version, read_dir_config(drafter))
+    drafter_config = read_dir_config(drafter)
+    f |= aux_facts(f, engine, version, drafter_config)
     if engine == "vllm":
-        f |= vllm_drafter_load_facts(f, read_dir_config(drafter), args)
+        f |= vllm_drafter_load_facts(f, drafter_config, args)
     if engine == "sglang":
         f["sglang_aux_unpacked_twice"] = f["engine_aux_unpacked_twice"] is not None and (
             f["target_module"] in f["engine_aux_unpacked_twice"])
