@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -128,6 +129,9 @@ class EvalSettings(Settings):
     """Tree drafting: children per expanded node (SGLang --speculative-eagle-topk); 1 = chain."""
     draft_tokens: int | None = None
     """Tree nodes verified per step, root included (SGLang --speculative-num-draft-tokens)."""
+    cpu_pack: bool = True
+    """CPU, float32: pack the target's linear weights once (MKL) for the row counts the verification runs at, which
+    makes verifying k + 1 tokens cheaper (cpu_gemm.py, benchmarks/cpu_gemm.py); false: plain F.linear throughout."""
 
     @model_validator(mode="after")
     def check_choices(self) -> EvalSettings:
@@ -139,20 +143,21 @@ class EvalSettings(Settings):
         """The settings as eval.json and eval.md name them."""
         return {"prompts": self.prompts, "limit": self.limit, "temperature": self.temperature,
                 "max_new_tokens": self.max_new_tokens, "engine": self.engine, "dtype": self.dtype,
-                "device": self.device, "batch": self.batch_size, "drafting": "tree" if self.topk > 1 else "chain"}
+                "device": self.device, "batch": self.batch_size, "drafting": "tree" if self.topk > 1 else "chain",
+                "cpu_pack": self.cpu_pack}
 
 
 def evaluate(target_name: str, drafter_dir: Path, s: EvalSettings) -> list[KResult]:
     """`run_eval` with typed settings."""
     return run_eval(target_name, drafter_dir, s.prompts, list(s.k), s.limit, s.temperature, s.max_new_tokens,
                     s.engine, s.dtype, s.baseline, s.seed, batch_size=s.batch_size, topk=s.topk,
-                    draft_tokens=s.draft_tokens, device=s.device)
+                    draft_tokens=s.draft_tokens, device=s.device, cpu_pack=s.cpu_pack)
 
 
 def run_eval(target_name: str, drafter_dir: Path, prompts_source: str, ks: list[int], limit: int | None,
              temperature: float, max_new_tokens: int, engine: str, dtype: str, baseline: bool, seed: int,
              batch_size: int = 1, topk: int = 1, draft_tokens: int | None = None,
-             device: str = "cpu") -> list[KResult]:
+             device: str = "cpu", cpu_pack: bool = True) -> list[KResult]:
     """Decode the prompt set with speculation for each k (the tree depth when topk > 1) and without.
 
     Args:
@@ -160,10 +165,12 @@ def run_eval(target_name: str, drafter_dir: Path, prompts_source: str, ks: list[
         topk, draft_tokens: tree settings (SGLang's --speculative-eagle-topk / --speculative-num-draft-tokens);
             topk 1 is a chain of k tokens.
         device: where target and drafter run (cpu, cuda, auto).
+        cpu_pack: pack the target's linears for the row counts decoded (`cpu_gemm.pack_linears`; CPU float32 only).
     """
     from draftsmith.chat import prompt_ids
     from draftsmith.checkpoint import load_drafter
     from draftsmith.conventions import engine_aux_ids
+    from draftsmith.cpu_gemm import pack_linears
     from draftsmith.decoder import DecodeSettings, decode_batch, target_decode
     from draftsmith.progress import progress_bar
     from draftsmith.prompts import load_prompts
@@ -181,6 +188,11 @@ def run_eval(target_name: str, drafter_dir: Path, prompts_source: str, ks: list[
                               got=str(drafter_config.get("eagle_config")), expected="ids inside the target",
                               fix="re-export the drafter for this engine: draftsmith export --format " + engine)
     prompts = load_prompts(prompts_source, limit)
+    if cpu_pack and target.device.type == "cpu":
+        nodes = [DecodeSettings(k=k, topk=topk, draft_tokens=draft_tokens).nodes for k in ks]
+        # rows per forward: a full batch verifying its tree; the baseline at batch > 1 (batch 1 runs single rows)
+        rows = {batch_size * n for n in nodes} | ({batch_size} if batch_size > 1 and baseline else set())
+        print(pack_linears(target, rows).line(), file=sys.stderr, flush=True)
     results = []
     for k in ks:
         settings = DecodeSettings(k=k, temperature=temperature, max_new_tokens=max_new_tokens,
