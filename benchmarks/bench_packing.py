@@ -194,25 +194,29 @@ def measure(args, lengths: list[int], pack: bool) -> dict:
 
 
 def run(args) -> None:
+    """Packed first, then unpacked; the JSON is written after each mode, so a caller that stops this process
+    (a time limit: unpacked compiled steps recompile per new length) still finds the packed figure."""
     histogram = load_histogram(Path(args.histogram))
     lengths = [min(n, args.row_tokens or args.batch_tokens) for n in draw_lengths(histogram, args.samples, args.seed)]
-    modes = [measure(args, lengths, pack) for pack in (True, False)]
-    packed, unpacked = modes
     result = {"what": "useful (non-padding) tokens/s of Trainer.train_step, packed vs unpacked",
               "command": " ".join(sys.argv), "date": str(datetime.date.today()), "device": device_name(args.device),
               "torch": torch.__version__, "histogram": args.histogram, "histogram_source": histogram.get("source"),
               "samples": args.samples, "seed": args.seed, "mean_length": sum(lengths) / len(lengths),
               "batch_tokens": args.batch_tokens, "row_tokens": args.row_tokens or args.batch_tokens,
               "ttt_steps": args.ttt_steps, "compile": args.compile, "warmup_steps": args.warmup,
-              "packed": packed, "unpacked": unpacked,
-              "packed_over_unpacked": packed["useful_tokens_per_s"] / unpacked["useful_tokens_per_s"]}
+              "packed": None, "unpacked": None, "packed_over_unpacked": None}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    for m in modes:
-        print(f"{'packed' if m['pack'] else 'unpacked':>8}: {m['useful_tokens_per_s']:,.0f} useful tok/s "
+    for name in [m.strip() for m in args.modes.split(",") if m.strip()]:
+        m = result[name] = measure(args, lengths, pack=name == "packed")
+        if result["packed"] and result["unpacked"]:
+            result["packed_over_unpacked"] = (result["packed"]["useful_tokens_per_s"]
+                                              / result["unpacked"]["useful_tokens_per_s"])
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"{name:>8}: {m['useful_tokens_per_s']:,.0f} useful tok/s "
               f"({m['supervised_tokens_per_s']:,.0f} supervised), padding {m['padding_share']:.0%}, "
-              f"shapes {m['micro_batch_shapes']}, first step {m['first_step_s']:.1f} s")
-    print(f"packed / unpacked: {result['packed_over_unpacked']:.2f}x -> {args.out}")
+              f"shapes {m['micro_batch_shapes']}, first step {m['first_step_s']:.1f} s", flush=True)
+    if result["packed_over_unpacked"] is not None:
+        print(f"packed / unpacked: {result['packed_over_unpacked']:.2f}x -> {args.out}")
 
 
 def device_name(device: str) -> str:
@@ -241,6 +245,7 @@ def main() -> None:
     r.add_argument("--steps", type=int, default=10, help="timed steps per mode")
     r.add_argument("--warmup", type=int, default=3)
     r.add_argument("--compile", action="store_true")
+    r.add_argument("--modes", default="packed,unpacked", help="which modes, in this order (comma list)")
     r.add_argument("--out", required=True)
     args = ap.parse_args()
     if args.cmd == "histogram":

@@ -71,6 +71,8 @@ def main() -> None:
     ap.add_argument("--grid", default=",".join(map(str, GRID)))
     ap.add_argument("--anchor", type=Path, default=ROOT / "anchors" / "specforge")
     ap.add_argument("--specforge-budget-s", type=int, default=400, help="SpecForge skips lengths after this long")
+    ap.add_argument("--real-limit-s", type=int, default=560,
+                    help="draftsmith's real-length run stops after this; bench_packing writes packed before unpacked")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: specforge, fixed, real")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
@@ -109,20 +111,21 @@ def main() -> None:
             scaled.write_text(json.dumps(hist))
             run([py, "benchmarks/bench_packing.py", "run", "--histogram", str(scaled), "--device", "cuda", "--compile",
                  "--samples", str(args.samples), "--seed", "0", "--steps", str(args.steps), "--out", str(packing_out)],
-                ROOT, 420, logs / "draftsmith_real.log")
+                ROOT, args.real_limit_s, logs / "draftsmith_real.log")
             packing = json.loads(packing_out.read_text()) if packing_out.exists() else None
         real = {"histogram": str(args.histogram.relative_to(ROOT)), "scale_max": args.scale_max,
                 "samples": args.samples, "mean_length": sum(lengths) / len(lengths)}
         if packing:
             for mode in ("packed", "unpacked"):
-                packing[mode].pop("losses", None)
+                if packing.get(mode):
+                    packing[mode].pop("losses", None)
             real["draftsmith"] = packing
         if len(sf_grid) >= 2:
             grid_s = {n: r["step_ms"] / 1000 for n, r in sf_grid.items()}
             for name, floor in (("interpolated", False), ("floor", True)):
                 seconds = sum(step_seconds(grid_s, n, floor) for n in lengths)
                 real[f"specforge_{name}_tokens_per_s"] = sum(lengths) / seconds
-        if packing and "specforge_interpolated_tokens_per_s" in real:
+        if packing and packing.get("packed") and "specforge_interpolated_tokens_per_s" in real:
             packed = packing["packed"]["useful_tokens_per_s"]
             real["ratios"] = {
                 "packed_over_specforge": packed / real["specforge_interpolated_tokens_per_s"],
