@@ -7,7 +7,9 @@ Two measurements, each interleaved round by round so that both sides see the sam
 2. `draftsmith eval`'s loop on its chat prompts (greedy, batch 1, float32; each prompt decoded by every variant
    in turn, the order rotating): plain decoding and speculative decoding at each k, unpacked and packed; plain decoding also with weights packed for 1 row, to show whether
    the baseline would be faster packed (eval leaves it unpacked at batch 1). Tokens/s per round and the
-   median speed-up, and whether each speculative output equals plain decoding token for token.
+   median speed-up, and whether each speculative output equals plain decoding token for token. "+gqa": also with
+   transformers' masked-GQA switch (`decoder.masked_gqa`, what eval sets on a CPU); the other variants run with it
+   off, as before it existed.
 
     python benchmarks/cpu_gemm.py --out benchmarks/results/cpu_gemm.json
 """
@@ -18,6 +20,7 @@ import argparse
 import copy
 import datetime
 import json
+import os
 import platform
 import statistics
 import sys
@@ -39,20 +42,21 @@ def cpu_name() -> str:
 
 @torch.inference_mode()
 def forward_ms(models: dict, rows: list[int], rounds: int, aux_ids: tuple[int, ...]) -> dict:
-    """Median / first-quartile ms of one cached forward over n tokens, per model variant and n."""
+    """Median / first-quartile ms of one cached forward over n tokens, per variant (model, masked GQA) and n."""
     from transformers import DynamicCache
 
-    from draftsmith.decoder import target_forward
+    from draftsmith.decoder import MASKED_GQA, target_forward
 
     S = 150
     ctx = torch.randint(100, 20000, (1, S), generator=torch.Generator().manual_seed(0))
     caches = {}
-    for name, m in models.items():
+    for name, (m, _) in models.items():
         caches[name] = DynamicCache()
         m(input_ids=ctx, past_key_values=caches[name], use_cache=True)
     times: dict[tuple[str, int], list[float]] = {}
     for _ in range(rounds):
-        for name, m in models.items():
+        for name, (m, gqa) in models.items():
+            os.environ[MASKED_GQA] = "1" if gqa else "0"
             for n in rows:
                 ids = torch.randint(100, 20000, (1, n))
                 allowed = torch.ones(1, n, S + n, dtype=torch.bool)
@@ -81,7 +85,7 @@ def main() -> None:
     from draftsmith.checkpoint import drafter_path, load_drafter
     from draftsmith.conventions import engine_aux_ids
     from draftsmith.cpu_gemm import pack_linears
-    from draftsmith.decoder import DecodeSettings, decode_batch, target_decode
+    from draftsmith.decoder import MASKED_GQA, DecodeSettings, decode_batch, target_decode
     from draftsmith.prompts import load_prompts
     from draftsmith.target import describe_target, load_target, read_config, resolve_target
 
@@ -99,7 +103,8 @@ def main() -> None:
     drafter = load_drafter(ddir, plain_model.get_input_embeddings().weight.detach().float()).float().eval()
     aux_ids = engine_aux_ids(json.loads((Path(ddir) / "config.json").read_text()), spec.num_layers, "vllm")
 
-    fwd = forward_ms({"plain": plain_model, "packed": packed}, [1] + [k + 1 for k in ks], args.forwards, aux_ids)
+    fwd = forward_ms({"plain": (plain_model, False), "packed": (packed, False), "packed+gqa": (packed, True)},
+                     [1] + [k + 1 for k in ks], args.forwards, aux_ids)
     for name, r in fwd.items():
         print(f"forward {name}: {r['median_ms']:.1f} ms (p25 {r['p25_ms']:.1f})", flush=True)
 
@@ -109,7 +114,7 @@ def main() -> None:
         prompts.append(prompt_ids(tok, p.messages[:first + 1]))
     plain = DecodeSettings(k=0, max_new_tokens=args.max_new_tokens, eos_token_id=tok.eos_token_id)
     variants = [("plain", None), ("plain packed@1", None)] + [
-        (f"k={k} {side}", k) for k in ks for side in ("unpacked", "packed")]
+        (f"k={k} {side}", k) for k in ks for side in ("unpacked", "packed", "packed+gqa")]
     reference = [target_decode(plain_model, ids, plain).tokens for ids in prompts]  # warm-up and identity reference
     rounds: list[dict] = []
     identical = {name: True for name, k in variants if k}
@@ -124,7 +129,8 @@ def main() -> None:
                     out, sec = res.tokens, res.seconds
                 else:
                     s = DecodeSettings(k=k, max_new_tokens=args.max_new_tokens, eos_token_id=tok.eos_token_id)
-                    res = decode_batch(packed if name.endswith(" packed") else plain_model, drafter, [ids], aux_ids, s)
+                    os.environ[MASKED_GQA] = "1" if name.endswith("+gqa") else "0"
+                    res = decode_batch(plain_model if name.endswith("unpacked") else packed, drafter, [ids], aux_ids, s)
                     out, sec = res.tokens[0], res.seconds
                     identical[name] &= out == reference[i]
                 tokens[name] += len(out)

@@ -403,3 +403,37 @@ def test_engine_walk_of_teacher_forced_steps_equals_decoded_tau(target_and_draft
     assert 1.3 < tau_decoded < k + 0.7, f"partly trained drafter expected, got decoded tau {tau_decoded:.3f}"
     assert walk[1] == decoded[1] and tau_walk == pytest.approx(tau_decoded, abs=1e-9), (walk, decoded, tau_every)
     assert tau_every > tau_walk  # the all-starts simulation over-states it
+
+
+def test_masked_gqa_is_switched_on_for_cpus_only_and_a_preset_value_wins(monkeypatch):
+    import os
+
+    monkeypatch.delenv(decoder.MASKED_GQA, raising=False)
+    assert not decoder.masked_gqa("cuda") and decoder.MASKED_GQA not in os.environ
+    assert decoder.masked_gqa("cpu") and os.environ[decoder.MASKED_GQA] == "1"
+    monkeypatch.setenv(decoder.MASKED_GQA, "0")
+    assert not decoder.masked_gqa(torch.device("cpu")) and os.environ[decoder.MASKED_GQA] == "0"
+
+
+def test_masked_gqa_gives_the_same_verification_and_the_same_greedy_output(target_and_drafter, reference, monkeypatch):
+    """The switch takes effect (the KV heads are no longer repeated) and changes no logit nor token."""
+    import transformers.integrations.sdpa_attention as sdpa
+
+    model, tok, drafter = target_and_drafter
+    prompts, base = reference
+    repeats = []
+    real = sdpa.repeat_kv
+    monkeypatch.setattr(sdpa, "repeat_kv", lambda *a: repeats.append(1) or real(*a))
+    ids = torch.tensor([prompts[0]])
+    n = ids.shape[1]
+    allowed = torch.ones(n, n, dtype=torch.bool).tril()[None]
+    out = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv(decoder.MASKED_GQA, flag)
+        repeats.clear()
+        with torch.inference_mode():
+            out[flag] = decoder.target_forward(model, ids, torch.arange(n)[None], None, allowed, AUX)
+        assert bool(repeats) == (flag == "0")
+    torch.testing.assert_close(out["1"], out["0"], rtol=1e-6, atol=1e-6)
+    for ids, want in list(zip(prompts, base))[:10]:  # the switch is still "1"
+        assert speculative_decode(model, drafter, ids, AUX, with_eos(CHAIN, tok)).tokens == want

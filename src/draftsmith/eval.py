@@ -171,7 +171,7 @@ def run_eval(target_name: str, drafter_dir: Path, prompts_source: str, ks: list[
     from draftsmith.checkpoint import load_drafter
     from draftsmith.conventions import engine_aux_ids
     from draftsmith.cpu_gemm import pack_linears
-    from draftsmith.decoder import DecodeSettings, decode_batch, target_decode
+    from draftsmith.decoder import DecodeSettings, decode_batch, masked_gqa, target_decode
     from draftsmith.progress import progress_bar
     from draftsmith.prompts import load_prompts
     from draftsmith.target import describe_target, load_target, read_config, resolve_target
@@ -188,6 +188,7 @@ def run_eval(target_name: str, drafter_dir: Path, prompts_source: str, ks: list[
                               got=str(drafter_config.get("eagle_config")), expected="ids inside the target",
                               fix="re-export the drafter for this engine: draftsmith export --format " + engine)
     prompts = load_prompts(prompts_source, limit)
+    masked_gqa(target.device)
     if cpu_pack and target.device.type == "cpu":
         nodes = [DecodeSettings(k=k, topk=topk, draft_tokens=draft_tokens).nodes for k in ks]
         # rows per forward: a full batch verifying its tree; the baseline at batch > 1 (batch 1 runs single rows)
