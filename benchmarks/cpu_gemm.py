@@ -98,7 +98,7 @@ def main() -> None:
     packed1 = copy.deepcopy(plain_model)
     report1 = pack_linears(packed1, [1])
     if report.skipped or report1.skipped:
-        raise SystemExit(f"nothing to compare: {report.line()}")
+        raise SystemExit(f"nothing to compare: {(report if report.skipped else report1).line()}")
     ddir = drafter_path(args.drafter)
     drafter = load_drafter(ddir, plain_model.get_input_embeddings().weight.detach().float()).float().eval()
     aux_ids = engine_aux_ids(json.loads((Path(ddir) / "config.json").read_text()), spec.num_layers, "vllm")

@@ -15,9 +15,8 @@ pack uses it; any other row count (prefill, a batch that lost rows) and any call
 plain `F.linear`. Both compute the same product; only the summation order may differ.
 
 Scope: CPU, float32 (MKL packs sgemm only), torch built with MKL, inference on fixed weights (a pack is a
-snapshot: weights changed afterwards leave it stale). Elsewhere `pack_linears` changes
-nothing and says why. Each pack is a copy of the weights, so packing is skipped when the copies would exceed
-`max_bytes`.
+snapshot: weights changed afterwards leave it stale). Elsewhere `pack_linears` changes nothing and says why. Each
+pack is a copy of the weights, so packing is skipped when the copies would exceed `max_bytes`.
 """
 
 from __future__ import annotations

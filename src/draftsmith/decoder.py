@@ -35,6 +35,7 @@ it will have in production.
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -188,8 +189,6 @@ def masked_gqa(device) -> bool:
     the decoder always passes one (prefill, verification), and torch's CPU SDPA takes a mask with `enable_gqa`.
     Setting the switch on a CPU drops that copy from the speculative side only: the same logits (max |diff| 0 on
     SmolLM2 fp32). It is process-wide; a value already set (e.g. 0) is kept. CUDA: left alone."""
-    import os
-
     if torch.device(device).type != "cpu":
         return False
     return os.environ.setdefault(MASKED_GQA, "1") == "1"
