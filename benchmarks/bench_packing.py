@@ -170,7 +170,8 @@ def measure(args, lengths: list[int], pack: bool) -> dict:
     out = Path(tempfile.mkdtemp(prefix="bench_packing_"))
     cfg = TrainConfig(out=str(out), store="<synthetic>", recipe="plain", draft_vocab_size=draft_vocab, batch_tokens=args.batch_tokens,
                       row_tokens=args.row_tokens, pack=pack, ttt_steps=args.ttt_steps, warmup_ratio=0.0,
-                      max_steps=args.warmup + args.steps, eval_fraction=0.0, compile=args.compile, device=str(device))
+                      max_steps=args.warmup + args.steps, eval_fraction=0.0, compile=args.compile, device=str(device),
+                      cuda_graphs=pack and args.cuda_graphs)  # one shape: packed rows only
     trainer = Trainer(cfg, data=LengthSource(lengths, target, aux_ids, device))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -203,7 +204,8 @@ def run(args) -> None:
               "torch": torch.__version__, "histogram": args.histogram, "histogram_source": histogram.get("source"),
               "samples": args.samples, "seed": args.seed, "mean_length": sum(lengths) / len(lengths),
               "batch_tokens": args.batch_tokens, "row_tokens": args.row_tokens or args.batch_tokens,
-              "ttt_steps": args.ttt_steps, "compile": args.compile, "warmup_steps": args.warmup,
+              "ttt_steps": args.ttt_steps, "compile": args.compile, "cuda_graphs_packed": args.cuda_graphs,
+              "warmup_steps": args.warmup,
               "packed": None, "unpacked": None, "packed_over_unpacked": None}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for name in [m.strip() for m in args.modes.split(",") if m.strip()]:
@@ -245,6 +247,8 @@ def main() -> None:
     r.add_argument("--steps", type=int, default=10, help="timed steps per mode")
     r.add_argument("--warmup", type=int, default=3)
     r.add_argument("--compile", action="store_true")
+    r.add_argument("--cuda-graphs", action="store_true",
+                   help="packed mode: replay the compiled step as CUDA graphs (needs --compile; unpacked never does)")
     r.add_argument("--modes", default="packed,unpacked", help="which modes, in this order (comma list)")
     r.add_argument("--out", required=True)
     args = ap.parse_args()

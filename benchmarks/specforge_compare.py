@@ -74,6 +74,10 @@ def main() -> None:
     ap.add_argument("--real-limit-s", type=int, default=560,
                     help="draftsmith's real-length run stops after this; bench_packing writes packed before unpacked")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: specforge, fixed, real")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="also the Trainer with --compile --cuda-graphs: at fixed 4096 (rows of one 4096-token "
+                         "document, packed, so one shape) beside the plain compiled figure, and for the packed "
+                         "real-length mode")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
@@ -102,6 +106,20 @@ def main() -> None:
                 "ratio": fixed["tokens_per_s"] / sf["tokens_per_s"], "goal_ratio": 1.5,
                 "draftsmith_peak_gb": fixed["peak_gb_rank0"], "specforge_peak_gb": sf["peak_mem_gb"],
                 "memory_goal": "draftsmith <= SpecForge"}
+        if args.cuda_graphs:  # one 4096-token document per packed row: the one shape CUDA graphs replay
+            with tempfile.TemporaryDirectory() as tmp:
+                one_bin, graphs_out = Path(tmp) / "fixed.json", Path(tmp) / "graphs.json"
+                one_bin.write_text(json.dumps({"bins": [{"lo": 4096, "hi": 4096, "count": 1}]}))
+                run([py, "benchmarks/bench_packing.py", "run", "--histogram", str(one_bin), "--device", "cuda",
+                     "--compile", "--cuda-graphs", "--modes", "packed", "--samples", str(args.steps + 8),
+                     "--steps", str(args.steps), "--out", str(graphs_out)], ROOT, 300, logs / "draftsmith_fixed_graphs.log")
+                graphs = json.loads(graphs_out.read_text())["packed"] if graphs_out.exists() else None
+            result["draftsmith_fixed_4096_graphs"] = graphs or {"error": "no result; see the log"}
+            if graphs and sf:
+                result["fixed_4096_graphs"] = {
+                    "draftsmith_tokens_per_s": graphs["useful_tokens_per_s"], "specforge_tokens_per_s": sf["tokens_per_s"],
+                    "ratio": graphs["useful_tokens_per_s"] / sf["tokens_per_s"], "goal_ratio": 1.5,
+                    "draftsmith_peak_gb": graphs["peak_gb"], "specforge_peak_gb": sf["peak_mem_gb"]}
     if "real" not in skip:
         hist = load_histogram(args.histogram, args.scale_max)
         lengths = [min(n, 4096) for n in draw_lengths(hist, args.samples, 0)]
@@ -110,7 +128,8 @@ def main() -> None:
             scaled = Path(tmp) / "histogram.json"
             scaled.write_text(json.dumps(hist))
             run([py, "benchmarks/bench_packing.py", "run", "--histogram", str(scaled), "--device", "cuda", "--compile",
-                 "--samples", str(args.samples), "--seed", "0", "--steps", str(args.steps), "--out", str(packing_out)],
+                 "--samples", str(args.samples), "--seed", "0", "--steps", str(args.steps), "--out", str(packing_out)]
+                + (["--cuda-graphs"] if args.cuda_graphs else []),
                 ROOT, args.real_limit_s, logs / "draftsmith_real.log")
             packing = json.loads(packing_out.read_text()) if packing_out.exists() else None
         real = {"histogram": str(args.histogram.relative_to(ROOT)), "scale_max": args.scale_max,
@@ -134,7 +153,7 @@ def main() -> None:
         result["real_lengths"] = real
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: result.get(k) for k in ("fixed_4096",)}), flush=True)
+    print(json.dumps({k: result.get(k) for k in ("fixed_4096", "fixed_4096_graphs")}), flush=True)
     print(json.dumps(result.get("real_lengths", {}).get("ratios")), flush=True)
 
 
