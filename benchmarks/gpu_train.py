@@ -52,7 +52,7 @@ def optimizer_step(drafter, opt, params, aux, ids, mask, last, head, ttt: int, t
 
 
 def bench_train(seq: int, steps: int = 10, warmup: int = 3, ttt: int = 7, compile_step: bool = False,
-                profile: bool = False) -> dict:
+                profile: bool = False, profile_rows: int = 18) -> dict:
     dev = torch.device("cuda")
     torch.manual_seed(0)
     drafter = Eagle3Drafter(llama8b_drafter()).to(dev)
@@ -90,7 +90,7 @@ def bench_train(seq: int, steps: int = 10, warmup: int = 3, ttt: int = 7, compil
             opt.step()
             opt.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=profile_rows, max_name_column_width=70))
     times.sort()
     step_s = times[len(times) // 2]
     tok_s = seq / step_s
@@ -285,6 +285,7 @@ def main() -> None:
     ap.add_argument("--online", action="store_true", help="online training: 8B-shaped target + drafter in one process")
     ap.add_argument("--compile", action="store_true", help="torch.compile the drafter step and loss pass")
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one step")
+    ap.add_argument("--profile-rows", type=int, default=18, help="rows of the --profile table")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu_train.json"))
     ap.add_argument("--trainer", action="store_true",
                     help="run the real Trainer loop (use under torchrun for DDP / FSDP2); prints one JSON line")
@@ -302,7 +303,7 @@ def main() -> None:
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "train": []}
     for seq in [int(s) for s in args.seq.split(",") if s.isdigit()]:
         try:
-            r = bench_train(seq, compile_step=args.compile, profile=args.profile)
+            r = bench_train(seq, compile_step=args.compile, profile=args.profile, profile_rows=args.profile_rows)
         except torch.OutOfMemoryError as exc:
             r = {"seq": seq, "error": f"OOM: {exc}"[:300]}
         torch.cuda.empty_cache()

@@ -344,16 +344,27 @@ class DraftHeadLoss(torch.autograd.Function):
         gw, acc = None, torch.promote_types(x.dtype, torch.float32)  # W's gradient summed in at least fp32
         group = max(1, HEAD_GEMM_ROWS // (B * T))  # steps whose gradient GEMMs run as one
         ce, top = [], []
+        # Compiled, the group's gradients are stacked: inductor then writes each step's gradient kernel straight
+        # into its slice of G. Item assignment into one buffer (the eager path, which never holds two copies)
+        # becomes a chain of select_scatters there, one more pass over all of G per step.
+        stacked = torch.compiler.is_compiling()
         for i0 in range(0, K, group):
             n = min(group, K - i0)
-            G = x.new_empty(n, B, T, Vd) if need_x or need_w else None  # (n, B, T, Vd)
+            want_g = need_x or need_w
+            G = x.new_empty(n, B, T, Vd) if want_g and not stacked else None  # (n, B, T, Vd)
+            gs = []
             for j in range(n):
                 i = i0 + j
                 ce_i, g_i, top_i = rows(x[i] @ W.T, p[:, 1 + i:1 + i + T], w[i])  # (B, T), (B, T, Vd), (B, T)
                 if G is not None:
                     G[j] = g_i
+                elif want_g:
+                    gs.append(g_i)
                 ce.append(ce_i)
                 top.append(top_i)
+            if gs:
+                G = torch.stack(gs)  # (n, B, T, Vd)
+                del gs
             if need_x:
                 gx[i0:i0 + n] = G @ W  # (n, B, T, H)
             if need_w:
