@@ -347,22 +347,22 @@ class DraftHeadLoss(torch.autograd.Function):
         # Compiled, the group's gradients are stacked: inductor then writes each step's gradient kernel straight
         # into its slice of G. Item assignment into one buffer (the eager path, which never holds two copies)
         # becomes a chain of select_scatters there, one more pass over all of G per step.
-        stacked = torch.compiler.is_compiling()
+        want_g = need_x or need_w
+        stacked = want_g and torch.compiler.is_compiling()
         for i0 in range(0, K, group):
             n = min(group, K - i0)
-            want_g = need_x or need_w
             G = x.new_empty(n, B, T, Vd) if want_g and not stacked else None  # (n, B, T, Vd)
             gs = []
             for j in range(n):
                 i = i0 + j
                 ce_i, g_i, top_i = rows(x[i] @ W.T, p[:, 1 + i:1 + i + T], w[i])  # (B, T), (B, T, Vd), (B, T)
-                if G is not None:
-                    G[j] = g_i
-                elif want_g:
+                if stacked:
                     gs.append(g_i)
+                elif G is not None:
+                    G[j] = g_i
                 ce.append(ce_i)
                 top.append(top_i)
-            if gs:
+            if stacked:
                 G = torch.stack(gs)  # (n, B, T, Vd)
                 del gs
             if need_x:
