@@ -86,6 +86,9 @@ def main() -> None:
                     help="also the Trainer with --compile --cuda-graphs: at fixed 4096 (rows of one 4096-token "
                          "document, packed, so one shape) beside the plain compiled figure, and for the packed "
                          "real-length mode")
+    ap.add_argument("--specforge-again", action="store_true",
+                    help="run SpecForge at 4096 a second time after draftsmith's fixed runs, so that the ratio is "
+                         "taken against both of the peer's runs (its step moved 9 %% between two sessions)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
@@ -121,6 +124,15 @@ def main() -> None:
             result["draftsmith_fixed_4096_graphs"] = graphs or {"error": "no result; see the log"}
             if graphs and sf:
                 result["fixed_4096_graphs"] = fixed_ratio(graphs["useful_tokens_per_s"], graphs["peak_gb"], sf)
+    if args.specforge_again and "specforge" not in skip and "fixed" not in skip:
+        lines, secs = run([py, "bench.py", "--device", "cuda", "--seqs", "4096", "--backends", "flex_attention",
+                           "--budget-s", str(args.specforge_budget_s)], args.anchor, args.specforge_budget_s + 150,
+                          logs / "specforge_again.log")
+        again = next((r for r in lines if r.get("impl") == "specforge" and r.get("status") == "ok"), None)
+        result["specforge_again_4096"] = {"wall_s": secs, **(again or {"error": "no result; see the log"})}
+        fixed = result["draftsmith_fixed_4096"]
+        if again and "tokens_per_s" in fixed:
+            result["fixed_4096_again"] = fixed_ratio(fixed["tokens_per_s"], fixed["peak_gb_rank0"], again)
     if "real" not in skip:
         hist = load_histogram(args.histogram, args.scale_max)
         lengths = [min(n, 4096) for n in draw_lengths(hist, args.samples, 0)]
@@ -154,7 +166,7 @@ def main() -> None:
         result["real_lengths"] = real
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: result.get(k) for k in ("fixed_4096", "fixed_4096_graphs")}), flush=True)
+    print(json.dumps({k: result.get(k) for k in ("fixed_4096", "fixed_4096_graphs", "fixed_4096_again")}), flush=True)
     print(json.dumps(result.get("real_lengths", {}).get("ratios")), flush=True)
 
 
