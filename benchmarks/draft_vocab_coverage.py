@@ -1,13 +1,14 @@
 """Draft-vocabulary coverage: the share of a conversations file's answer tokens that a drafter can propose at all.
 
 The share of supervised (assistant) tokens that lie in the drafter's draft vocabulary (its `t2d` mask): a token
-outside it is never drafted, whatever the drafter has learned. `benchmarks/draft_vocab_growth.py` measures what a larger vocabulary buys
-in tau and costs in speed.
+outside it is never drafted, whatever the drafter has learned. `benchmarks/draft_vocab_growth.py` measures what a
+larger vocabulary buys in tau and costs in speed.
 
     .venv/bin/draftsmith regenerate --target smollm2 --prompts chat-eval --limit 200 --max-new-tokens 192 \
         --device cpu --dtype float32 --batch-size 50 --temperature 0 --out /tmp/chat_answers.jsonl
     PYTHONPATH=src .venv/bin/python benchmarks/draft_vocab_coverage.py --drafter smollm2 \
-        --conversations /tmp/chat_answers.jsonl --source "the regenerate command above" --out benchmarks/results/draft_vocab_coverage.json
+        --conversations /tmp/chat_answers.jsonl --source "the regenerate command above" \
+        --out benchmarks/results/draft_vocab_coverage.json
 
 The answers are re-tokenized with the target's chat template (`chat.tokenize_conversation`), as training reads them.
 """
@@ -27,7 +28,9 @@ from transformers import AutoTokenizer
 
 from draftsmith.chat import tokenize_conversation
 from draftsmith.checkpoint import drafter_path
+from draftsmith.conversations import read_conversations
 from draftsmith.target import resolve_target
+from draftsmith.vocab import vocab_from_maps
 
 
 def main() -> None:
@@ -39,18 +42,19 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(resolve_target(args.target))
-    with safe_open(str(drafter_path(args.drafter) / "model.safetensors"), framework="pt") as f:
-        t2d = f.get_tensor("t2d").bool()  # (V,): True where the target token has a draft id
-    supervised = covered = conversations = 0
-    missed = torch.zeros_like(t2d, dtype=torch.int64)
-    with args.conversations.open() as fh:
-        for line in fh:
-            sample = tokenize_conversation(tokenizer, json.loads(line)["messages"])
-            ids = torch.tensor(sample.input_ids)[torch.tensor(sample.loss_mask, dtype=torch.bool)]
-            supervised += ids.numel()
-            covered += int(t2d[ids].sum())
-            missed += torch.bincount(ids[~t2d[ids]], minlength=t2d.numel())
-            conversations += 1
+    drafter = drafter_path(args.drafter)
+    with safe_open(str(drafter / "model.safetensors"), framework="pt") as f:
+        d2t = f.get_tensor("d2t")
+    vocab_size = json.loads((drafter / "config.json").read_text())["vocab_size"]
+    t2d = vocab_from_maps(d2t, vocab_size).t2d  # (V,): True where the target token has a draft id
+    answers = []  # one (T_i,) tensor of supervised token ids per conversation
+    for conv in read_conversations(args.conversations):
+        sample = tokenize_conversation(tokenizer, conv.messages)
+        answers.append(torch.tensor(sample.input_ids)[torch.tensor(sample.loss_mask, dtype=torch.bool)])
+    ids = torch.cat(answers)
+    inside = t2d[ids]
+    supervised, covered, conversations = ids.numel(), int(inside.sum()), len(answers)
+    missed = torch.bincount(ids[~inside], minlength=t2d.numel())
     top = missed.topk(20)
     result = {
         "what": __doc__.splitlines()[0], "command": shlex.join([Path(sys.executable).name, *sys.argv]),

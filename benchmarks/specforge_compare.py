@@ -60,6 +60,12 @@ def step_seconds(grid: dict[int, float], n: int, floor: bool) -> float:
     return grid[x0] + (grid[x1] - grid[x0]) * (n - x0) / (x1 - x0)
 
 
+def specforge_run(py: str, args, seqs: str, log: Path) -> tuple[list[dict], float]:
+    """SpecForge's own step through the anchor driver at `seqs`, in a fresh process (flex attention, its default)."""
+    return run([py, "bench.py", "--device", "cuda", "--seqs", seqs, "--backends", "flex_attention",
+                "--budget-s", str(args.specforge_budget_s)], args.anchor, args.specforge_budget_s + 150, log)
+
+
 def fixed_ratio(tokens_per_s: float, peak_gb: float, sf: dict) -> dict:
     """draftsmith's fixed-4096 figure against SpecForge's row at 4096, with the issue's two goals."""
     return {"draftsmith_tokens_per_s": tokens_per_s, "specforge_tokens_per_s": sf["tokens_per_s"],
@@ -99,9 +105,7 @@ def main() -> None:
 
     sf_grid: dict[int, dict] = {}
     if "specforge" not in skip:
-        lines, secs = run([py, "bench.py", "--device", "cuda", "--seqs", args.grid, "--backends", "flex_attention",
-                           "--budget-s", str(args.specforge_budget_s)], args.anchor, args.specforge_budget_s + 150,
-                          logs / "specforge.log")
+        lines, secs = specforge_run(py, args, args.grid, logs / "specforge.log")
         result["specforge_env"] = next((r for r in lines if r.get("kind") == "env"), None)
         sf_grid = {r["seq"]: r for r in lines if r.get("impl") == "specforge" and r.get("status") == "ok"}
         result["specforge"] = {"wall_s": secs, "per_length": [r for r in lines if r.get("impl") == "specforge"]}
@@ -125,9 +129,7 @@ def main() -> None:
             if graphs and sf:
                 result["fixed_4096_graphs"] = fixed_ratio(graphs["useful_tokens_per_s"], graphs["peak_gb"], sf)
     if args.specforge_again and "specforge" not in skip and "fixed" not in skip:
-        lines, secs = run([py, "bench.py", "--device", "cuda", "--seqs", "4096", "--backends", "flex_attention",
-                           "--budget-s", str(args.specforge_budget_s)], args.anchor, args.specforge_budget_s + 150,
-                          logs / "specforge_again.log")
+        lines, secs = specforge_run(py, args, "4096", logs / "specforge_again.log")
         again = next((r for r in lines if r.get("impl") == "specforge" and r.get("status") == "ok"), None)
         result["specforge_again_4096"] = {"wall_s": secs, **(again or {"error": "no result; see the log"})}
         fixed = result["draftsmith_fixed_4096"]
