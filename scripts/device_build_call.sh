@@ -7,8 +7,9 @@
 #           python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && cp .carry/gguf.xz.part00 /tmp/
 #   call 2: carry [".carry/gguf.xz.part01"]: cp .carry/gguf.xz.part01 /tmp/
 #   call 3: bash scripts/device_carry.sh restore here, then at once carry [".carry/gguf.sha256"]:
-#           BUILD='WAVES="94:0 95:0" SELF_COUNT=30000 ROWS=2048 INIT_FROM=smollm2 EPOCHS=2 LR=3e-4 DRAFT_VOCAB=12288 TRAIN_ARGS="--compile --cuda-graphs" TRAIN_TIMEOUT=600' POLL=560 bash scripts/device_build_call.sh
-#           (session 30 used seeds 92 and 93; its call-3 wrapper set ROWS from nvidia-smi --query-gpu=memory.total)
+#           BUILD='WAVES="96:0 97:0" SELF_COUNT=30000 ROWS=2048 INIT_FROM=smollm2 EPOCHS=2 LR=3e-4 DRAFT_VOCAB=12288 TRAIN_ARGS="--compile --cuda-graphs" TRAIN_TIMEOUT=600' POLL=560 bash scripts/device_build_call.sh
+#           (sessions 30 and 32 used seeds 92/93 and 94/95; their call-3 wrappers set ROWS from nvidia-smi
+#           --query-gpu=memory.total; session 32 also passed STAGES_2=pack, no eval on the device, and TRAIN_TIMEOUT=720)
 #           (ROWS=2048 holds about 95 GiB during regeneration: an H200 only; the device tool may lend an H100, 80 GB,
 #           so check nvidia-smi in call 1 and pass ROWS=1024 there. Session 30's H100 build at ROWS=1024: data 521 s
 #           (about 79,000 answer tok/s), training 449 s, export and the chat-eval sweep 116 s.)
