@@ -3,9 +3,11 @@ conversation per row, padded to the micro-batch's longest), on conversation leng
 of real data.
 
 Useful tokens are the conversations' own tokens (no padding); supervised tokens, the assistant tokens among
-them, are reported too. Both modes run the same `Trainer.train_step` on the same drawn lengths with random
+them, are reported too. Both modes run the same Trainer steps on the same drawn lengths with random
 features of the drafter's shapes (the step's cost depends on shapes, not values): warm-up steps excluded
-(the first also compiles with --compile), the step timed around the step's own end-of-step sync.
+(the first also compiles with --compile), the timed steps queued as `draftsmith train`'s loop queues them (the
+next step launched before this one's record is read), a step's time the loop's period. `--warm-shapes` runs one
+step of each micro-batch shape first, so that the unpacked mode's recompiles fall outside the timed steps.
 
 1. A histogram from real data (a feature store's sample lengths, or a conversations JSONL tokenized with the
    target's chat template), lengths scaled so that the longest is --scale-max:
@@ -34,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from draftsmith.features import Batch, feature_dtype, pack_rows  # noqa: E402
 from draftsmith.store import Sample  # noqa: E402
-from gpu_train import SyntheticSource, llama8b_drafter, llama8b_target_config  # noqa: E402
+from gpu_train import SyntheticSource, llama8b_drafter, llama8b_target_config, pipelined_steps, synced_steps, trace_steps  # noqa: E402
 
 
 # --- the histogram ------------------------------------------------------------------------------------
@@ -123,12 +125,14 @@ class LengthSource:
         n, dtype = self.lengths[k], feature_dtype(device)
         g = torch.Generator(device=device).manual_seed(1000 + k)
         ids = torch.randint(0, self.V, (n,), device=device, generator=g)
-        return Sample(ids, self.loss_mask(k).to(device),
+        # The mask is made where the sample is: a copy from pageable host memory would wait for the device,
+        # which stalls the queue of a loop that launches a step ahead (the store packs in pinned memory).
+        return Sample(ids, self.loss_mask(k, device),
                       torch.randn(n, 3 * self.H, device=device, generator=g, dtype=dtype),
                       torch.randn(n, self.H, device=device, generator=g, dtype=dtype), ids.roll(-1))
 
-    def loss_mask(self, k: int) -> torch.Tensor:
-        mask = torch.ones(self.lengths[k], dtype=torch.long)
+    def loss_mask(self, k: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        mask = torch.ones(self.lengths[k], dtype=torch.long, device=device)
         mask[:max(1, self.lengths[k] // 8)] = 0
         return mask
 
@@ -167,31 +171,56 @@ def measure(args, lengths: list[int], pack: bool) -> dict:
 
     device = torch.device(args.device)
     target, aux_ids, draft_vocab = shapes(device.type)
+    trace_n = args.trace_steps if pack and device.type == "cuda" else 0
     out = Path(tempfile.mkdtemp(prefix="bench_packing_"))
     cfg = TrainConfig(out=str(out), store="<synthetic>", recipe="plain", draft_vocab_size=draft_vocab, batch_tokens=args.batch_tokens,
                       row_tokens=args.row_tokens, pack=pack, ttt_steps=args.ttt_steps, warmup_ratio=0.0,
-                      max_steps=args.warmup + args.steps, eval_fraction=0.0, compile=args.compile, device=str(device),
+                      max_steps=args.warmup + args.steps + trace_n, eval_fraction=0.0, compile=args.compile, device=str(device),
                       cuda_graphs=pack and args.cuda_graphs)  # one shape: packed rows only
     trainer = Trainer(cfg, data=LengthSource(lengths, target, aux_ids, device))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    records = []
-    while trainer.step < trainer.total_steps:
-        t0 = time.perf_counter()
-        records.append(trainer.train_step())  # ends in its own CPU-GPU sync (the step's stats)
-        records[-1]["wall_s"] = time.perf_counter() - t0
-        trainer.step += 1
+    warm_shapes = shape_warmup(trainer) if args.warm_shapes else []
+    records = synced_steps(trainer, args.warmup)  # the first compiles
+    records += pipelined_steps(trainer, trainer.total_steps - trainer.step - trace_n)
+    trace = trace_steps(trainer, trace_n) if trace_n else None
+    for r in records:
+        r["wall_s"] = r["ms"] / 1000
     shutil.rmtree(out, ignore_errors=True)
     timed = records[args.warmup:]
     seconds = sum(r["wall_s"] for r in timed)
     return {"pack": pack, "micro_batch_shapes": sorted({tuple(r["shape"]) for r in records}),
-            "first_step_s": records[0]["wall_s"], "timed_steps": len(timed), "seconds": seconds,
+            "timing": "pipelined as draftsmith train's loop: step n+1 queued before step n is read",
+            "shape_warmup": warm_shapes,
+            "first_step_s": (warm_shapes[0]["s"] if warm_shapes else records[0]["wall_s"]),
+            "timed_steps": len(timed), "seconds": seconds,
             "useful_tokens_per_s": sum(r["real_tokens"] for r in timed) / seconds,
             "supervised_tokens_per_s": sum(r["supervised_tokens"] for r in timed) / seconds,
             "slot_tokens_per_s": sum(r["tokens"] for r in timed) / seconds,
             "padding_share": 1 - sum(r["real_tokens"] for r in timed) / sum(r["tokens"] for r in timed),
             "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None,
-            "losses": [round(r["loss"], 5) for r in records]}
+            "losses": [round(r["loss"], 5) for r in records], "trace": trace}
+
+
+def shape_warmup(trainer) -> list[dict]:
+    """One step of each micro-batch shape the timed steps will meet, before they run (unpacked rows take one shape
+    per micro-batch length, and each new one compiles with --compile): the timed steps then measure the steady
+    state a long run reaches, and each shape's first step (compile included) is reported on its own. The steps'
+    updates stay in the model (the timing does not depend on its values)."""
+    first: dict[tuple, int] = {}
+    for step in range(trainer.total_steps):
+        mb = trainer.micro_batches_for(step)[0]
+        shape = ((len(mb), trainer.row_tokens) if trainer.cfg.pack else
+                 (len(mb), max(trainer.data.lengths[k] for k in mb)))
+        first.setdefault(shape, step)
+    out = []
+    for shape, step in first.items():
+        trainer.step = step
+        t0 = time.perf_counter()
+        trainer.train_step()
+        out.append({"shape": list(shape), "s": round(time.perf_counter() - t0, 2)})
+    trainer.step = 0
+    return out
 
 
 def run(args) -> None:
@@ -250,6 +279,12 @@ def main() -> None:
     r.add_argument("--cuda-graphs", action="store_true",
                    help="packed mode: replay the compiled step as CUDA graphs (needs --compile; unpacked never does)")
     r.add_argument("--modes", default="packed,unpacked", help="which modes, in this order (comma list)")
+    r.add_argument("--trace-steps", type=int, default=0,
+                   help="packed mode, CUDA: profile this many steps after the timed ones (GPU busy and idle time, "
+                        "kernel time by kind)")
+    r.add_argument("--warm-shapes", action="store_true",
+                   help="first run one step of every micro-batch shape of the timed steps (each compiles with "
+                        "--compile), so the timed steps measure the steady state; their times are reported apart")
     r.add_argument("--out", required=True)
     args = ap.parse_args()
     if args.cmd == "histogram":

@@ -3,7 +3,9 @@
 Randomly initialised models of real shapes, the settings of the SpecForge anchor in issue 12: drafter
 hidden 4096, intermediate 14336, 32 / 8 heads, draft vocab 32,000, target vocab 128,256, TTT 7, batch 1,
 bf16 autocast with fp32 master weights, AdamW, clip 0.5; 3 warm-up steps, then 10 timed steps with the
-device synchronised before each clock read.
+device synchronised before each clock read. `--trainer` runs the real Trainer instead and times its steps queued as
+`draftsmith train`'s loop queues them (the next step launched before this one's record is read; `--synced-steps`
+adds steps waited for one by one, `--trace-steps` a profile of where the GPU waits).
 
 FLOPs per token (stated, as in the issue): 17.8 GFLOP for the TTT-7 step; MFU against 989 TFLOP/s dense bf16.
 
@@ -246,35 +248,147 @@ def bench_trainer(args) -> None:
         torch.cuda.set_device(device)
     cfg = TrainConfig(out=f"/tmp/bench_trainer_{args.parallel}_{world}_{args.grad_accum}", store="<synthetic>", recipe="plain",
                       draft_vocab_size=llama8b_drafter().draft_vocab_size, lr=1e-4, warmup_ratio=0.0, clip=args.clip, batch_tokens=args.seq,
-                      grad_accum=args.grad_accum, max_steps=args.steps, eval_fraction=0.0, eval_every=10**9,
+                      grad_accum=args.grad_accum, max_steps=args.steps + (args.trace_steps if cuda else 0), eval_fraction=0.0, eval_every=10**9,
                       save_every=10**9, log_every=10**9, parallel=args.parallel, device=str(device),
                       compile=args.compile, pack=False)  # fixed-length samples: the unpacked (cuDNN) path
     import shutil
 
     shutil.rmtree(cfg.out, ignore_errors=True)
-    trainer = Trainer(cfg, data=SyntheticSource(args.steps * world * args.grad_accum + 8, args.seq, device,
+    trainer = Trainer(cfg, data=SyntheticSource(cfg.max_steps * world * args.grad_accum + 8, args.seq, device,
                                                 torch.float32 if args.fp32 else None))
     if args.fp32:  # no bf16 autocast: isolates rounding of bf16 GEMMs from the parallel scheme in parity runs
         trainer.autocast = False
         trainer.target_head = trainer.target_head.float()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    records = []
-    while trainer.step < trainer.total_steps:
-        records.append(trainer.train_step())
-        trainer.step += 1
+    warm = min(3, trainer.total_steps)
+    records = synced_steps(trainer, warm)  # the first compiles
+    synced = synced_steps(trainer, args.synced_steps) if args.synced_steps else []
+    trace_n = args.trace_steps if cuda else 0
+    records += synced + pipelined_steps(trainer, trainer.total_steps - trainer.step - trace_n)
+    timed = records[warm + len(synced):]
+    trace = trace_steps(trainer, trace_n) if trace_n else None
     if trainer.rank == 0:
-        timed = sorted(r["ms"] for r in records[3:])
-        ms = timed[len(timed) // 2]
+        ms = median([r["ms"] for r in timed])
         tokens = records[-1]["tokens"]
         print(json.dumps({"mode": "trainer", "parallel": args.parallel if world > 1 else "single", "world": world,
                           "compiled": args.compile, "fp32": args.fp32,
                           "grad_accum": args.grad_accum, "seq": args.seq, "step_ms": ms,
+                          "timing": "pipelined as draftsmith train's loop: step n+1 queued before step n is read",
+                          "step_ms_synced": median([r["ms"] for r in synced]) if synced else None,
                           "tokens_per_s": tokens / ms * 1000, "tokens_per_s_per_gpu": tokens / ms * 1000 / world,
                           "peak_gb_rank0": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
                           "losses": [round(r["loss"], 6) for r in records],
-                          "grad_norms": [round(r["grad_norm"], 6) for r in records]}), flush=True)
+                          "grad_norms": [round(r["grad_norm"], 6) for r in records], "trace": trace}), flush=True)
     trainer.close()
+
+
+def median(values: list[float]) -> float:
+    values = sorted(values)
+    return values[len(values) // 2]
+
+
+def synced_steps(trainer, n: int) -> list[dict]:
+    """n steps, each waited for before the next is queued (`Trainer.train_step`): a step's time includes the
+    host's work before its first kernel."""
+    records = []
+    for _ in range(n):
+        records.append(trainer.train_step())
+        trainer.step += 1
+    return records
+
+
+def pipelined_steps(trainer, n: int) -> list[dict]:
+    """n steps the way `Trainer.run` queues them: step n+1 is launched before step n's record is read (the
+    step's one sync), so the host prepares the next step while the GPU runs this one; a step's time is the
+    loop's period (launch to next launch)."""
+    records, pending = [], None
+    for _ in range(n):
+        launched = trainer.launch_step()
+        trainer.step += 1
+        if pending is not None:
+            records.append(pending.resolve(end=launched.t0))
+        pending = launched
+    if pending is not None:
+        records.append(pending.resolve())
+    return records
+
+
+GEMM_KERNELS = ("gemm", "nvjet", "cutlass", "xmma", "magma", "cublas", "splitk")
+ATTENTION_KERNELS = ("flash", "cudnn", "fmha", "flex", "attention")
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    if any(k in low for k in ATTENTION_KERNELS) or low.startswith("triton_tem"):  # flex attention: triton templates
+        return "attention"
+    if any(k in low for k in GEMM_KERNELS):
+        return "gemm"
+    if "adam" in low:
+        return "adamw"
+    if low.startswith("triton"):
+        return "triton (elementwise, reductions)"
+    return "other"
+
+
+def trace_steps(trainer, n: int) -> dict:
+    """torch.profiler (CPU and CUDA) over n pipelined steps: the GPU's busy time per step against the loop's
+    period, its idle gaps (the longest, with the host ops that ran during each) and kernel time by kind. The
+    profile is extra: its failure is reported in the result instead of losing the timed figures."""
+    try:
+        return profiled_steps(trainer, n)
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"[:400]}
+
+
+def profiled_steps(trainer, n: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        records = pipelined_steps(trainer, n)
+        torch.cuda.synchronize()
+    events = prof.events()
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                     if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if not kernels:
+        return {"error": "no CUDA kernels in the profile"}
+    by_kind: dict[str, float] = {}
+    top: dict[str, float] = {}
+    for s, e, name in kernels:
+        by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + (e - s) / 1000
+        top[name] = top.get(name, 0.0) + (e - s) / 1000
+    busy, gaps = 0.0, []
+    cur_s, cur_e = kernels[0][0], kernels[0][1]
+    for s, e, _ in kernels[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            gaps.append((s - cur_e, cur_e, s))
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    span = kernels[-1][1] - kernels[0][0]
+    host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.time_range.end > e.time_range.start]
+
+    def during(s: float, e: float) -> list[str]:
+        names: list[str] = []
+        for h in sorted((h for h in host if h.time_range.start < e and h.time_range.end > s),
+                        key=lambda h: -(h.time_range.end - h.time_range.start)):
+            if h.name not in names:
+                names.append(h.name)
+        return names[:6]
+
+    gaps.sort(reverse=True)
+    return {"steps": n, "period_ms": [round(r["ms"], 2) for r in records],
+            "gpu_span_ms": span / 1000, "gpu_busy_ms_per_step": busy / 1000 / n,
+            "gpu_idle_ms_per_step": (span - busy) / 1000 / n,
+            "kernel_ms_per_step": {k: round(v / n, 2) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+            "top_kernels_ms_per_step": {k[:90]: round(v / n, 3) for k, v in
+                                        sorted(top.items(), key=lambda kv: -kv[1])[:30]},
+            "longest_gaps": [{"ms": round(d / 1000, 3), "at_ms": round((s - kernels[0][0]) / 1000, 2),
+                              "host_ops": during(s, e)} for d, s, e in gaps[:12]],
+            "gaps_under_20us": {"count": sum(1 for d, _, _ in gaps if d < 20),
+                                "ms": sum(d for d, _, _ in gaps if d < 20) / 1000}}
 
 
 def main() -> None:
@@ -295,6 +409,11 @@ def main() -> None:
     ap.add_argument("--clip", type=float, default=0.5, help="trainer mode: gradient-norm clip")
     ap.add_argument("--fp32", action="store_true", help="trainer mode without bf16 autocast (parity checks)")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of the trainer mode")
+    ap.add_argument("--synced-steps", type=int, default=0,
+                    help="trainer mode: also time this many steps waited for one by one (before the pipelined ones)")
+    ap.add_argument("--trace-steps", type=int, default=0,
+                    help="trainer mode, CUDA: profile this many pipelined steps after the timed ones (GPU busy and "
+                         "idle time, the longest idle gaps with the host ops during them, kernel time by kind)")
     args = ap.parse_args()
     if args.trainer:
         args.seq = int(args.seq.split(",")[0])

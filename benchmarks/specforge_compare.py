@@ -4,10 +4,13 @@ Four measurements, each in a fresh process, at Llama-3.1-8B drafter shapes, TTT 
 1. SpecForge (the anchor driver, ../shared/anchors/specforge-bench, set up under anchors/specforge as its
    RUN.md says) at batch 1, its default, on a grid of sequence lengths (4096 included): step time and peak
    memory per length.
-2. draftsmith's Trainer at a fixed 4096 tokens per step (gpu_train.py --trainer --compile), grad-accum 1:
-   the fixed-length ratio and the memory beside SpecForge's 4096 figures.
+2. draftsmith's Trainer at a fixed 4096 tokens per step (gpu_train.py --trainer --compile), grad-accum 1, its
+   steps queued as `draftsmith train` queues them: the fixed-length ratio and the memory beside SpecForge's 4096
+   figures. SpecForge's driver waits for each step, as its own loop does: its step controller reads the step's
+   metrics and gradient norm on the host (.tolist(), .item() in `_result`, a6b6b02) at the end of every step.
 3. draftsmith's Trainer on lengths drawn from a real length histogram (bench_packing.py run: packed rows of
-   4096 with document masks, and unpacked micro-batches of at most 4096 tokens padded to their longest).
+   4096 with document masks, and unpacked micro-batches of at most 4096 tokens padded to their longest), one
+   step of each micro-batch shape first (compiles), then the timed steps.
 4. SpecForge on the same drawn lengths: batch 1 per conversation, each one's step time read off the grid
    (linear between grid points; a floor where each length takes the grid point at or below it, which can
    only flatter SpecForge). Useful tokens/s = the conversations' tokens / the summed step times.
@@ -95,6 +98,13 @@ def main() -> None:
     ap.add_argument("--specforge-again", action="store_true",
                     help="run SpecForge at 4096 a second time after draftsmith's fixed runs, so that the ratio is "
                          "taken against both of the peer's runs (its step moved 9 %% between two sessions)")
+    ap.add_argument("--synced-steps", type=int, default=0,
+                    help="fixed 4096: also time this many Trainer steps waited for one by one (the timed figure is "
+                         "the pipelined loop's, as draftsmith train runs)")
+    ap.add_argument("--trace-steps", type=int, default=0,
+                    help="fixed 4096 and the packed real-length mode: profile this many pipelined steps after the timed "
+                         "ones (GPU busy and idle time, kernel time by kind)")
+    ap.add_argument("--real-modes", default="packed,unpacked", help="real lengths: draftsmith's modes, in order")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
@@ -111,7 +121,8 @@ def main() -> None:
         result["specforge"] = {"wall_s": secs, "per_length": [r for r in lines if r.get("impl") == "specforge"]}
     if "fixed" not in skip:
         lines, secs = run([py, "benchmarks/gpu_train.py", "--trainer", "--compile", "--seq", "4096", "--steps",
-                           str(args.steps + 3)], ROOT, 300, logs / "draftsmith_fixed.log")
+                           str(args.steps + 3 + args.synced_steps), "--synced-steps", str(args.synced_steps),
+                           "--trace-steps", str(args.trace_steps)], ROOT, 300, logs / "draftsmith_fixed.log")
         fixed = next((r for r in lines if r.get("mode") == "trainer"), None)
         result["draftsmith_fixed_4096"] = {"wall_s": secs, **(fixed or {"error": "no result; see the log"})}
         sf = sf_grid.get(4096)
@@ -143,7 +154,8 @@ def main() -> None:
             scaled = Path(tmp) / "histogram.json"
             scaled.write_text(json.dumps(hist))
             run([py, "benchmarks/bench_packing.py", "run", "--histogram", str(scaled), "--device", "cuda", "--compile",
-                 "--samples", str(args.samples), "--seed", "0", "--steps", str(args.steps), "--out", str(packing_out)]
+                 "--samples", str(args.samples), "--seed", "0", "--steps", str(args.steps), "--out", str(packing_out),
+                 "--warm-shapes", "--modes", args.real_modes, "--trace-steps", str(args.trace_steps)]
                 + (["--cuda-graphs"] if args.cuda_graphs else []),
                 ROOT, args.real_limit_s, logs / "draftsmith_real.log")
             packing = json.loads(packing_out.read_text()) if packing_out.exists() else None

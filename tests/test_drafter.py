@@ -231,6 +231,36 @@ def test_draft_head_loss_gradients_pass_gradcheck_and_skip_work_without_grad():
     assert calls == [(B, T, Vd)] * K and not loss_ng.requires_grad and loss_ng.item() == pytest.approx(loss.item())
 
 
+def test_draft_head_loss_groups_its_steps_for_the_given_rows_with_the_same_loss_and_gradients(monkeypatch):
+    """group_rows (the Trainer's head_rows: the most rows a micro-batch of the run has) sizes the grouping of TTT
+    steps instead of the batch's own rows, so that every micro-batch groups alike; the math does not change."""
+    import draftsmith.kernels
+    from draftsmith.kernels import DraftHeadLoss, soft_ce_rows
+
+    monkeypatch.setattr(draftsmith.kernels, "HEAD_GEMM_ROWS", 20)
+    torch.manual_seed(1)
+    K, B, T, H, Vd = 4, 2, 5, 7, 11  # 10 rows: groups of 2 steps by the batch's rows, 4 for 5 rows, 1 for 20
+    p = torch.softmax(torch.randn(B, T + K, Vd, dtype=torch.float64), -1)
+    w = torch.rand(K, B, T, dtype=torch.float64)
+    x0, w0 = torch.randn(K, B, T, H, dtype=torch.float64), torch.randn(Vd, H, dtype=torch.float64)
+    results, groups = [], []
+
+    def counting_rows(z_, p_, w_):
+        groups[-1] += 1
+        return soft_ce_rows(z_, p_, w_)
+
+    for group_rows in (None, 5, 20):
+        x, weight = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        groups.append(0)
+        loss, ce, top = DraftHeadLoss.apply(x, weight, p, w, counting_rows, group_rows)
+        results.append((loss.detach(), top, *torch.autograd.grad(loss, (x, weight))))
+    assert groups == [K, K, K]  # every step's rows once, whatever the grouping
+    for other in results[1:]:
+        assert torch.equal(other[1], results[0][1])
+        for a, b in zip((other[0], *other[2:]), (results[0][0], *results[0][2:])):
+            assert torch.allclose(a, b, rtol=1e-12, atol=1e-14)
+
+
 @pytest.mark.parametrize("steps", [1, 3, 6])
 def test_lse_merge_attention_matches_dense_mask_values_and_gradients(steps):
     """ttt_attention_lse (what CUDA runs) with the plain causal+lse reference standing in for the flash

@@ -452,7 +452,8 @@ def target_argmax(last: torch.Tensor, head: torch.Tensor, chunk: int | None = No
 def ttt_forward(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                 last: torch.Tensor, target_head: torch.Tensor, steps: int = TTT_STEPS,
                 decay: float = TTT_STEP_LOSS_DECAY, denominators: torch.Tensor | None = None,
-                t_argmax: torch.Tensor | None = None, documents: torch.Tensor | None = None) -> TTTOutput:
+                t_argmax: torch.Tensor | None = None, documents: torch.Tensor | None = None,
+                head_rows: int | None = None) -> TTTOutput:
     """Unroll K steps of training-time test and compute the soft cross-entropy loss.
 
     Args:
@@ -467,6 +468,8 @@ def ttt_forward(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tens
             the per-token weights of the same documents unpacked. Inputs that reach across a boundary (the
             token fed at t+1+i, the step-0 key at a document's last index) only reach positions whose
             predictions lie past the document's end, which carry weight 0.
+        head_rows: the most rows (B x T) a micro-batch of the run has (`DraftHeadLoss`'s group_rows): the head's
+            grouping of TTT steps then does not change with the batch's shape. The math is the same either way.
     Returns:
         TTTOutput. Step i at index t is fed token t+1+i and predicts token t+2+i, whose target
         distribution is the target's softmax at t+1+i restricted to the draft vocabulary.
@@ -474,13 +477,13 @@ def ttt_forward(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tens
     Runs `drafter.ttt_unroll`: `ttt_unroll`, or the compiled copy `compile_for_training` put there.
     """
     return drafter.ttt_unroll(drafter, aux, input_ids, loss_mask, last, target_head, steps, decay, denominators,
-                              t_argmax, documents)
+                              t_argmax, documents, head_rows)
 
 
 def ttt_unroll(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                last: torch.Tensor, target_head: torch.Tensor, steps: int, decay: float,
                denominators: torch.Tensor | None, t_argmax: torch.Tensor | None,
-               documents: torch.Tensor | None) -> TTTOutput:
+               documents: torch.Tensor | None, head_rows: int | None = None) -> TTTOutput:
     """`ttt_forward`'s work, from the batch to the loss: the function `compile_for_training` compiles whole, so
     that nothing of the forward (the target's softmax, the masks, the positions, the head and its loss) runs as
     eager kernels around the compiled region."""
@@ -524,7 +527,7 @@ def ttt_unroll(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tenso
     # Step i at index t predicts token t+2+i; its target is the target's softmax at t+1+i.
     weight = valid & torch.stack([in_vocab[:, 1 + i:1 + i + T] for i in range(steps)])  # (K, B, T)
     loss, ce, top = DraftHeadLoss.apply(torch.stack(xs), drafter.lm_head.weight, p_target,
-                                        weight * scales[:, None, None], soft_ce_rows)
+                                        weight * scales[:, None, None], soft_ce_rows, head_rows)
     t_next = torch.stack([shift_left(t_argmax, 1 + i) for i in range(steps)])  # (K, B, T)
     return TTTOutput(loss=loss, loss_sum=(ce * weight).sum(dim=(1, 2)).detach(),
                      correct=drafter.draft_to_target_ids(top) == t_next, valid=valid)
@@ -537,8 +540,8 @@ def compile_for_training(drafter: Eagle3Drafter, cuda_graphs: bool = False) -> N
     around a compiled region costs a kernel launch and each region a guard check, a launch and copies of its
     inputs, the host time that bounded the small drafter's step (docs/gpu.md, "CUDA graphs over the compiled
     step"). Packed rows (`TrainConfig.pack`) keep one shape, so the first step compiles and no later one does;
-    unpacked micro-batches recompile once for dynamic shapes, and again where the loss's grouping of TTT steps
-    changes (`HEAD_GEMM_ROWS`: at most K groupings).
+    unpacked micro-batches recompile once for dynamic shapes (and for a micro-batch of one row, which dynamo
+    specialises), not per grouping of the loss's TTT steps when the caller passes `head_rows` (the Trainer does).
 
     cuda_graphs: the forward and backward graphs replay as CUDA graphs (torch.compile's `reduce-overhead` mode,
     CUDA graph trees): one launch each instead of one per kernel. The caller marks each forward's start

@@ -122,18 +122,17 @@ class StoreSource:
         samples = [self.store.sample(k) for k in indices]
         T = max(len(s.input_ids) for s in samples)
         B, Ht = len(samples), samples[0].last.shape[-1]
-        dtype = feature_dtype(device)
-        ids = torch.zeros(B, T, dtype=torch.long)
-        mask = torch.zeros(B, T, dtype=torch.long)
-        aux = torch.zeros(B, T, 3 * Ht, dtype=dtype)
-        last = torch.zeros(B, T, Ht, dtype=dtype)
-        argmax = torch.zeros(B, T, dtype=torch.long)
+        # In pinned memory for a CUDA device, as pack_rows: a copy from pageable memory waits for the device.
+        pin = device.type == "cuda"
+        new = functools.partial(torch.zeros, pin_memory=pin)
+        ids, mask, argmax = (new(B, T, dtype=torch.long) for _ in range(3))
+        aux = new(B, T, 3 * Ht, dtype=feature_dtype(device))
+        last = new(B, T, Ht, dtype=feature_dtype(device))
         for b, s in enumerate(samples):
             n = len(s.input_ids)
             ids[b, :n], mask[b, :n], argmax[b, :n] = s.input_ids, s.loss_mask, s.target_argmax
             aux[b, :n], last[b, :n] = s.aux, s.last
-        return Batch(ids.to(device), mask.to(device), aux.to(device, non_blocking=True), last.to(device, non_blocking=True),
-                     argmax.to(device))
+        return Batch(*(t.to(device, non_blocking=pin) for t in (ids, mask, aux, last, argmax)))
 
     def packed_batch(self, rows: list[list[Segment]], row_tokens: int, device: torch.device) -> Batch:
         """Rows built on the CPU from the memory-mapped shards, then moved (only the packed tokens travel)."""

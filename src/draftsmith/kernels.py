@@ -331,18 +331,21 @@ class DraftHeadLoss(torch.autograd.Function):
         [1+i, 1+i+T) (not differentiated); w (K, B, T) row weights (decay^i / denominator where
         supervised, 0 elsewhere; not differentiated); rows: `soft_ce_rows` (compiled with the rest of the forward
         under `drafter.compile_for_training`).
+        group_rows: the rows (B x T) the grouping is sized for, if not this batch's: the most any micro-batch
+        of the run has, so that every micro-batch groups its steps alike (a compiled step with dynamic shapes
+        then compiles once, not once per grouping: each costs a minute at Llama-3.1-8B shapes).
     Returns: (loss () fp32, ce (K, B, T) fp32 unweighted, argmax (K, B, T) int64); only loss is differentiable.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, p, w, rows):
+    def forward(ctx, x, weight, p, w, rows, group_rows=None):
         K, B, T, H = x.shape
         W = weight.to(x.dtype)
         Vd = W.shape[0]
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         gx = x.new_empty(K, B, T, H) if need_x else None
         gw, acc = None, torch.promote_types(x.dtype, torch.float32)  # W's gradient summed in at least fp32
-        group = max(1, HEAD_GEMM_ROWS // (B * T))  # steps whose gradient GEMMs run as one
+        group = max(1, HEAD_GEMM_ROWS // (group_rows or B * T))  # steps whose gradient GEMMs run as one
         ce, top = [], []
         # Compiled, the group's gradients are stacked: inductor then writes each step's gradient kernel straight
         # into its slice of G. Item assignment into one buffer (the eager path, which never holds two copies)
@@ -384,7 +387,7 @@ class DraftHeadLoss(torch.autograd.Function):
     def backward(ctx, grad, _ce, _top):
         gx, gw = ctx.saved_tensors
         return (gx * grad if gx is not None else None,
-                (gw * grad).to(ctx.weight_dtype) if gw is not None else None, None, None, None)
+                (gw * grad).to(ctx.weight_dtype) if gw is not None else None, None, None, None, None)
 
 
 # --- The MLP's gated product, recomputed in the backward ---------------------------------------------------

@@ -543,6 +543,11 @@ class Trainer:
                 self.train_pieces, self.eval_pieces = (
                     document_pieces(idx, self.data.lengths, self.row_tokens, cfg.pack_long, self.data.loss_mask)
                     for idx in (self.train_idx, self.eval_idx))
+        # The most rows (B x T) a micro-batch has: the head groups the TTT steps of every micro-batch for it, so a
+        # compiled unpacked run does not recompile per grouping (`ttt_forward`'s head_rows). A followed store's
+        # unpacked samples are not all known yet: the head then groups per batch.
+        self.head_rows = (self.rows_per_batch * self.row_tokens if cfg.pack else
+                          None if cfg.follow else max([cfg.batch_tokens, *self.data.lengths]))
         self.drafter = self.build_drafter().to(self.device)
         self.drafter.lm_head.weight.requires_grad_(self.layout.train_head)
         self.fsdp = self.world > 1 and cfg.parallel == "fsdp"
@@ -636,7 +641,7 @@ class Trainer:
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             return self.model(batch.aux, batch.input_ids, batch.loss_mask, batch.last, self.target_head,
                               self.cfg.ttt_steps, self.cfg.step_loss_decay, denominators, batch.target_argmax,
-                              batch.documents)
+                              batch.documents, self.head_rows)
 
     def plan(self, train: bool, epoch: int) -> list:
         """An epoch's micro-batches (a pure function of seed and epoch): packed, lists of rows of segments;
