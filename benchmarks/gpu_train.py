@@ -341,10 +341,25 @@ def trace_steps(trainer, n: int) -> dict:
         return {"error": f"{type(exc).__name__}: {exc}"[:400]}
 
 
+def gemm_by_shape(host: list, n: int) -> dict | str:
+    """GPU time of the matmul ops per step, by op and input shapes (the kernels each host op launched)."""
+    try:
+        out: dict[str, float] = {}
+        for e in host:
+            if e.name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm"):
+                ms = sum(k.duration for k in e.kernels) / 1000
+                if ms:
+                    key = f"{e.name} {e.input_shapes}"[:120]
+                    out[key] = out.get(key, 0.0) + ms / n
+        return {k: round(v, 3) for k, v in sorted(out.items(), key=lambda kv: -kv[1])[:40]}
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"[:200]
+
+
 def profiled_steps(trainer, n: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         records = pipelined_steps(trainer, n)
         torch.cuda.synchronize()
     events = prof.events()
@@ -384,7 +399,8 @@ def profiled_steps(trainer, n: int) -> dict:
             "gpu_idle_ms_per_step": (span - busy) / 1000 / n,
             "kernel_ms_per_step": {k: round(v / n, 2) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
             "top_kernels_ms_per_step": {k[:90]: round(v / n, 3) for k, v in
-                                        sorted(top.items(), key=lambda kv: -kv[1])[:30]},
+                                        sorted(top.items(), key=lambda kv: -kv[1])[:60]},
+            "gemm_ms_per_step_by_shape": gemm_by_shape(host, n),
             "longest_gaps": [{"ms": round(d / 1000, 3), "at_ms": round((s - kernels[0][0]) / 1000, 2),
                               "host_ops": during(s, e)} for d, s, e in gaps[:12]],
             "gaps_under_20us": {"count": sum(1 for d, _, _ in gaps if d < 20),
