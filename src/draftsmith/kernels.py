@@ -23,6 +23,22 @@ import torch
 import torch.nn.functional as F
 
 
+def per_position_product(a: torch.Tensor, b: torch.Tensor, reduce: int) -> torch.Tensor:
+    """The diagonal's per-position products: scores "bkgtd,bktjd->bkgtj" (reduce=-1) and values
+    "bkgtj,bktjd->bkgtd" (reduce=-2), a (B, nkv, g, T, x), b (B, nkv, T, i, hd). Eager, an einsum (batched
+    GEMMs, nothing (g x i x hd) per position materialised). Compiled, a broadcast product summed in fp32, which
+    inductor fuses into one kernel per direction: as batched GEMMs these are B x nkv x T products of at most
+    (4 x 128) by (128 x 7), which cuBLAS runs at a fraction of its rate (4.4 ms of a packed Llama-3.1-8B step on
+    an H100, session 33's profile, against some 0.1 GB of data per step to read). Returns at least fp32."""
+    acc = torch.promote_types(a.dtype, torch.float32)
+    if not torch.compiler.is_compiling():
+        eq = "bkgtd,bktjd->bkgtj" if reduce == -1 else "bkgtj,bktjd->bkgtd"
+        return torch.einsum(eq, a, b.to(a.dtype)).to(acc)
+    if reduce == -1:
+        return (a.unsqueeze(-2).to(acc) * b.unsqueeze(2).to(acc)).sum(-1)  # (B, nkv, g, T, i)
+    return (a.unsqueeze(-1).to(acc) * b.unsqueeze(2).to(acc)).sum(-2)  # (B, nkv, g, T, hd)
+
+
 def diagonal_scores(q: torch.Tensor, diag_k: list[torch.Tensor], diag_v: list[torch.Tensor],
                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Each query's scores against its own index's keys of TTT steps 1..i, per KV group (K/V not repeated
@@ -30,7 +46,7 @@ def diagonal_scores(q: torch.Tensor, diag_k: list[torch.Tensor], diag_v: list[to
     B, nh, T, hd = q.shape
     dk = torch.stack(diag_k, dim=-2)  # (B, nkv, T, i, hd)
     qg = q.view(B, dk.shape[1], nh // dk.shape[1], T, hd)
-    d = torch.einsum("bkgtd,bktjd->bkgtj", qg, dk).to(torch.promote_types(q.dtype, torch.float32)) * scale
+    d = per_position_product(qg, dk, reduce=-1) * scale
     return d, torch.stack(diag_v, dim=-2)
 
 
@@ -76,8 +92,8 @@ def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag_k: l
     out = F.scaled_dot_product_attention(q_ext, k_ext, v_ext, attn_mask=mask_ext, is_causal=mask is None, scale=scale,
                                          enable_gqa=groups > 1)[:, :, 1:]  # (B, nh, T, hd+pad)
     share = out[..., hd:hd + 1]  # (B, nh, T, 1): the diagonal keys' total probability
-    diag = torch.einsum("bkgtj,bktjd->bkgtd", torch.softmax(d, -1).to(q.dtype), dv).reshape(B, nh, T, hd)
-    return out[..., :hd] + share * diag
+    diag = per_position_product(torch.softmax(d, -1).to(q.dtype), dv, reduce=-2).reshape(B, nh, T, hd)
+    return out[..., :hd] + share * diag.to(q.dtype)
 
 
 class CausalAttentionLSE(torch.autograd.Function):
@@ -284,8 +300,8 @@ def ttt_attention_lse(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag_
     m = torch.logaddexp(lse0, a)
     w = torch.exp(lse0 - m)[..., None]  # (B, nh, T, 1): the causal keys' share
     probs = torch.softmax(d, -1) * torch.exp(a - m).view(d.shape[:-1] + (1,))  # (B, nkv, g, T, i)
-    diag = torch.einsum("bkgtj,bktjd->bkgtd", probs.to(q.dtype), dv).reshape(B, nh, T, hd)
-    return (w * out0.to(acc) + diag.to(acc)).to(q.dtype)
+    diag = per_position_product(probs.to(q.dtype), dv, reduce=-2).reshape(B, nh, T, hd)
+    return (w * out0.to(acc) + diag).to(q.dtype)
 
 
 # --- The fused draft-head loss ---------------------------------------------------------------------------
