@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -269,23 +270,18 @@ def bench_trainer(args) -> None:
     timed = records[warm + len(synced):]
     trace = trace_steps(trainer, trace_n) if trace_n else None
     if trainer.rank == 0:
-        ms = median([r["ms"] for r in timed])
+        ms = statistics.median_high(r["ms"] for r in timed)
         tokens = records[-1]["tokens"]
         print(json.dumps({"mode": "trainer", "parallel": args.parallel if world > 1 else "single", "world": world,
                           "compiled": args.compile, "fp32": args.fp32,
                           "grad_accum": args.grad_accum, "seq": args.seq, "step_ms": ms,
                           "timing": "pipelined as draftsmith train's loop: step n+1 queued before step n is read",
-                          "step_ms_synced": median([r["ms"] for r in synced]) if synced else None,
+                          "step_ms_synced": statistics.median_high(r["ms"] for r in synced) if synced else None,
                           "tokens_per_s": tokens / ms * 1000, "tokens_per_s_per_gpu": tokens / ms * 1000 / world,
                           "peak_gb_rank0": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
                           "losses": [round(r["loss"], 6) for r in records],
                           "grad_norms": [round(r["grad_norm"], 6) for r in records], "trace": trace}), flush=True)
     trainer.close()
-
-
-def median(values: list[float]) -> float:
-    values = sorted(values)
-    return values[len(values) // 2]
 
 
 def synced_steps(trainer, n: int) -> list[dict]:
