@@ -359,8 +359,11 @@ def profiled_steps(trainer, n: int) -> dict:
         records = pipelined_steps(trainer, n)
         torch.cuda.synchronize()
     events = prof.events()
+    # GPU-side user annotations (the optimizer's step range, each compiled graph's call) span many kernels and the
+    # gaps between them: counted as kernels, they would hide idle time and count work twice.
     kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
-                     if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+                     if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+                     and not getattr(e, "is_user_annotation", False) and not e.name.startswith("## "))
     if not kernels:
         return {"error": "no CUDA kernels in the profile"}
     by_kind: dict[str, float] = {}
