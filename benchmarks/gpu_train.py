@@ -429,7 +429,20 @@ def main() -> None:
     ap.add_argument("--trace-steps", type=int, default=0,
                     help="trainer mode, CUDA: profile this many pipelined steps after the timed ones (GPU busy and "
                          "idle time, the longest idle gaps with the host ops during them, kernel time by kind)")
+    ap.add_argument("--no-weight-gradient-pass", action="store_true",
+                    help="ablation: compile without kernels.one_product_per_sum (each TTT step's weight gradients "
+                         "as their own GEMMs, summed afterwards, as before session 34)")
+    ap.add_argument("--weight-gradient-rows", type=int, default=None,
+                    help="the pass merges the products of at most this many rows (kernels.WEIGHT_GRADIENT_ROWS)")
     args = ap.parse_args()
+    if args.weight_gradient_rows:
+        import draftsmith.kernels
+
+        draftsmith.kernels.WEIGHT_GRADIENT_ROWS = args.weight_gradient_rows
+    if args.no_weight_gradient_pass:
+        import draftsmith.drafter
+
+        draftsmith.drafter.weight_gradient_pass = lambda: None  # compile_for_training then passes no custom pass
     if args.trainer:
         args.seq = int(args.seq.split(",")[0])
         return bench_trainer(args)

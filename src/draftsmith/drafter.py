@@ -42,7 +42,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from draftsmith.kernels import (DraftHeadLoss, document_block_mask, document_mask, document_positions, is_block_mask,
-                                repeat_kv, soft_ce_rows, SwiGLUDown, ttt_attention, ttt_attention_lse)
+                                repeat_kv, soft_ce_rows, SwiGLUDown, ttt_attention, ttt_attention_lse, weight_gradient_pass)
 from draftsmith.target import TargetSpec
 
 
@@ -542,6 +542,8 @@ def compile_for_training(drafter: Eagle3Drafter, cuda_graphs: bool = False) -> N
     step"). Packed rows (`TrainConfig.pack`) keep one shape, so the first step compiles and no later one does;
     unpacked micro-batches recompile once for dynamic shapes (and for a micro-batch of one row, which dynamo
     specialises), not per grouping of the loss's TTT steps when the caller passes `head_rows` (the Trainer does).
+    The backward's per-step weight gradients of the layer become one GEMM per weight over all K steps' tokens
+    (`kernels.one_product_per_sum`, an inductor post-grad pass), as `DraftHeadLoss` does for the head.
 
     cuda_graphs: the forward and backward graphs replay as CUDA graphs (torch.compile's `reduce-overhead` mode,
     CUDA graph trees): one launch each instead of one per kernel. The caller marks each forward's start
@@ -553,17 +555,19 @@ def compile_for_training(drafter: Eagle3Drafter, cuda_graphs: bool = False) -> N
     # One graph per shape and grad mode (training, evaluation), and per grouping of the loss's TTT steps: torch's
     # default limit (8) would send later shapes of unpacked runs back to eager without a word.
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 4 * TTT_STEPS)
-    # CUDA graphs replay one recorded shape each (packing gives one): static shapes, so that a second shape is
-    # compiled as its own static graph rather than dynamic in the row length (inductor cannot split the block
-    # mask's 128-token blocks of a symbolic length)
     # torch 2.11's coalescing analysis (it only chooses tile shapes) asserts on the unpacked step's dynamic-shape
     # reductions (InductorError in tiling_utils.get_pw_red_splits, one H200, 2026-12-05): off, where it exists
     import torch._inductor.config as inductor_config
 
     if hasattr(inductor_config.triton, "coalesce_tiling_analysis"):
         inductor_config.triton.coalesce_tiling_analysis = False
-    drafter.ttt_unroll = torch.compile(ttt_unroll, mode="reduce-overhead" if cuda_graphs else None,
-                                       dynamic=False if cuda_graphs else None)
+    # The unroll's weight gradients as one GEMM per weight over the K steps (`kernels.one_product_per_sum`).
+    # triton.cudagraphs is what mode="reduce-overhead" sets (torch.compile takes a mode or options, not both).
+    # CUDA graphs replay one recorded shape each (packing gives one): static shapes, so that a second shape is
+    # compiled as its own static graph rather than dynamic in the row length (inductor cannot split the block
+    # mask's 128-token blocks of a symbolic length).
+    options = {"post_grad_custom_post_pass": weight_gradient_pass(), "triton.cudagraphs": cuda_graphs}
+    drafter.ttt_unroll = torch.compile(ttt_unroll, options=options, dynamic=False if cuda_graphs else None)
 
 
 def simulated_acceptance(correct: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[float, int]:

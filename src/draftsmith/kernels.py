@@ -437,3 +437,181 @@ class SwiGLUDown(torch.autograd.Function):
         dg = da * u * (sig * (1 + g * (1 - sig)))
         du = da * silu
         return dg, du, dw.to(ctx.weight_dtype)
+
+
+# --- The unroll's weight gradients as one product per weight (a compiler pass) ------------------------------
+
+
+def merges_products(m: int, n: int, k: int) -> bool:
+    """Whether summing products of (m x k_i) by (k_i x n) through one GEMM over the concatenated k moves less
+    data than the per-product route: each extra (m x n) product costs a GEMM write, and its sum a read of it and a
+    read and a write of the accumulator (about 12 bytes per element in bf16 with an fp32 sum); the concatenation
+    costs a copy of both operands, about 4 bytes per (m + n) k (less where inductor writes a producer straight
+    into its slice). True for a drafter layer's weight gradients over TTT steps (m, n the weight's shape, k the
+    step's tokens), false for the sums of input gradients (k the weight's long side)."""
+    return 3 * m * n > k * (m + n)
+
+
+def one_product_per_sum(graph: torch.fx.Graph, max_rows: int | None = None) -> int:
+    """Rewrite sums of matrix products sum_i A_i @ B_i (each used only by the sum) as one product
+    cat(A_i, 1) @ cat(B_i, 0) where `merges_products` says it pays; with max_rows, one product per run of
+    operands at most that long on the inner side (the concatenated operands are live until their product runs).
+    Returns the number of products merged away.
+
+    Autograd gives a weight used at each of the K TTT steps K gradients, dW = sum_i dY_i^T X_i: in the compiled
+    backward, K GEMMs of the step's tokens, each written out, cast to fp32 and added to a running sum (some 18 GB
+    of memory traffic per Llama-3.1-8B step at T = 4096, the layer's five weights), or in fp32 a chain of addmm's
+    that each read and write the sum. As one GEMM over the K steps' tokens the sum happens inside the GEMM, in
+    fp32, and only the operands are copied (less where their producer writes its slice directly).
+    `DraftHeadLoss` does the same for the head by hand. A_i = dY_i^T arrives as a transposed view; the
+    concatenation is then built from the dY_i themselves (rows stacked, a plain copy)."""
+    from torch._guards import detect_fake_mode
+
+    aten, prims = torch.ops.aten, torch.ops.prims
+
+    def call(n, target) -> bool:
+        return isinstance(n, torch.fx.Node) and n.op == "call_function" and n.target is target
+
+    def is_sum(n) -> bool:
+        """a + b, or addmm(c, a, b) = c + a @ b with c of the output's shape and no scaling."""
+        if call(n, aten.add.Tensor):
+            return len(n.args) == 2 and not n.kwargs and all(isinstance(a, torch.fx.Node) for a in n.args)
+        return (call(n, aten.addmm.default) and len(n.args) == 3 and not n.kwargs and "val" in n.meta
+                and "val" in n.args[0].meta and n.args[0].meta["val"].shape == n.meta["val"].shape)
+
+    def summands(n) -> list:
+        return list(n.args) if call(n, aten.add.Tensor) else [n.args[0]]
+
+    def is_root(n) -> bool:
+        """A sum that is not itself a summand of a larger sum (those are handled from their root)."""
+        if not is_sum(n):
+            return False
+        if len(n.users) != 1:
+            return True
+        user = next(iter(n.users))
+        return not (is_sum(user) and n in summands(user))
+
+    def terms(n, out: list) -> list:
+        """The terms of the sum rooted at n: products as (a, b, dtype cast to or None, node replaced or None),
+        other summands as nodes."""
+        if call(n, aten.addmm.default):
+            out.append((n.args[1], n.args[2], None, None))
+        for a in summands(n):
+            if is_sum(a) and len(a.users) == 1:
+                terms(a, out)
+                continue
+            cast, mm = None, a
+            if call(a, prims.convert_element_type.default) and len(a.users) == 1:
+                cast, mm = a.args[1], a.args[0]
+            if call(mm, aten.mm.default) and len(mm.users) == 1:
+                out.append((mm.args[0], mm.args[1], cast, a))
+            else:
+                out.append(a)
+        return out
+
+    def hint(size) -> int | None:
+        """A size's value in the example being compiled (symbolic sizes: their hint; None if it has none)."""
+        return size if isinstance(size, int) else getattr(size.node, "hint", None)
+
+    def transposed(n):
+        """x if n is x.permute(1, 0) (or x.t()), else None."""
+        if call(n, aten.permute.default) and list(n.args[1]) == [1, 0] or call(n, aten.t.default):
+            return n.args[0]
+        return None
+
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    merged, cats = 0, {}  # cats: one concatenation per operand list (gate and up share their input's)
+    for root in [n for n in graph.nodes if is_root(n)]:
+        leaves = terms(root, [])
+        groups: dict[tuple, list] = {}
+        for t in leaves:
+            if isinstance(t, tuple):
+                a, b = t[0].meta["val"], t[1].meta["val"]
+                key = (str(a.shape[0]), str(b.shape[1]), a.dtype, b.dtype, t[2])  # sizes may be symbolic
+                groups.setdefault(key, []).append(t)
+        eligible = []
+        for members in (m for m in groups.values() if len(m) > 1):
+            a, b = members[0][0].meta["val"], members[0][1].meta["val"]
+            m, n, k = hint(a.shape[0]), hint(b.shape[1]), hint(a.shape[1])
+            if None in (m, n, k) or not merges_products(m, n, k):
+                continue
+            # in the order their operands are ready, in runs of at most max_rows rows of the inner side
+            members.sort(key=lambda t: max(order.get(t[0], -1), order.get(t[1], -1)))
+            run: list = []
+            for t in members:
+                if run and max_rows and (len(run) + 1) * k > max_rows:
+                    eligible.append(run)
+                    run = []
+                run.append(t)
+            eligible.append(run)
+        eligible = [run for run in eligible if len(run) > 1]
+        if not eligible:
+            continue
+        fake_mode = detect_fake_mode([eligible[0][0][0].meta["val"]])
+
+        def make(target, *args):
+            if target is aten.cat.default and (tuple(args[0]), args[1]) in cats:
+                return cats[tuple(args[0]), args[1]]
+            node = graph.call_function(target, args)
+            if target is aten.cat.default:
+                cats[tuple(args[0]), args[1]] = node
+            with fake_mode:
+                node.meta["val"] = target(*(torch.fx.node.map_arg(a, lambda x: x.meta["val"]) for a in args))
+            return node
+
+        products, chosen = [], set()
+        for run in eligible:
+            ready = max((x for t in run for x in t[:2]), key=lambda x: order.get(x, -1))
+            with graph.inserting_before(ready.next):  # right where its last operand is made, so that it can be freed
+                rows = [transposed(a) for a, *_ in run]
+                if all(r is not None for r in rows):  # A_i = dY_i^T: stack the dY_i, one transposed view
+                    A = make(aten.permute.default, make(aten.cat.default, rows, 0), [1, 0])
+                else:
+                    A = make(aten.cat.default, [a for a, *_ in run], 1)
+                product = make(aten.mm.default, A, make(aten.cat.default, [b for _, b, *_ in run], 0))
+                if run[0][2] is not None:
+                    product = make(prims.convert_element_type.default, product, run[0][2])
+            products.append(product)
+            chosen |= {id(t) for t in run}
+            merged += len(run) - 1
+        with graph.inserting_before(root):
+            total = products[0]
+            for t in products[1:] + [t for t in leaves if id(t) not in chosen]:
+                if isinstance(t, tuple):  # a product left alone: as it was, or as an mm if it came from addmm
+                    t = t[3] if t[3] is not None else make(aten.mm.default, t[0], t[1])
+                total = make(aten.add.Tensor, total, t)
+        root.replace_all_uses_with(total)
+    if merged:
+        from torch._inductor.pattern_matcher import stable_topological_sort
+
+        stable_topological_sort(graph)  # a shared concatenation may sit after a later run's insertion point
+        graph.eliminate_dead_code()
+    return merged
+
+
+WEIGHT_GRADIENT_ROWS: int | None = None
+"""`compile_for_training`'s weight-gradient pass merges the products of at most this many rows (None: all K
+steps' into one; see `one_product_per_sum`)."""
+
+
+def weight_gradient_pass():
+    """`one_product_per_sum` as an inductor post-grad pass, for `WEIGHT_GRADIENT_ROWS` (`compile_for_training`
+    passes it as the `post_grad_custom_post_pass` option of its torch.compile)."""
+    return _weight_gradient_pass(WEIGHT_GRADIENT_ROWS)
+
+
+@functools.cache
+def _weight_gradient_pass(max_rows: int | None):
+    import hashlib
+    from pathlib import Path
+
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class WeightGradientSums(CustomGraphPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            one_product_per_sum(graph, max_rows)
+
+        def uuid(self) -> bytes:  # inductor's cache key: this file and the setting
+            return hashlib.sha256(Path(__file__).read_bytes() + str(max_rows).encode()).digest()
+
+    return WeightGradientSums()
