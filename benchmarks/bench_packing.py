@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from draftsmith.features import Batch, feature_dtype, pack_rows  # noqa: E402
 from draftsmith.store import Sample  # noqa: E402
-from gpu_train import SyntheticSource, llama8b_drafter, llama8b_target_config, pipelined_steps, synced_steps, trace_steps  # noqa: E402
+from gpu_train import (SyntheticSource, llama8b_drafter, llama8b_target_config, pipelined_steps,  # noqa: E402
+                       synced_steps, trace_steps, weight_gradient_setting)
 
 
 # --- the histogram ------------------------------------------------------------------------------------
@@ -283,8 +284,12 @@ def main() -> None:
     r.add_argument("--warm-shapes", action="store_true",
                    help="first run one step of every micro-batch shape of the timed steps (each compiles with "
                         "--compile), so the timed steps measure the steady state; their times are reported apart")
+    r.add_argument("--weight-gradient-pass", action="store_true",
+                   help="with --compile: kernels.one_product_per_sum on (see gpu_train.py --weight-gradient-pass)")
     r.add_argument("--out", required=True)
     args = ap.parse_args()
+    if args.cmd == "run":
+        weight_gradient_setting(args.weight_gradient_pass, None)
     if args.cmd == "histogram":
         if bool(args.store) == bool(args.conversations):
             ap.error("histogram needs --store or --conversations")

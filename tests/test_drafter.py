@@ -344,10 +344,15 @@ def test_ttt_output_is_a_pytree_so_fsdp2_can_hook_its_backward():
     assert pytree.tree_unflatten(leaves, spec) == out
 
 
-def test_compiled_training_step_equals_eager():
+@pytest.mark.parametrize("weight_gradient_pass", [False, True])
+def test_compiled_training_step_equals_eager(weight_gradient_pass, monkeypatch):
     """`compile_for_training` (what `train --compile` runs on GPUs) changes kernels, not results: loss, argmax and
-    gradients of a tiny drafter match the eager unroll (fp32, CPU inductor)."""
+    gradients of a tiny drafter match the eager unroll (fp32, CPU inductor), also with the layer's weight gradients
+    merged over the TTT steps (`kernels.WEIGHT_GRADIENT_PASS`)."""
+    import draftsmith.kernels
     from draftsmith.drafter import compile_for_training
+
+    monkeypatch.setattr(draftsmith.kernels, "WEIGHT_GRADIENT_PASS", weight_gradient_pass)
 
     torch.manual_seed(0)
     eager, compiled = Eagle3Drafter(tiny_config()), Eagle3Drafter(tiny_config())

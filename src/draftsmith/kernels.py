@@ -589,15 +589,21 @@ def one_product_per_sum(graph: torch.fx.Graph, max_rows: int | None = None) -> i
     return merged
 
 
+WEIGHT_GRADIENT_PASS = False
+"""Whether `compile_for_training` runs `one_product_per_sum` on the backward graph. Off until it is measured on a
+GPU (session 34 ran no GPU call): it removes K-1 GEMM outputs and their fp32 sums per weight, but keeps the K
+steps' output gradients alive until their one product, an estimated 2.7 GB more at Llama-3.1-8B shapes and
+T = 4096 (peak 15.8 GB before, SpecForge's 19.15 GB). `benchmarks/gpu_train.py --weight-gradient-pass` turns it on."""
+
 WEIGHT_GRADIENT_ROWS: int | None = None
-"""`compile_for_training`'s weight-gradient pass merges the products of at most this many rows (None: all K
-steps' into one; see `one_product_per_sum`)."""
+"""With the pass on: merge the products of at most this many rows (None: all K steps' into one)."""
 
 
 def weight_gradient_pass():
-    """`one_product_per_sum` as an inductor post-grad pass, for `WEIGHT_GRADIENT_ROWS` (`compile_for_training`
-    passes it as the `post_grad_custom_post_pass` option of its torch.compile)."""
-    return _weight_gradient_pass(WEIGHT_GRADIENT_ROWS)
+    """`one_product_per_sum` as an inductor post-grad pass for `WEIGHT_GRADIENT_ROWS`, or None where
+    `WEIGHT_GRADIENT_PASS` is off (`compile_for_training` passes it as the `post_grad_custom_post_pass` option of its
+    torch.compile)."""
+    return _weight_gradient_pass(WEIGHT_GRADIENT_ROWS) if WEIGHT_GRADIENT_PASS else None
 
 
 @functools.cache
