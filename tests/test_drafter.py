@@ -592,21 +592,26 @@ def test_engine_walk_equals_a_step_by_step_walk_on_long_packed_rows():
         assert chains > 500
 
 
-def merged_step_products(steps: int, max_rows: int | None = None):
-    """A weight applied at `steps` steps of a tanh unroll over 32 rows, compiled with `one_product_per_sum` as the
-    post-grad pass: (products merged away, the compiled gradient of the weight, the eager one)."""
+def recording_pass(counts: list, max_rows: int | None = None):
+    """`one_product_per_sum` as a post-grad pass that appends each graph's count of merged products to `counts`."""
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     from draftsmith.kernels import one_product_per_sum
 
-    merged = []
-
     class Recording(CustomGraphPass):
         def __call__(self, graph):
-            merged.append(one_product_per_sum(graph, max_rows))
+            counts.append(one_product_per_sum(graph, max_rows))
 
         def uuid(self):
             return None  # not cached: every compile runs the pass
+
+    return Recording()
+
+
+def merged_step_products(steps: int, max_rows: int | None = None):
+    """A weight applied at `steps` steps of a tanh unroll over 32 rows, compiled with `one_product_per_sum` as the
+    post-grad pass: (products merged away, the compiled gradient of the weight, the eager one)."""
+    merged = []
 
     def unroll(w, x):
         h = x
@@ -616,7 +621,7 @@ def merged_step_products(steps: int, max_rows: int | None = None):
 
     torch.manual_seed(0)
     w, x = (torch.randn(64, 64) / 8).requires_grad_(), torch.randn(32, 64)
-    compiled = torch.compile(unroll, options={"post_grad_custom_post_pass": Recording()})
+    compiled = torch.compile(unroll, options={"post_grad_custom_post_pass": recording_pass(merged, max_rows)})
     g_compiled = torch.autograd.grad(compiled(w, x), w)[0]
     return sum(merged), g_compiled, torch.autograd.grad(unroll(w, x), w)[0]
 
@@ -626,25 +631,14 @@ def test_a_weights_gradients_over_steps_become_one_product_with_the_same_values(
     steps gets three products dY_i^T h_i summed in the backward; compiled with the pass they are one GEMM over
     the three steps' rows (2 products merged away), with the eager gradient. Sums of products with a long
     inner side (an input's gradient through two weights) stay as they are (`merges_products`)."""
-    from torch._inductor.custom_graph_pass import CustomGraphPass
-
-    from draftsmith.kernels import one_product_per_sum
-
     merged, g_compiled, g_eager = merged_step_products(3)
     assert merged == 2
     assert torch.allclose(g_compiled, g_eager, rtol=1e-4, atol=1e-4)  # fp32, the sum in another order
 
     counts = []
-
-    class Recording(CustomGraphPass):
-        def __call__(self, graph):
-            counts.append(one_product_per_sum(graph))
-
-        def uuid(self):
-            return None
-
     a, b = torch.randn(8, 256), torch.randn(256, 8)
-    two = torch.compile(lambda a, b, c, d: a @ b + c @ d, options={"post_grad_custom_post_pass": Recording()})
+    two = torch.compile(lambda a, b, c, d: a @ b + c @ d,
+                        options={"post_grad_custom_post_pass": recording_pass(counts)})
     assert torch.allclose(two(a, b, a * 2, b), a @ b + (a * 2) @ b, rtol=1e-5, atol=1e-5)
     assert counts == [0]
 

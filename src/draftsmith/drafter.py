@@ -568,7 +568,9 @@ def compile_for_training(drafter: Eagle3Drafter, cuda_graphs: bool = False) -> N
     # CUDA graphs replay one recorded shape each (packing gives one): static shapes, so that a second shape is
     # compiled as its own static graph rather than dynamic in the row length (inductor cannot split the block
     # mask's 128-token blocks of a symbolic length).
-    options = {"post_grad_custom_post_pass": weight_gradient_pass(), "triton.cudagraphs": cuda_graphs}
+    options = {"triton.cudagraphs": True} if cuda_graphs else {}
+    if (merge := weight_gradient_pass()) is not None:
+        options["post_grad_custom_post_pass"] = merge
     drafter.ttt_unroll = torch.compile(ttt_unroll, options=options, dynamic=False if cuda_graphs else None)
 
 

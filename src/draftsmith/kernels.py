@@ -465,6 +465,7 @@ def one_product_per_sum(graph: torch.fx.Graph, max_rows: int | None = None) -> i
     fp32, and only the operands are copied (less where their producer writes its slice directly).
     `DraftHeadLoss` does the same for the head by hand. A_i = dY_i^T arrives as a transposed view; the
     concatenation is then built from the dY_i themselves (rows stacked, a plain copy)."""
+    import torch.utils._pytree as pytree
     from torch._guards import detect_fake_mode
 
     aten, prims = torch.ops.aten, torch.ops.prims
@@ -519,8 +520,22 @@ def one_product_per_sum(graph: torch.fx.Graph, max_rows: int | None = None) -> i
             return n.args[0]
         return None
 
+    cats: dict[tuple, torch.fx.Node] = {}  # one concatenation per operand list (gate and up share their input's)
+
+    def make(target, *args) -> torch.fx.Node:
+        """A new node at the graph's insertion point, with its fake value (inductor's lowering reads it)."""
+        if target is aten.cat.default and (tuple(args[0]), args[1]) in cats:
+            return cats[tuple(args[0]), args[1]]
+        node = graph.call_function(target, args)
+        if target is aten.cat.default:
+            cats[tuple(args[0]), args[1]] = node
+        vals = [torch.fx.node.map_arg(a, lambda x: x.meta["val"]) for a in args]
+        with detect_fake_mode(pytree.tree_leaves(vals)):
+            node.meta["val"] = target(*vals)
+        return node
+
     order = {n: i for i, n in enumerate(graph.nodes)}
-    merged, cats = 0, {}  # cats: one concatenation per operand list (gate and up share their input's)
+    merged = 0
     for root in [n for n in graph.nodes if is_root(n)]:
         leaves = terms(root, [])
         groups: dict[tuple, list] = {}
@@ -547,18 +562,6 @@ def one_product_per_sum(graph: torch.fx.Graph, max_rows: int | None = None) -> i
         eligible = [run for run in eligible if len(run) > 1]
         if not eligible:
             continue
-        fake_mode = detect_fake_mode([eligible[0][0][0].meta["val"]])
-
-        def make(target, *args):
-            if target is aten.cat.default and (tuple(args[0]), args[1]) in cats:
-                return cats[tuple(args[0]), args[1]]
-            node = graph.call_function(target, args)
-            if target is aten.cat.default:
-                cats[tuple(args[0]), args[1]] = node
-            with fake_mode:
-                node.meta["val"] = target(*(torch.fx.node.map_arg(a, lambda x: x.meta["val"]) for a in args))
-            return node
-
         products, chosen = [], set()
         for run in eligible:
             ready = max((x for t in run for x in t[:2]), key=lambda x: order.get(x, -1))
