@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from draftsmith.drafter import DrafterConfig, Eagle3Drafter, compile_for_training, target_argmax, ttt_forward  # noqa: E402
+from kernel_timeline import device_kernels, timeline  # noqa: E402
 
 FLOP_PER_TOKEN = 17.8e9  # issue 12: 7 TTT steps fwd+bwd through the layer and draft head, plus the target head
 PEAK_BF16 = 989e12  # H100/H200 dense bf16 datasheet
@@ -310,23 +311,6 @@ def pipelined_steps(trainer, n: int) -> list[dict]:
     return records
 
 
-GEMM_KERNELS = ("gemm", "nvjet", "cutlass", "xmma", "magma", "cublas", "splitk")
-ATTENTION_KERNELS = ("flash", "cudnn", "fmha", "flex", "attention")
-
-
-def kernel_kind(name: str) -> str:
-    low = name.lower()
-    if any(k in low for k in ATTENTION_KERNELS) or low.startswith("triton_tem"):  # flex attention: triton templates
-        return "attention"
-    if any(k in low for k in GEMM_KERNELS):
-        return "gemm"
-    if "adam" in low:
-        return "adamw"
-    if low.startswith("triton"):
-        return "triton (elementwise, reductions)"
-    return "other"
-
-
 def trace_steps(trainer, n: int) -> dict:
     """torch.profiler (CPU and CUDA) over n pipelined steps: the GPU's busy time per step against the loop's
     period, its idle gaps (the longest, with the host ops that ran during each) and kernel time by kind. The
@@ -359,29 +343,11 @@ def profiled_steps(trainer, n: int) -> dict:
         records = pipelined_steps(trainer, n)
         torch.cuda.synchronize()
     events = prof.events()
-    # GPU-side user annotations (the optimizer's step range, each compiled graph's call) span many kernels and the
-    # gaps between them: counted as kernels, they would hide idle time and count work twice.
-    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
-                     if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
-                     and not getattr(e, "is_user_annotation", False) and not e.name.startswith("## "))
-    if not kernels:
-        return {"error": "no CUDA kernels in the profile"}
-    by_kind: dict[str, float] = {}
-    top: dict[str, float] = {}
-    for s, e, name in kernels:
-        by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + (e - s) / 1000
-        top[name] = top.get(name, 0.0) + (e - s) / 1000
-    busy, gaps = 0.0, []
-    cur_s, cur_e = kernels[0][0], kernels[0][1]
-    for s, e, _ in kernels[1:]:
-        if s > cur_e:
-            busy += cur_e - cur_s
-            gaps.append((s - cur_e, cur_e, s))
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    busy += cur_e - cur_s
-    span = kernels[-1][1] - kernels[0][0]
+    kernels = device_kernels(events)
+    summary = timeline(kernels, n)
+    if "error" in summary:
+        return summary
+    gaps = summary.pop("gaps")
     host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.time_range.end > e.time_range.start]
 
     def during(s: float, e: float) -> list[str]:
@@ -392,18 +358,10 @@ def profiled_steps(trainer, n: int) -> dict:
                 names.append(h.name)
         return names[:6]
 
-    gaps.sort(reverse=True)
-    return {"steps": n, "period_ms": [round(r["ms"], 2) for r in records],
-            "gpu_span_ms": span / 1000, "gpu_busy_ms_per_step": busy / 1000 / n,
-            "gpu_idle_ms_per_step": (span - busy) / 1000 / n,
-            "kernel_ms_per_step": {k: round(v / n, 2) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
-            "top_kernels_ms_per_step": {k[:90]: round(v / n, 3) for k, v in
-                                        sorted(top.items(), key=lambda kv: -kv[1])[:60]},
+    return {"period_ms": [round(r["ms"], 2) for r in records], **summary,
             "gemm_ms_per_step_by_shape": gemm_by_shape(host, n),
-            "longest_gaps": [{"ms": round(d / 1000, 3), "at_ms": round((s - kernels[0][0]) / 1000, 2),
-                              "host_ops": during(s, e)} for d, s, e in gaps[:12]],
-            "gaps_under_20us": {"count": sum(1 for d, _, _ in gaps if d < 20),
-                                "ms": sum(d for d, _, _ in gaps if d < 20) / 1000}}
+            "longest_gaps": [{"ms": round(ms, 3), "at_ms": round((s - kernels[0].start_us) / 1000, 2),
+                              "host_ops": during(s, e)} for ms, s, e in gaps[:12]]}
 
 
 def weight_gradient_setting(on: bool, rows: int | None) -> None:

@@ -4,7 +4,7 @@ At SmolLM2's size a step is far from GEMM-bound: speculators' compiled loop ran 
 second at the same settings on one H200 (docs/peers.md). This runs the real Trainer on random features of
 SmolLM2's shapes, packed from lengths drawn from the committed histogram of the embedded drafter's data, for
 each named setting, and reports per setting: the median step (wall, end-of-step sync included), the GPU's busy
-time in the step (the sum of its kernels' durations, from torch.profiler), the kernel launches per step, the
+time in the step (the union of its kernels' spans, from torch.profiler: kernel_timeline.py), the kernels per step, the
 host's CUDA calls per step (eager kernel launches, CUDA graph launches, copies: count and CPU ms), the top kernels
 and CPU-side ops, and with --compile torch.compile's graph and graph-break counts. wall - busy is what launches,
 host work and syncs cost.
@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_packing import LengthSource, draw_lengths, load_histogram  # noqa: E402
 from draftsmith.store import Sample  # noqa: E402
+from kernel_timeline import device_kernels, timeline  # noqa: E402
 
 HISTOGRAM = Path(__file__).parent / "results" / "length_histogram_smollm2_self.json"
 
@@ -112,24 +113,16 @@ def dynamo_counts() -> dict:
 
 
 def kernel_summary(prof, steps: int, top: int) -> dict:
-    """Kernel launches and GPU busy time per step, and the top kernels and CPU-side ops."""
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    busy_us = sum(e.device_time for e in events) if events and hasattr(events[0], "device_time") else \
-        sum(e.cuda_time for e in events)
-    by_kernel: dict[str, list[float]] = {}
-    for e in events:
-        t = e.device_time if hasattr(e, "device_time") else e.cuda_time
-        by_kernel.setdefault(e.name[:90], []).append(t)
-    kernels = sorted(((sum(v), len(v), k) for k, v in by_kernel.items()), reverse=True)[:top]
+    """Kernels and GPU busy time per step (kernel_timeline's summary), the host's CUDA calls, the top CPU-side ops."""
+    summary = timeline(device_kernels(prof.events()), steps, top)
+    summary.pop("gaps", None)
     averages = prof.key_averages()
     cpu = sorted(((e.self_cpu_time_total, e.count, e.key[:90]) for e in averages), reverse=True)[:top]
     host = {e.key: e for e in averages if e.key in HOST_CALLS.values()}
-    return {"kernels_per_step": len(events) / steps, "gpu_busy_ms_per_step": busy_us / 1000 / steps,
+    return {**summary,
             "host_calls_per_step": {name: {"calls": host[key].count / steps if key in host else 0.0,
                                            "self_ms": host[key].self_cpu_time_total / 1000 / steps if key in host else 0.0}
                                     for name, key in HOST_CALLS.items()},
-            "top_kernels": [{"name": n, "ms_per_step": t / 1000 / steps, "calls_per_step": c / steps}
-                            for t, c, n in kernels],
             "top_cpu_ops": [{"name": n, "self_ms_per_step": t / 1000 / steps, "calls_per_step": c / steps}
                             for t, c, n in cpu]}
 
