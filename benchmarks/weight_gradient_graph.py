@@ -30,6 +30,22 @@ def products(graph: torch.fx.Graph) -> int:
     return sum(1 for n in graph.nodes if n.op == "call_function" and n.target in targets)
 
 
+def compiled_step_inputs(cfg: DrafterConfig, tokens: int) -> tuple[Eagle3Drafter, tuple]:
+    """A seeded drafter of `cfg` compiled by `compile_for_training` (the FX graph cache off: a hit would skip the
+    pass), and one row of `tokens` random inputs for `ttt_forward` (aux, ids, loss mask, last hidden, target head)."""
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(cfg)
+    vocab = build_draft_vocab(torch.arange(cfg.vocab_size, 0, -1), cfg.draft_vocab_size)
+    drafter.d2t.copy_(vocab.d2t)
+    drafter.t2d.copy_(vocab.t2d)
+    torch._inductor.config.fx_graph_cache = False
+    compile_for_training(drafter)
+    T, Ht = tokens, cfg.target_hidden_size
+    batch = (torch.randn(1, T, 3 * Ht), torch.randint(0, cfg.vocab_size, (1, T)), torch.ones(1, T, dtype=torch.long),
+             torch.randn(1, T, Ht), torch.randn(cfg.vocab_size, Ht))
+    return drafter, batch
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=7, help="TTT steps")
@@ -53,21 +69,12 @@ def main() -> None:
     cfg = DrafterConfig(hidden_size=args.hidden, intermediate_size=args.intermediate, num_heads=4, num_kv_heads=2,
                         head_dim=args.hidden // 4, vocab_size=96, draft_vocab_size=48, target_hidden_size=40,
                         target_num_layers=8, aux_layer_ids=(2, 4, 5))
-    torch.manual_seed(0)
-    drafter = Eagle3Drafter(cfg)
-    vocab = build_draft_vocab(torch.arange(96, 0, -1), 48)
-    drafter.d2t.copy_(vocab.d2t)
-    drafter.t2d.copy_(vocab.t2d)
-    torch._inductor.config.fx_graph_cache = False  # a cache hit would skip the pass
-    compile_for_training(drafter)
-    T = args.tokens
-    batch = (torch.randn(1, T, 120), torch.randint(0, 96, (1, T)), torch.ones(1, T, dtype=torch.long),
-             torch.randn(1, T, 40), torch.randn(96, 40))
+    drafter, batch = compiled_step_inputs(cfg, args.tokens)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = ttt_forward(drafter, *batch, steps=args.steps)
     out.loss.backward()
     result = {"what": __doc__.splitlines()[0], "command": " ".join(sys.argv), "date": str(datetime.date.today()),
-              "torch": torch.__version__, "steps": args.steps, "tokens": T, "hidden": args.hidden,
+              "torch": torch.__version__, "steps": args.steps, "tokens": args.tokens, "hidden": args.hidden,
               "intermediate": args.intermediate, "graphs": graphs}
     print(json.dumps(result, indent=2))
     if args.out:

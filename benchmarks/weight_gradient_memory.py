@@ -31,10 +31,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from draftsmith import kernels  # noqa: E402
-from draftsmith.drafter import DrafterConfig, Eagle3Drafter, compile_for_training, ttt_forward  # noqa: E402
-from draftsmith.vocab import build_draft_vocab  # noqa: E402
+from draftsmith.drafter import DrafterConfig, ttt_forward  # noqa: E402
+from gpu_train import weight_gradient_setting  # noqa: E402
+from weight_gradient_graph import compiled_step_inputs  # noqa: E402
 
-SETTINGS = {"off": None, "on": 0}  # the pass: off, or on with no row cap (0 = every step's rows merged at once)
+SETTINGS = ("off", "on")  # the pass, with no row cap: every step's rows merged at once
 
 
 def scaled_config(scale: int) -> DrafterConfig:
@@ -72,21 +73,9 @@ def live_bytes(prof) -> dict:
 def measure(setting: str, scale: int, steps: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    kernels.WEIGHT_GRADIENT_PASS = SETTINGS[setting] is not None
-    kernels.WEIGHT_GRADIENT_ROWS = SETTINGS[setting] or None
-    torch._inductor.config.fx_graph_cache = False  # a cache hit from the other setting's graph would skip the pass
+    weight_gradient_setting(setting == "on", None)
     cfg = scaled_config(scale)
-    torch.manual_seed(0)
-    drafter = Eagle3Drafter(cfg)
-    vocab = build_draft_vocab(torch.arange(cfg.vocab_size, 0, -1), cfg.draft_vocab_size)
-    drafter.d2t.copy_(vocab.d2t)
-    drafter.t2d.copy_(vocab.t2d)
-    compile_for_training(drafter)
-    T, Ht = 4096 // scale, cfg.target_hidden_size
-    g = torch.Generator().manual_seed(1)
-    batch = (torch.randn(1, T, 3 * Ht, generator=g), torch.randint(0, cfg.vocab_size, (1, T), generator=g),
-             torch.ones(1, T, dtype=torch.long), torch.randn(1, T, Ht, generator=g),
-             torch.randn(cfg.vocab_size, Ht, generator=g))
+    drafter, batch = compiled_step_inputs(cfg, 4096 // scale)
 
     def step() -> float:
         with torch.autocast("cpu", dtype=torch.bfloat16):
