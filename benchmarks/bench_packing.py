@@ -233,6 +233,7 @@ def run(args) -> None:
               "samples": args.samples, "seed": args.seed, "mean_length": sum(lengths) / len(lengths),
               "batch_tokens": args.batch_tokens, "row_tokens": args.row_tokens or args.batch_tokens,
               "ttt_steps": args.ttt_steps, "compile": args.compile, "cuda_graphs_packed": args.cuda_graphs,
+              "dense_document_mask": args.dense_document_mask,
               "warmup_steps": args.warmup,
               "packed": None, "unpacked": None, "packed_over_unpacked": None}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -286,10 +287,18 @@ def main() -> None:
                         "--compile), so the timed steps measure the steady state; their times are reported apart")
     r.add_argument("--weight-gradient-pass", action="store_true",
                    help="with --compile: kernels.one_product_per_sum on (see gpu_train.py --weight-gradient-pass)")
+    r.add_argument("--dense-document-mask", action="store_true",
+                   help="eager CPU: packed rows attend under the dense (T x T) document mask, as before document "
+                        "spans (kernels.per_document), for the A/B")
     r.add_argument("--out", required=True)
     args = ap.parse_args()
     if args.cmd == "run":
         weight_gradient_setting(args.weight_gradient_pass, None)
+        if args.dense_document_mask:
+            import draftsmith.drafter
+            from draftsmith.kernels import document_mask
+
+            draftsmith.drafter.document_spans = document_mask  # ttt_unroll's eager CPU mask, swapped for the A/B
     if args.cmd == "histogram":
         if bool(args.store) == bool(args.conversations):
             ap.error("histogram needs --store or --conversations")

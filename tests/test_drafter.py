@@ -447,13 +447,22 @@ def test_document_positions_restart_and_the_mask_stays_inside_each_document():
     assert m[4].tolist() == [0, 0, 0, 1, 1, 0, 0, 0] and m[2].tolist() == [1, 1, 1, 0, 0, 0, 0, 0]
 
 
+def test_document_spans_cover_each_row_in_order():
+    from draftsmith.kernels import document_spans
+
+    documents = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [0, 0, 0, 0, 0, 0, 0, 0], [0, 1, 2, 3, 3, 3, 3, 4]])
+    assert document_spans(documents).rows == (((0, 3), (3, 5), (5, 8)), ((0, 8),),
+                                              ((0, 1), (1, 2), (2, 3), (3, 7), (7, 8)))
+
+
 @pytest.mark.parametrize("steps", [0, 1, 4])
 def test_ttt_attention_under_a_document_mask_equals_each_document_alone(steps):
-    """Both attention forms (summary key, lse merge) over a packed row equal the dense reference run on each
-    document separately, values and gradients (float64); FlexAttention's block-mask form (the CUDA path) is
-    checked here forward only (flex has no CPU backward; tests/test_gpu.py checks it on CUDA)."""
-    from draftsmith.kernels import (causal_attention_lse_reference, document_block_mask, document_mask, flex,
-                                    ttt_attention_lse)
+    """Both attention forms (summary key, lse merge) over a packed row, under the dense mask and (summary key, the
+    eager CPU path) one document span at a time, equal the dense reference run on each document separately, values
+    and gradients (float64); FlexAttention's block-mask form (the CUDA path) is checked here forward only (flex has
+    no CPU backward; tests/test_gpu.py checks it on CUDA)."""
+    from draftsmith.kernels import (causal_attention_lse_reference, document_block_mask, document_mask,
+                                    document_spans, flex, ttt_attention_lse)
 
     q, k0, v0, dk, dv = random_qkv(steps, T=13)
     documents = torch.tensor([[0] * 5 + [1] * 6 + [2] * 2, [0] * 13])
@@ -469,7 +478,9 @@ def test_ttt_attention_under_a_document_mask_equals_each_document_alone(steps):
             ref[b:b + 1, :, a:e] = dense_reference(sl(q), sl(k0), sl(v0), [sl(x) for x in dk], [sl(x) for x in dv])
     g_ref = torch.autograd.grad((ref * up).sum(), leaves)
     mask = document_mask(documents)
+    assert document_spans(documents).rows == tuple(map(tuple, cuts))
     forms = {"summary key": ttt_attention(q, k0, v0, dk, dv, mask=mask),
+             "summary key, spans": ttt_attention(q, k0, v0, dk, dv, mask=document_spans(documents)),
              "lse merge": ttt_attention_lse(q, k0, v0, dk, dv, mask=mask)}
     for name, out in forms.items():
         assert torch.allclose(out, ref, atol=1e-12), name

@@ -29,7 +29,7 @@ causal part's log-sum-exp with the diagonal's, which keeps the flash kernel at t
 `ttt_forward` also projects the embedding half of q/k/v once per unroll, and `DraftHeadLoss` runs the
 head, the loss and the argmax of all steps without keeping any (T x Vd) logits. Packed rows (several
 documents per row, `documents`) restart positions per document and keep step-0 attention inside it:
-a dense mask for SDPA on CPU, a FlexAttention block mask on CUDA (kernels.py, "Packed rows").
+one document at a time on CPU (a dense mask where compiled), a FlexAttention block mask on CUDA (kernels.py).
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
 
-from draftsmith.kernels import (DraftHeadLoss, document_block_mask, document_mask, document_positions, is_block_mask,
-                                repeat_kv, soft_ce_rows, SwiGLUDown, ttt_attention, ttt_attention_lse,
+from draftsmith.kernels import (DraftHeadLoss, document_block_mask, document_mask, document_positions, document_spans,
+                                is_block_mask, repeat_kv, soft_ce_rows, SwiGLUDown, ttt_attention, ttt_attention_lse,
                                 weight_gradient_pass)
 from draftsmith.target import TargetSpec
 
@@ -317,7 +317,7 @@ class Eagle3Drafter(nn.Module):
             h: (B, T, H) hidden state fed at this step; w_h: ((nh + 2 nkv) hd, H) the hidden half of the
             q/k/v weights; positions: (T,) or, for packed rows, (B, T) RoPE positions of this step's queries
             and keys; cache: keys and values of steps 0..i-1; `first` marks step 0 (whose keys become the
-            causal keys); mask: packed rows' step-0 mask (`document_mask` / `document_block_mask`) or None.
+            causal keys); mask: packed rows' step-0 mask (`document_mask`, `document_spans` or `document_block_mask`) or None.
         Returns:
             (norm(h_out) (B, T, H) in h's dtype, the head's input; the state fed to the next step: h_out (B, T, H)
             pre-norm, or norm(h_out) with norm_output).
@@ -511,7 +511,12 @@ def ttt_unroll(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tenso
         positions, mask = torch.arange(T, device=aux.device), None  # (T,)
     else:  # (B, T); the mask in the form the step's attention takes on this device
         positions = document_positions(documents)
-        mask = document_block_mask(documents) if aux.is_cuda else document_mask(documents)
+        if aux.is_cuda:
+            mask = document_block_mask(documents)  # FlexAttention skips the blocks outside every document
+        elif torch.compiler.is_compiling():
+            mask = document_mask(documents)  # one graph: no host read of the spans
+        else:
+            mask = document_spans(documents)  # eager CPU: one document at a time, no T x T mask
     attn = drafter.midlayer.self_attn
     w_qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])  # ((nh + 2 nkv) hd, 2H)
     # The embedding half of q/k/v at step i is that of step 0 shifted by i tokens: projected once, over the

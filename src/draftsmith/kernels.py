@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -63,10 +64,13 @@ def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag_k: l
 
     Args:
         q: (B, nh, T, hd); k0, v0: (B, nkv, T, hd); diag_k, diag_v: lists of (B, nkv, T, hd);
-        mask: packed rows' step-0 mask (B, 1, T, T) bool (`document_mask`); None: plain causal.
+        mask: packed rows' step-0 mask, as (B, 1, T, T) bool (`document_mask`) or as each row's document spans
+            (`document_spans`, run one document at a time); None: plain causal.
     Returns:
         (B, nh, T, hd).
     """
+    if isinstance(mask, DocumentSpans):
+        return per_document(ttt_attention, q, k0, v0, diag_k, diag_v, mask)
     B, nh, T, hd = q.shape
     nkv = k0.shape[1]
     groups = nh // nkv
@@ -183,6 +187,45 @@ def document_mask(documents: torch.Tensor) -> torch.Tensor:
     return ((documents[:, :, None] == documents[:, None, :]) & causal)[:, None]
 
 
+class DocumentSpans(NamedTuple):
+    """Packed rows' documents as index ranges: rows[b] lists row b's (start, end) spans, in order, covering it."""
+    rows: tuple[tuple[tuple[int, int], ...], ...]
+
+
+def document_spans(documents: torch.Tensor) -> DocumentSpans:
+    """Each row's document spans, read on the host (one copy of the start flags' indices, no per-token Python):
+    the eager CPU path attends one document at a time, the sum of the documents' squared lengths, where a dense
+    `document_mask` costs T^2 per row (packed rows of 4096 on the CPU: 0.24x the unpacked rate under the dense
+    mask, 0.95x per document; docs/gpu.md, "Packed rows on the CPU").
+    (B, T) -> DocumentSpans."""
+    B, T = documents.shape
+    starts = F.pad(documents[:, 1:] != documents[:, :-1], (1, 0), value=True)  # (B, T)
+    rows: list[list[int]] = [[] for _ in range(B)]
+    for b, t in starts.nonzero().tolist():  # row-major: each row's starts in order
+        rows[b].append(t)
+    return DocumentSpans(tuple(tuple(zip(r, r[1:] + [T])) for r in rows))
+
+
+def per_document(attention, q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag_k: list[torch.Tensor],
+                 diag_v: list[torch.Tensor], spans: DocumentSpans) -> torch.Tensor:
+    """`attention` (`ttt_attention`'s signature, plain causal) over each document of each row alone, put back in
+    place: the same as under `document_mask`, since no query sees a key outside its document and the diagonal keys
+    are per position. One call per document: batching documents of similar length (padded) into one call measured
+    no faster on the CPU (bench_packing.py). Shapes as `ttt_attention`'s; returns (B, nh, T, hd)."""
+    lengths = [[end - start for start, end in row] for row in spans.rows]
+
+    def parts(x: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+        """x's documents, [row][document] (1, heads, length, hd): views whose backward is one cat (a slice's would
+        write its gradient into zeros of x's whole size, once per document)."""
+        return [row.split(n, dim=2) for row, n in zip(x.split(1, dim=0), lengths)]
+
+    q_, k_, v_ = parts(q), parts(k0), parts(v0)
+    dk_, dv_ = [parts(x) for x in diag_k], [parts(x) for x in diag_v]
+    rows = [torch.cat([attention(q_[b][d], k_[b][d], v_[b][d], [x[b][d] for x in dk_], [x[b][d] for x in dv_])
+                       for d in range(len(n))], dim=2) for b, n in enumerate(lengths)]
+    return torch.cat(rows, dim=0)
+
+
 FLEX_BLOCK = 128  # FlexAttention's default sparse block size (query and key blocks)
 
 
@@ -251,7 +294,8 @@ def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask, scale: f
 
 
 def is_block_mask(mask) -> bool:
-    return mask is not None and not isinstance(mask, torch.Tensor)
+    """Whether `mask` is FlexAttention's `BlockMask` (without importing it): not None, a dense mask or spans."""
+    return mask is not None and not isinstance(mask, (torch.Tensor, DocumentSpans))
 
 
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
