@@ -27,30 +27,10 @@ export TORCH_LOGS=${TORCH_LOGS:-graph_breaks,recompiles,perf_hints}
 PROFILE=(--device cuda --host --warmup 6 --steps 16 --profile-steps 2)
 NORMED=recipe=normed
 GRAPHS=recipe=normed,compile=true,cuda_graphs=true
-t0=$(date +%s)
-
-left() { echo $(( BUDGET_S - ($(date +%s) - t0) )); }
-
-# step NAME MAX_S CMD...: CMD under timeout min(MAX_S, what is left - 5 s), its output also in $OUT/NAME.txt;
-# skipped when under 30 s are left.
-step() {
-    local name=$1 max=$2; shift 2
-    local limit=$(( $(left) - 5 ))
-    [ "$limit" -gt "$max" ] && limit=$max
-    if [ "$limit" -lt 30 ]; then echo "=== $name: skipped ($(left) s of the budget left)"; return; fi
-    echo "=== $name (timeout ${limit} s, at $(( $(date +%s) - t0 )) s)"
-    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$OUT/$name.txt"
-    echo "=== $name: exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s"
-}
+source scripts/device_steps.sh  # t0, left, step, python_ready
 
 main() {
-    if ! python3 -c "import pydantic" 2>/dev/null && [ -d .whl ]; then
-        python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-    fi
-    nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv,noheader
-    python3 -c "import torch, transformers, pydantic; print('torch', torch.__version__, '| transformers', \
-transformers.__version__, '| pydantic', pydantic.__version__)" \
-        || { echo "FATAL: python3 lacks torch, transformers or pydantic (carry .whl, or set PYTHONPATH)"; return 4; }
+    python_ready || return
     step test_gpu 170 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
     step graphs-4k 120 python3 benchmarks/train_step_profile.py "${PROFILE[@]}" --setting "graphs-4k:$GRAPHS" \
         --out "$OUT/profile_graphs-4k.json"

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Developer tool for the lent GPU machine (issue 21; docs/gpu.md, "Beside SpecForge"): the training-throughput
+# measurements still owed, one device call each, at the Llama-3.1-8B drafter's shapes (TTT 7, bf16), every
+# setting in a fresh process. MODE picks the call:
+#
+#   MODE=pass  (about 400-600 s) the weight-gradient pass's A/B at a fixed 4096 tokens per step:
+#              sf-pass   specforge_compare.py, SpecForge's 4096 point beside draftsmith's Trainer with the pass on
+#                        (--weight-gradient-pass), profile of 2 steps;
+#              nopass    gpu_train.py --trainer --compile with the pass off, same steps and profile, same machine.
+#              The pass goes on by default (kernels.WEIGHT_GRADIENT_PASS) only if it is faster and the peak memory
+#              stays at or below SpecForge's.
+#   MODE=real  (about 560 s) real lengths, draftsmith unpacked then packed (specforge_compare.py --skip
+#              specforge,fixed): packed over unpacked (last measured in session 7: 1.94x).
+#   MODE=before with BEFORE=DIR (a checkout of the commit to compare with, e.g. `git worktree add /tmp/before
+#              edb2da0` for session 33's diagonal change): DIR's gpu_train.py, then this tree's, same arguments.
+#
+#   bash scripts/device_throughput_ab.sh      # in the repository root on the GPU machine
+#
+# Carry `anchors` (SpecForge under anchors/specforge, as ../shared/anchors/specforge-bench/RUN.md sets it up) for
+# MODE=pass, and `.whl` where the machine lacks pydantic (`bash scripts/device_carry.sh prepare` downloads it).
+# Every command runs under `timeout`, sized from what is left of BUDGET_S (default 570 s, under the call's 600 s);
+# all output is tee'd to $OUT/device_throughput_ab.log and each command's to $OUT/<name>.txt, so a call cut short
+# still returns what finished.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/device_throughput_ab}
+mkdir -p "$OUT"
+MODE=${MODE:-pass}
+BUDGET_S=${BUDGET_S:-570}
+export PYTHONPATH=${PYTHONPATH:-/tmp/site:$PWD/src}
+source scripts/device_steps.sh  # t0, left, step, python_ready
+TRAINER=(--trainer --compile --seq 4096 --steps 11 --synced-steps 0 --trace-steps 2)
+
+main() {
+    python_ready || return
+    case "$MODE" in
+        pass)
+            [ -d anchors/specforge ] || { echo "FATAL: anchors/specforge is missing (carry anchors)"; return 4; }
+            step sf-pass 330 python3 benchmarks/specforge_compare.py --grid 4096 --skip real --specforge-budget-s 90 \
+                --steps 8 --trace-steps 2 --weight-gradient-pass --out "$OUT/sf_fixed_pass.json"
+            step nopass 200 python3 benchmarks/gpu_train.py "${TRAINER[@]}" --out "$OUT/gpu_train_nopass.json" ;;
+        real)
+            step real 560 python3 benchmarks/specforge_compare.py --skip specforge,fixed --real-modes unpacked,packed \
+                --real-limit-s 540 --steps 10 --out "$OUT/sf_real.json" ;;
+        before)
+            [ -d "${BEFORE:-}" ] || { echo "FATAL: BEFORE=DIR (a checkout to compare with) is not a directory"; return 4; }
+            step before 270 env PYTHONPATH="/tmp/site:$BEFORE/src" python3 "$BEFORE/benchmarks/gpu_train.py" \
+                "${TRAINER[@]}" --out "$OUT/gpu_train_before.json"
+            step head 270 python3 benchmarks/gpu_train.py "${TRAINER[@]}" --out "$OUT/gpu_train_head.json" ;;
+        *) echo "FATAL: MODE is pass, real or before (got '$MODE')"; return 2 ;;
+    esac
+}
+
+main 2>&1 | tee "$OUT/device_throughput_ab.log"
