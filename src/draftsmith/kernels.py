@@ -196,8 +196,8 @@ def document_spans(documents: torch.Tensor) -> DocumentSpans:
     """Each row's document spans, read on the host (one copy of the start flags' indices, no per-token Python):
     the eager CPU path attends one document at a time, the sum of the documents' squared lengths, where a dense
     `document_mask` costs T^2 per row (packed rows of 4096 on the CPU: 0.24x the unpacked rate under the dense
-    mask, 0.95x per document; docs/gpu.md, "Packed rows on the CPU").
-    (B, T) -> DocumentSpans."""
+    mask, 0.95x per document; docs/gpu.md, "Packed rows on the CPU"). A span is a run of one document number, as
+    `features.pack_rows` numbers each row (0, 1, ... in order, then the padding). (B, T) -> DocumentSpans."""
     B, T = documents.shape
     starts = F.pad(documents[:, 1:] != documents[:, :-1], (1, 0), value=True)  # (B, T)
     rows: list[list[int]] = [[] for _ in range(B)]
