@@ -317,7 +317,8 @@ class Eagle3Drafter(nn.Module):
             h: (B, T, H) hidden state fed at this step; w_h: ((nh + 2 nkv) hd, H) the hidden half of the
             q/k/v weights; positions: (T,) or, for packed rows, (B, T) RoPE positions of this step's queries
             and keys; cache: keys and values of steps 0..i-1; `first` marks step 0 (whose keys become the
-            causal keys); mask: packed rows' step-0 mask (`document_mask`, `document_spans` or `document_block_mask`) or None.
+            causal keys); mask: packed rows' step-0 mask (`document_mask`, `document_spans` or
+            `document_block_mask`) or None.
         Returns:
             (norm(h_out) (B, T, H) in h's dtype, the head's input; the state fed to the next step: h_out (B, T, H)
             pre-norm, or norm(h_out) with norm_output).

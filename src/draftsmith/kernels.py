@@ -70,7 +70,7 @@ def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag_k: l
         (B, nh, T, hd).
     """
     if isinstance(mask, DocumentSpans):
-        return per_document(ttt_attention, q, k0, v0, diag_k, diag_v, mask)
+        return per_document(q, k0, v0, diag_k, diag_v, mask)
     B, nh, T, hd = q.shape
     nkv = k0.shape[1]
     groups = nh // nkv
@@ -171,12 +171,16 @@ except ImportError:  # pragma: no cover - older torch
     AuxRequest = None
 
 
+def document_starts(documents: torch.Tensor) -> torch.Tensor:
+    """Where each document of a row starts: a change of document number, or the row's first token. (B, T) bool."""
+    return F.pad(documents[:, 1:] != documents[:, :-1], (1, 0), value=True)
+
+
 def document_positions(documents: torch.Tensor) -> torch.Tensor:
     """RoPE positions that restart at 0 where each document of a row starts. (B, T) -> (B, T) int64"""
     B, T = documents.shape
     index = torch.arange(T, device=documents.device).expand(B, T)
-    starts = F.pad(documents[:, 1:] != documents[:, :-1], (1, 0), value=True)  # (B, T)
-    return index - torch.where(starts, index, 0).cummax(dim=1).values
+    return index - torch.where(document_starts(documents), index, 0).cummax(dim=1).values
 
 
 def document_mask(documents: torch.Tensor) -> torch.Tensor:
@@ -199,18 +203,17 @@ def document_spans(documents: torch.Tensor) -> DocumentSpans:
     mask, 0.95x per document; docs/gpu.md, "Packed rows on the CPU"). A span is a run of one document number, as
     `features.pack_rows` numbers each row (0, 1, ... in order, then the padding). (B, T) -> DocumentSpans."""
     B, T = documents.shape
-    starts = F.pad(documents[:, 1:] != documents[:, :-1], (1, 0), value=True)  # (B, T)
     rows: list[list[int]] = [[] for _ in range(B)]
-    for b, t in starts.nonzero().tolist():  # row-major: each row's starts in order
+    for b, t in document_starts(documents).nonzero().tolist():  # row-major: each row's starts in order
         rows[b].append(t)
     return DocumentSpans(tuple(tuple(zip(r, r[1:] + [T])) for r in rows))
 
 
-def per_document(attention, q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag_k: list[torch.Tensor],
+def per_document(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag_k: list[torch.Tensor],
                  diag_v: list[torch.Tensor], spans: DocumentSpans) -> torch.Tensor:
-    """`attention` (`ttt_attention`'s signature, plain causal) over each document of each row alone, put back in
-    place: the same as under `document_mask`, since no query sees a key outside its document and the diagonal keys
-    are per position. One call per document: batching documents of similar length (padded) into one call measured
+    """`ttt_attention`, plain causal, over each document of each row alone, put back in place: the same as under
+    `document_mask`, since no query sees a key outside its document and the diagonal keys are per position. One
+    call per document: batching documents of similar length (padded) into one call measured
     no faster on the CPU (bench_packing.py). Shapes as `ttt_attention`'s; returns (B, nh, T, hd)."""
     lengths = [[end - start for start, end in row] for row in spans.rows]
 
@@ -221,7 +224,7 @@ def per_document(attention, q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
 
     q_, k_, v_ = parts(q), parts(k0), parts(v0)
     dk_, dv_ = [parts(x) for x in diag_k], [parts(x) for x in diag_v]
-    rows = [torch.cat([attention(q_[b][d], k_[b][d], v_[b][d], [x[b][d] for x in dk_], [x[b][d] for x in dv_])
+    rows = [torch.cat([ttt_attention(q_[b][d], k_[b][d], v_[b][d], [x[b][d] for x in dk_], [x[b][d] for x in dv_])
                        for d in range(len(n))], dim=2) for b, n in enumerate(lengths)]
     return torch.cat(rows, dim=0)
 
