@@ -549,7 +549,7 @@ def compile_for_training(drafter: Eagle3Drafter, cuda_graphs: bool = False) -> N
     step"). Packed rows (`TrainConfig.pack`) keep one shape, so the first step compiles and no later one does;
     unpacked micro-batches recompile once for dynamic shapes (and for a micro-batch of one row, which dynamo
     specialises), not per grouping of the loss's TTT steps when the caller passes `head_rows` (the Trainer does).
-    With `kernels.WEIGHT_GRADIENT_PASS` on (off by default until measured on a GPU), the backward's per-step weight
+    With `kernels.WEIGHT_GRADIENT_PASS` on (off by default: measured slower on an H100), the backward's per-step weight
     gradients of the layer become one GEMM per weight over all K steps' tokens (`kernels.one_product_per_sum`, an
     inductor post-grad pass), as `DraftHeadLoss` does for the head.
 

@@ -640,10 +640,12 @@ def one_product_per_sum(graph: torch.fx.Graph, max_rows: int | None = None) -> i
 
 
 WEIGHT_GRADIENT_PASS = False
-"""Whether `compile_for_training` runs `one_product_per_sum` on the backward graph. Off until it is measured on a
-GPU (session 34 ran no GPU call): it removes K-1 GEMM outputs and their fp32 sums per weight, but keeps the K
-steps' output gradients alive until their one product, an estimated 2.7 GB more at Llama-3.1-8B shapes and
-T = 4096 (peak 15.8 GB before, SpecForge's 19.15 GB). `benchmarks/gpu_train.py --weight-gradient-pass` turns it on."""
+"""Whether `compile_for_training` runs `one_product_per_sum` on the backward graph. Off: measured slower. It removes
+K-1 GEMM outputs and their fp32 sums per weight, but the concatenated operands cost more than the sums did: at
+Llama-3.1-8B drafter shapes and T = 4096 on one H100 (session 37, one call), the compiled Trainer's step took
+121.8 ms with it, 120.0 ms merging at most 16,384 rows, and 118.3 ms without (Triton kernel time 23.8 / 22.6 /
+20.5 ms per step, GEMM time level), at the same 15.79 GB peak (docs/gpu.md, "Session 37").
+`benchmarks/gpu_train.py --weight-gradient-pass` turns it on for such A/Bs."""
 
 WEIGHT_GRADIENT_ROWS: int | None = None
 """With the pass on: merge the products of at most this many rows (None: all K steps' into one)."""
