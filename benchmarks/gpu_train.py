@@ -273,16 +273,24 @@ def bench_trainer(args) -> None:
     if trainer.rank == 0:
         ms = statistics.median_high(r["ms"] for r in timed)
         tokens = records[-1]["tokens"]
-        print(json.dumps({"mode": "trainer", "parallel": args.parallel if world > 1 else "single", "world": world,
-                          "compiled": args.compile, "fp32": args.fp32,
-                          "grad_accum": args.grad_accum, "seq": args.seq, "step_ms": ms,
-                          "timing": "pipelined as draftsmith train's loop: step n+1 queued before step n is read",
-                          "step_ms_synced": statistics.median_high(r["ms"] for r in synced) if synced else None,
-                          "tokens_per_s": tokens / ms * 1000, "tokens_per_s_per_gpu": tokens / ms * 1000 / world,
-                          "peak_gb_rank0": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
-                          "losses": [round(r["loss"], 6) for r in records],
-                          "grad_norms": [round(r["grad_norm"], 6) for r in records], "trace": trace}), flush=True)
+        record = {"mode": "trainer", "parallel": args.parallel if world > 1 else "single", "world": world,
+                  "compiled": args.compile, "fp32": args.fp32,
+                  "grad_accum": args.grad_accum, "seq": args.seq, "step_ms": ms,
+                  "timing": "pipelined as draftsmith train's loop: step n+1 queued before step n is read",
+                  "step_ms_synced": statistics.median_high(r["ms"] for r in synced) if synced else None,
+                  "tokens_per_s": tokens / ms * 1000, "tokens_per_s_per_gpu": tokens / ms * 1000 / world,
+                  "peak_gb_rank0": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
+                  "losses": [round(r["loss"], 6) for r in records],
+                  "grad_norms": [round(r["grad_norm"], 6) for r in records], "trace": trace}
+        print(json.dumps(record), flush=True)
+        if args.out:
+            write_json(args.out, record)
     trainer.close()
+
+
+def write_json(path: Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
 
 
 def synced_steps(trainer, n: int) -> list[dict]:
@@ -382,9 +390,11 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="torch.compile the drafter step and loss pass")
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one step")
     ap.add_argument("--profile-rows", type=int, default=18, help="rows of the --profile table")
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu_train.json"))
+    ap.add_argument("--out", type=Path, default=None,
+                    help="the JSON file (default benchmarks/results/gpu_train.json; --trainer: written only if given)")
     ap.add_argument("--trainer", action="store_true",
-                    help="run the real Trainer loop (use under torchrun for DDP / FSDP2); prints one JSON line")
+                    help="run the real Trainer loop (use under torchrun for DDP / FSDP2); prints one JSON line, also "
+                         "written to --out")
     ap.add_argument("--parallel", default="ddp")
     ap.add_argument("--grad-accum", type=int, default=1)
     ap.add_argument("--steps", type=int, default=12)
@@ -427,8 +437,7 @@ def main() -> None:
         torch.cuda.empty_cache()
         result["online"] = bench_online()
         print(json.dumps(result["online"]), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out or Path("benchmarks/results/gpu_train.json"), result)
 
 
 if __name__ == "__main__":

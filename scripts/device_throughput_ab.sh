@@ -37,18 +37,22 @@ export PYTHONPATH=${PYTHONPATH:-/tmp/site:$PWD/src}
 source scripts/device_steps.sh  # t0, left, step, python_ready
 TRAINER=(--trainer --compile --seq 4096 --steps 11 --synced-steps 0 --trace-steps 2)
 
+need_anchors() {
+    [ -d anchors/specforge ] || { echo "FATAL: anchors/specforge is missing (carry anchors)"; return 4; }
+}
+
 main() {
     python_ready || return
     case "$MODE" in
         pass)
-            [ -d anchors/specforge ] || { echo "FATAL: anchors/specforge is missing (carry anchors)"; return 4; }
+            need_anchors || return
             step sf-pass 330 python3 benchmarks/specforge_compare.py --grid 4096 --skip real --specforge-budget-s 90 \
                 --steps 8 --trace-steps 2 --weight-gradient-pass --out "$OUT/sf_fixed_pass.json"
             step nopass 200 python3 benchmarks/gpu_train.py "${TRAINER[@]}" --out "$OUT/gpu_train_nopass.json"
             step rows 200 python3 benchmarks/gpu_train.py "${TRAINER[@]}" --weight-gradient-pass \
                 --weight-gradient-rows 16384 --out "$OUT/gpu_train_rows.json" ;;
         real)
-            [ -d anchors/specforge ] || { echo "FATAL: anchors/specforge is missing (carry anchors)"; return 4; }
+            need_anchors || return
             step real 585 python3 benchmarks/specforge_compare.py --grid 512,1024,2048,3072,4096 --skip fixed \
                 --specforge-budget-s 120 --real-modes packed,unpacked --real-limit-s 400 --steps 8 \
                 --out "$OUT/sf_real.json" ;;
