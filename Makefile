@@ -85,6 +85,7 @@ demo: setup engine-venv llama-server
 	  echo "make demo: finished; the verdict is no-go: read runs/demo/report.md"; exit 0; fi; exit $$rc
 
 test: setup engine-venv llama-server
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest tests
 
 test-unit: setup

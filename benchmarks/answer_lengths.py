@@ -26,9 +26,9 @@ def repeated_share(tokens: list[int], n: int = 8) -> float:
 
 
 def main() -> None:
-    from draftsmith.chat import prompt_ids
-    from draftsmith.prompts import load_prompts
-    from draftsmith.regenerate import LocalSettings, continue_ids
+    from draftsmith.regenerate.chat import prompt_ids
+    from draftsmith.regenerate.prompts import load_prompts
+    from draftsmith.regenerate.command import LocalSettings, continue_ids
     from draftsmith.target import load_target, resolve_target
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -54,11 +54,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
 
-    from draftsmith.chat import prompt_ids
-    from draftsmith.check import run_checks
-    from draftsmith.engine import VllmServe, serve
-    from draftsmith.export import export
-    from draftsmith.prompts import load_prompts
+    from draftsmith.regenerate.chat import prompt_ids
+    from draftsmith.preflight.check import run_checks
+    from draftsmith.engines.process import VllmServe, serve
+    from draftsmith.export.formats import export
+    from draftsmith.regenerate.prompts import load_prompts
     from draftsmith.target import resolve_target
     from transformers import AutoTokenizer
 

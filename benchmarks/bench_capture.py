@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.capture import batches_by_tokens, pad_batch, target_features, tokenized_conversations
-from draftsmith.store import Sample, StoreWriter, bytes_per_token
+from draftsmith.capture.local import batches_by_tokens, pad_batch, target_features, tokenized_conversations
+from draftsmith.capture.store import Sample, StoreWriter, bytes_per_token
 from draftsmith.target import describe_target, load_target, read_config, resolve_target
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from draftsmith.generation import BUCKET, DecodeSettings, decode_all  # noqa: E402
+from draftsmith.regenerate.generation import BUCKET, DecodeSettings, decode_all  # noqa: E402
 
 OUT = Path(__file__).parent / "results" / "decode_attention.json"
 
@@ -81,7 +81,7 @@ def profile(model, prompts, args) -> None:
     """Kernel time of the decode step itself (eager: the graphs replay the same kernels), rows all active."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
-    from draftsmith.generation import RowDecoder
+    from draftsmith.regenerate.generation import RowDecoder
 
     rows = args.profile
     dec = RowDecoder(model, DecodeSettings(max_new_tokens=args.new, rows=rows, max_length=args.max_length,

@@ -26,12 +26,12 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.chat import prompt_ids
-from draftsmith.decoder import DecodeSettings, decode_batch, target_decode
-from draftsmith.drafter import DrafterConfig, Eagle3Drafter
-from draftsmith.prompts import load_prompts
+from draftsmith.regenerate.chat import prompt_ids
+from draftsmith.eval.decoder import DecodeSettings, decode_batch, target_decode
+from draftsmith.model.eagle3 import DrafterConfig, Eagle3Drafter
+from draftsmith.regenerate.prompts import load_prompts
 from draftsmith.target import describe_target, load_target, read_config, resolve_target
-from draftsmith.vocab import build_draft_vocab
+from draftsmith.model.vocab import build_draft_vocab
 
 CONFIGS = {  # name: (settings fields, batch size)
     "chain k=4, batch 1": (dict(k=4), 1),

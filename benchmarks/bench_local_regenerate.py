@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.chat import prompt_ids
-from draftsmith.generation import DecodeSettings, decode_all
-from draftsmith.prompts import load_prompts
-from draftsmith.regenerate import LocalSettings, continue_ids
+from draftsmith.regenerate.chat import prompt_ids
+from draftsmith.regenerate.generation import DecodeSettings, decode_all
+from draftsmith.regenerate.prompts import load_prompts
+from draftsmith.regenerate.command import LocalSettings, continue_ids
 from draftsmith.target import load_target, resolve_target
 
 RESULTS = Path(__file__).parent / "results" / "regenerate_local.json"

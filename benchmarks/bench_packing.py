@@ -34,8 +34,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from draftsmith.features import Batch, feature_dtype, pack_rows  # noqa: E402
-from draftsmith.store import Sample  # noqa: E402
+from draftsmith.train.features import Batch, feature_dtype, pack_rows  # noqa: E402
+from draftsmith.capture.store import Sample  # noqa: E402
 from gpu_train import (SyntheticSource, llama8b_drafter, llama8b_target_config, pipelined_steps,  # noqa: E402
                        synced_steps, trace_steps, weight_gradient_setting)
 
@@ -45,11 +45,11 @@ from gpu_train import (SyntheticSource, llama8b_drafter, llama8b_target_config, 
 def lengths_of(args) -> tuple[list[int], str]:
     """Token lengths of real samples: a store's, or a conversations file's under the target's chat template."""
     if args.store:
-        from draftsmith.store import FeatureStore
+        from draftsmith.capture.store import FeatureStore
 
         store = FeatureStore(Path(args.store))
         return [store.sample_length(k) for k in range(len(store))], f"feature store {args.store}"
-    from draftsmith.capture import tokenized_conversations
+    from draftsmith.capture.local import tokenized_conversations
     from draftsmith.target import resolve_target
     from transformers import AutoTokenizer
 
@@ -168,7 +168,7 @@ def shapes(device: str):
 
 
 def measure(args, lengths: list[int], pack: bool) -> dict:
-    from draftsmith.train import TrainConfig, Trainer
+    from draftsmith.train.trainer import TrainConfig, Trainer
 
     device = torch.device(args.device)
     target, aux_ids, draft_vocab = shapes(device.type)
@@ -295,10 +295,10 @@ def main() -> None:
     if args.cmd == "run":
         weight_gradient_setting(args.weight_gradient_pass, None)
         if args.dense_document_mask:
-            import draftsmith.drafter
-            from draftsmith.kernels import document_mask
+            import draftsmith.model.eagle3
+            from draftsmith.model.kernels import document_mask
 
-            draftsmith.drafter.document_spans = document_mask  # ttt_unroll's eager CPU mask, swapped for the A/B
+            draftsmith.model.eagle3.document_spans = document_mask  # ttt_unroll's eager CPU mask, swapped for the A/B
     if args.cmd == "histogram":
         if bool(args.store) == bool(args.conversations):
             ap.error("histogram needs --store or --conversations")

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import openai
 
-from draftsmith.conversations import ConversationWriter
-from draftsmith.endpoints import EndpointSettings, api_key_from_env, parse_endpoint, regenerate_endpoints
-from draftsmith.engine import VllmServe, serve
-from draftsmith.prompts import Prompt, load_prompts
+from draftsmith.regenerate.conversations import ConversationWriter
+from draftsmith.regenerate.endpoints import EndpointSettings, api_key_from_env, parse_endpoint, regenerate_endpoints
+from draftsmith.engines.process import VllmServe, serve
+from draftsmith.regenerate.prompts import Prompt, load_prompts
 from draftsmith.target import resolve_target
 
 RESULTS = Path(__file__).parent / "results" / "regenerate.json"

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.decoder import draft_head, target_forward
-from draftsmith.drafter import DrafterCache
+from draftsmith.eval.decoder import draft_head, target_forward
+from draftsmith.model.eagle3 import DrafterCache
 from draftsmith.target import describe_target, load_target, read_config, resolve_target
 from bench_decoder import random_drafter  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 

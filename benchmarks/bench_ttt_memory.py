@@ -19,7 +19,7 @@ from pathlib import Path
 
 CHILD = r'''
 import math, resource, sys, time, torch
-import draftsmith.drafter as D
+import draftsmith.model.eagle3 as D
 variant, T = sys.argv[1], int(sys.argv[2])
 def dense(q, k0, v0, dk, dv):
     B, nh, T, hd = q.shape

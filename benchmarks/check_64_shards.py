@@ -29,7 +29,7 @@ def main() -> int:
         target = make_sharded_target(work / "kimi-k2.5")
         drafter = work / "drafter"
         shutil.copytree(DRAFTERS / "kimi-k25-eagle3-specforge", drafter)
-        cmd = [sys.executable, "-m", "draftsmith.check", "--target", str(target), "--drafter", str(drafter),
+        cmd = [sys.executable, "-m", "draftsmith.preflight.check", "--target", str(target), "--drafter", str(drafter),
                "--engine", "vllm", "--engine-version", "0.18.0", "--json"]
         subprocess.run(cmd, capture_output=True, check=False)  # warm-up: imports, page cache
         times = []
@@ -37,7 +37,7 @@ def main() -> int:
             t0 = time.perf_counter()
             res = subprocess.run(cmd, capture_output=True, text=True, check=False)
             times.append(time.perf_counter() - t0)
-        from draftsmith.check import run_checks
+        from draftsmith.preflight.check import run_checks
 
         t0 = time.perf_counter()
         run_checks(target, drafter, "vllm", "0.18.0")

@@ -1,4 +1,4 @@
-"""The reference decoder on this CPU with and without MKL-packed linear weights (`draftsmith.cpu_gemm`).
+"""The reference decoder on this CPU with and without MKL-packed linear weights (`draftsmith.eval.cpu_gemm`).
 
 Two measurements, each interleaved round by round so that both sides see the same machine state:
 
@@ -45,7 +45,7 @@ def forward_ms(models: dict, rows: list[int], rounds: int, aux_ids: tuple[int, .
     """Median / first-quartile ms of one cached forward over n tokens, per variant (model, masked GQA) and n."""
     from transformers import DynamicCache
 
-    from draftsmith.decoder import MASKED_GQA, target_forward
+    from draftsmith.eval.decoder import MASKED_GQA, target_forward
 
     S = 150
     ctx = torch.randint(100, 20000, (1, S), generator=torch.Generator().manual_seed(0))
@@ -81,12 +81,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
 
-    from draftsmith.chat import prompt_ids
-    from draftsmith.checkpoint import drafter_path, load_drafter
+    from draftsmith.regenerate.chat import prompt_ids
+    from draftsmith.model.checkpoint import drafter_path, load_drafter
     from draftsmith.conventions import engine_aux_ids
-    from draftsmith.cpu_gemm import pack_linears
-    from draftsmith.decoder import MASKED_GQA, DecodeSettings, decode_batch, target_decode
-    from draftsmith.prompts import load_prompts
+    from draftsmith.eval.cpu_gemm import pack_linears
+    from draftsmith.eval.decoder import MASKED_GQA, DecodeSettings, decode_batch, target_decode
+    from draftsmith.regenerate.prompts import load_prompts
     from draftsmith.target import describe_target, load_target, read_config, resolve_target
 
     ks = [int(k) for k in args.k.split(",")]

@@ -24,8 +24,8 @@ import threading
 import time
 from pathlib import Path
 
-from draftsmith.engine import VLLM_CPU_ENV, VllmServe, engine_python, free_port
-from draftsmith.launch import POLL_S, spawn, stop_tree, supervise
+from draftsmith.engines.process import VLLM_CPU_ENV, VllmServe, engine_python, free_port
+from draftsmith.engines.launch import POLL_S, spawn, stop_tree, supervise
 from draftsmith.target import resolve_target
 
 REPO = Path(__file__).resolve().parents[1]

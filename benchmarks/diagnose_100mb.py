@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from draftsmith.diagnose import analyze_file
+from draftsmith.engines.diagnose import analyze_file
 
 REPO = Path(__file__).resolve().parents[1]
 LOGS = REPO / "tests" / "fixtures" / "logs"

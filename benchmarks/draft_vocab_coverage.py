@@ -26,11 +26,11 @@ import torch
 from safetensors import safe_open
 from transformers import AutoTokenizer
 
-from draftsmith.chat import tokenize_conversation
-from draftsmith.checkpoint import drafter_path
-from draftsmith.conversations import read_conversations
+from draftsmith.regenerate.chat import tokenize_conversation
+from draftsmith.model.checkpoint import drafter_path
+from draftsmith.regenerate.conversations import read_conversations
 from draftsmith.target import resolve_target
-from draftsmith.vocab import vocab_from_maps
+from draftsmith.model.vocab import vocab_from_maps
 
 
 def main() -> None:

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.checkpoint import drafter_path, load_drafter, save_drafter
-from draftsmith.drafter import Eagle3Drafter, with_draft_vocab
+from draftsmith.model.checkpoint import drafter_path, load_drafter, save_drafter
+from draftsmith.model.eagle3 import Eagle3Drafter, with_draft_vocab
 from draftsmith.target import load_target, resolve_target
-from draftsmith.vocab import grow_draft_vocab
+from draftsmith.model.vocab import grow_draft_vocab
 
 
 def grown_drafter(start: Eagle3Drafter, head: torch.Tensor, size: int, counts: torch.Tensor | None, out: Path) -> Path:
@@ -65,7 +65,7 @@ def main() -> int:
     args = p.parse_args()
     counts = None
     if args.counts_store:
-        from draftsmith.store import FeatureStore
+        from draftsmith.capture.store import FeatureStore
         counts = FeatureStore(Path(args.counts_store)).token_counts()
     path = drafter_path(args.drafter)
     target = json.loads((path / "config.json").read_text())["draftsmith"]["target"]  # what it was trained for

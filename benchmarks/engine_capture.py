@@ -18,9 +18,9 @@ import threading
 import time
 from pathlib import Path
 
-from draftsmith.capture import capture
-from draftsmith.engine_capture import EngineSettings, capture_server, engine_capture, engine_layer_ids
-from draftsmith.store import FeatureStore
+from draftsmith.capture.local import capture
+from draftsmith.capture.vllm import EngineSettings, capture_server, engine_capture, engine_layer_ids
+from draftsmith.capture.store import FeatureStore
 from draftsmith.target import describe_target, read_config, resolve_target
 
 WORDS = ("the quick brown fox jumps over the lazy dog; def add(a, b): return a + b; what is the capital of "

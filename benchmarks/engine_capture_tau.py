@@ -22,13 +22,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from draftsmith.capture import capture
-from draftsmith.engine_capture import EngineSettings, capture_server, engine_capture, engine_layer_ids
-from draftsmith.runconfig import RUN_TRAIN_DEFAULTS
-from draftsmith.stages import starting_drafter
-from draftsmith.store import FeatureStore
+from draftsmith.capture.local import capture
+from draftsmith.capture.vllm import EngineSettings, capture_server, engine_capture, engine_layer_ids
+from draftsmith.run.settings import RUN_TRAIN_DEFAULTS
+from draftsmith.run.stages import starting_drafter
+from draftsmith.capture.store import FeatureStore
 from draftsmith.target import describe_target, read_config, resolve_target
-from draftsmith.train import TrainConfig, Trainer
+from draftsmith.train.trainer import TrainConfig, Trainer
 
 
 def train_on(store: Path, out: Path, seed: int, init_from: str | None, epochs: float) -> dict:

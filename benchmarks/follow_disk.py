@@ -19,8 +19,8 @@ from pathlib import Path
 
 from engine_capture import FolderPeak, write_conversations  # benchmarks/engine_capture.py
 
-from draftsmith.capture import capture
-from draftsmith.store import FeatureStore
+from draftsmith.capture.local import capture
+from draftsmith.capture.store import FeatureStore
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from draftsmith.kernels import CausalAttentionLSE, ttt_attention, ttt_attention_lse  # noqa: E402
+from draftsmith.model.kernels import CausalAttentionLSE, ttt_attention, ttt_attention_lse  # noqa: E402
 
 
 def flex_causal(flex, block_mask):

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from draftsmith.drafter import DrafterConfig, Eagle3Drafter, compile_for_training, target_argmax, ttt_forward  # noqa: E402
+from draftsmith.model.eagle3 import DrafterConfig, Eagle3Drafter, compile_for_training, target_argmax, ttt_forward  # noqa: E402
 from kernel_timeline import device_kernels, timeline  # noqa: E402
 
 FLOP_PER_TOKEN = 17.8e9  # issue 12: 7 TTT steps fwd+bwd through the layer and draft head, plus the target head
@@ -125,7 +125,7 @@ def bench_capture(seq: int = 4096, batches: int = 5, moe: bool = False) -> dict:
     """Pure target forward against draftsmith's target_features (aux + final state) on the same batches."""
     from transformers import AutoModelForCausalLM
 
-    from draftsmith.capture import target_features
+    from draftsmith.capture.local import target_features
     from draftsmith.target import describe_target
 
     cfg = qwen3_moe_target_config() if moe else llama8b_target_config()
@@ -160,7 +160,7 @@ def bench_online(seq: int = 4096, steps: int = 6, warmup: int = 2) -> dict:
     the target forward for the features, then the TTT-7 drafter step on them."""
     from transformers import LlamaForCausalLM
 
-    from draftsmith.capture import target_features
+    from draftsmith.capture.local import target_features
 
     cfg = llama8b_target_config()
     cfg._attn_implementation = "sdpa"
@@ -213,7 +213,7 @@ class SyntheticSource:
         return len(self.lengths)
 
     def batch(self, indices: list[int], device: torch.device):
-        from draftsmith.features import Batch, feature_dtype
+        from draftsmith.train.features import Batch, feature_dtype
 
         out = []
         for k in indices:
@@ -241,7 +241,7 @@ def bench_trainer(args) -> None:
     Prints one JSON line (rank 0): per-step losses and tokens/s (median over steps after the warm-up)."""
     import os
 
-    from draftsmith.train import Trainer, TrainConfig
+    from draftsmith.train.trainer import Trainer, TrainConfig
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cuda = args.device == "cuda"
@@ -375,10 +375,10 @@ def profiled_steps(trainer, n: int) -> dict:
 def weight_gradient_setting(on: bool, rows: int | None) -> None:
     """The weight-gradient pass of `compile_for_training` on or off for this process (kernels.WEIGHT_GRADIENT_PASS,
     WEIGHT_GRADIENT_ROWS): the benchmarks' switch for its A/B."""
-    import draftsmith.kernels
+    import draftsmith.model.kernels
 
-    draftsmith.kernels.WEIGHT_GRADIENT_PASS = on or rows is not None
-    draftsmith.kernels.WEIGHT_GRADIENT_ROWS = rows
+    draftsmith.model.kernels.WEIGHT_GRADIENT_PASS = on or rows is not None
+    draftsmith.model.kernels.WEIGHT_GRADIENT_ROWS = rows
 
 
 def main() -> None:

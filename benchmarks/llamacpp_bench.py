@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from draftsmith import llamacpp
+from draftsmith.engines import llamacpp
 
 OUT = Path(__file__).parent / "results" / "llamacpp_bench_embedded.json"
 
@@ -65,8 +65,8 @@ def export_dir(tmp: Path) -> Path:
 def gguf_pair(drafter: str, target: str, outtype: str, tmp: Path) -> tuple[Path, Path]:
     """Target and drafter GGUFs at `outtype`: the drafter exported (`--format llamacpp`, f32) into `tmp`, and
     for another type both converted again by llama.cpp's converter (the target once, cached)."""
-    from draftsmith.checkpoint import drafter_path
-    from draftsmith.export import export
+    from draftsmith.model.checkpoint import drafter_path
+    from draftsmith.export.formats import export
     from draftsmith.target import resolve_target
 
     target_dir = resolve_target(target)

@@ -25,9 +25,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from draftsmith import llamacpp
+from draftsmith.engines import llamacpp
 from draftsmith.errors import DraftsmithError
-from draftsmith.metrics import acceptance_from_counters, parse_spec_counters
+from draftsmith.bench.metrics import acceptance_from_counters, parse_spec_counters
 
 OUT = Path(__file__).parent / "results" / "llamacpp_parity.json"
 
@@ -58,7 +58,7 @@ def run_llamacpp(args, target: Path, tok, prompts: list[list[int]], tmp: Path) -
     Raises:
         DraftsmithError: the llamacpp export refuses the drafter (a norm variant llama.cpp does not compute).
     """
-    from draftsmith.export import export
+    from draftsmith.export.formats import export
 
     gguf = export(args.drafter, tmp / "llamacpp", "llamacpp", "float32", args.k, str(target))
     manifest = json.loads((gguf / "llamacpp.json").read_text())
@@ -103,18 +103,18 @@ def main() -> None:
     ap.add_argument("--save-metrics", type=Path, default=None, help="directory for llama-server's /metrics text and vLLM's log")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
-    from draftsmith.checkpoint import drafter_path
+    from draftsmith.model.checkpoint import drafter_path
 
     args.drafter = drafter_path(args.drafter)
 
     from transformers import AutoTokenizer
 
-    from draftsmith.chat import prompt_ids
-    from draftsmith.engine import VllmServe
-    from draftsmith.engine import serve as serve_vllm
-    from draftsmith.eval import run_eval
-    from draftsmith.export import export
-    from draftsmith.prompts import load_prompts
+    from draftsmith.regenerate.chat import prompt_ids
+    from draftsmith.engines.process import VllmServe
+    from draftsmith.engines.process import serve as serve_vllm
+    from draftsmith.eval.evaluation import run_eval
+    from draftsmith.export.formats import export
+    from draftsmith.regenerate.prompts import load_prompts
     from draftsmith.target import resolve_target
 
     target = resolve_target("smollm2")

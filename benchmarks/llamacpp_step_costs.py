@@ -59,7 +59,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftsmith import llamacpp
+from draftsmith.engines import llamacpp
 from machine_load import Meter, wait_quiet  # benchmarks/ is on sys.path when run as a script
 
 OUT = Path(__file__).parent / "results" / "llamacpp_step_costs.json"
@@ -172,8 +172,8 @@ class Server:
 def context_ids(tok, n: int) -> list[int]:
     """A chat prompt of exactly n tokens: chat-eval questions joined into one user turn, cut to length in the
     turn's text, the assistant header kept."""
-    from draftsmith.chat import prompt_ids
-    from draftsmith.prompts import load_prompts
+    from draftsmith.regenerate.chat import prompt_ids
+    from draftsmith.regenerate.prompts import load_prompts
 
     one = prompt_ids(tok, [{"role": "user", "content": "x"}])
     tail = one[one.index(tok.convert_tokens_to_ids("x")) + 1:]  # end of the user turn + assistant header
@@ -209,7 +209,7 @@ def chat_phase(servers: list[Server], prompts: list[list[int]], args) -> dict:
     """Each prompt on every server back to back (the order rotating), --chat-repeats times: generation ms per
     token from `timings` (prefill excluded), tau from /metrics, and whether the tokens equal the plain server's.
     A prompt's group is dropped when other processes kept more than --max-foreign cores busy meanwhile."""
-    from draftsmith.metrics import acceptance_from_counters, parse_spec_counters
+    from draftsmith.bench.metrics import acceptance_from_counters, parse_spec_counters
 
     before = {s.name: parse_spec_counters(metrics_text(s.base)) for s in servers if s.k}
     groups, dropped = [], 0
@@ -396,8 +396,8 @@ def main() -> None:
     builds = parse_builds(args.builds)
     from transformers import AutoTokenizer
 
-    from draftsmith.chat import prompt_ids
-    from draftsmith.prompts import load_prompts
+    from draftsmith.regenerate.chat import prompt_ids
+    from draftsmith.regenerate.prompts import load_prompts
     from draftsmith.target import resolve_target
     from llamacpp_bench import export_dir, gguf_pair  # benchmarks/ is on sys.path when run as a script
 

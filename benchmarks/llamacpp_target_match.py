@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFReader
 from gguf.quants import dequantize
-from draftsmith.llamacpp import target_gguf
+from draftsmith.engines.llamacpp import target_gguf
 from draftsmith.target import embedded_gguf_path, resolve_target
 
 q = GGUFReader(str(embedded_gguf_path()))

@@ -27,7 +27,7 @@ def foreign_cores(busy_s: float, ours_s: float, wall_s: float) -> float:
 
 def cpu_now() -> tuple[float, float, float, int]:
     """(wall s, busy CPU s of the machine, CPU s of this process and its descendants, major faults so far)."""
-    from draftsmith.engine import descendants
+    from draftsmith.engines.process import descendants
 
     fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     busy = sum(fields) - fields[3] - fields[4]  # all but idle and iowait

@@ -33,9 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_packing import draw_lengths, load_histogram  # noqa: E402
 
-from draftsmith.capture import target_features  # noqa: E402
+from draftsmith.capture.local import target_features  # noqa: E402
 from draftsmith.conventions import default_aux_ids  # noqa: E402
-from draftsmith.train import pack_plan  # noqa: E402
+from draftsmith.train.trainer import pack_plan  # noqa: E402
 
 HISTOGRAM = ROOT / "benchmarks/results/length_histogram_smollm2_self.json"
 

@@ -51,8 +51,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from draftsmith.drafter import NORM_VARIANTS  # noqa: E402
-from draftsmith.train import DEFAULT_RECIPE, RECIPES, SCRATCH_LR  # noqa: E402  (the package is light to import: no engine, no GPU)
+from draftsmith.model.eagle3 import NORM_VARIANTS  # noqa: E402
+from draftsmith.train.trainer import DEFAULT_RECIPE, RECIPES, SCRATCH_LR  # noqa: E402  (the package is light to import: no engine, no GPU)
 
 RUNS = ("speculators-defaults", "speculators-matched", "draftsmith-defaults", "draftsmith-matched")
 RESULTS = Path(__file__).resolve().parent / "results" / "speculators_compare.json"
@@ -71,7 +71,7 @@ def run_variant(name: str) -> tuple[str, dict[str, Any]]:
         raise argparse.ArgumentTypeError(f"run {name!r}: {base!r} is not one of {', '.join(RUNS)}")
     if changes and not base.startswith("draftsmith"):
         raise argparse.ArgumentTypeError(f"run {name!r}: only draftsmith runs take +FIELD=VALUE variants")
-    from draftsmith.train import TrainConfig
+    from draftsmith.train.trainer import TrainConfig
 
     overrides: dict[str, Any] = {}
     for change in changes:
@@ -102,7 +102,7 @@ class Setting:
         return self.draftsmith.startswith("("), self.speculators.startswith("(")
 
 
-# Defaults: draftsmith's from `draftsmith.train.TrainConfig` / `DrafterConfig`; speculators 0.9.0's from
+# Defaults: draftsmith's from `draftsmith.train.trainer.TrainConfig` / `DrafterConfig`; speculators 0.9.0's from
 # `speculators/train/config/schema.py` (`_resolve_derived_defaults` for the eagle3-specific ones) and
 # `speculators/train/trainer.py` (the hard-coded clip).
 SETTINGS = (
@@ -259,7 +259,7 @@ def latest_epoch_dir(save: Path) -> Path:
 
 def convert_checkpoint(save: Path, out: Path, target: str) -> dict[str, Any]:
     """`draftsmith convert` of speculators' last checkpoint: {"ok": True, "out"} or {"ok": False, "error"}."""
-    from draftsmith.convert import convert
+    from draftsmith.export.convert import convert
     from draftsmith.errors import DraftsmithError
 
     try:
@@ -333,7 +333,7 @@ def run_child(spec: dict) -> dict:
         argv = spec["argv"] if cuda else [*spec["argv"], *CPU_SMOKE_ARGV]
         main(SpecConfig.resolve(argv))  # what `speculators train ARGV` runs (cli/train.py)
     else:
-        from draftsmith.train import TrainConfig, Trainer
+        from draftsmith.train.trainer import TrainConfig, Trainer
 
         trainer = Trainer(TrainConfig(**spec["values"]))
         result = trainer.run(progress=False)
@@ -421,7 +421,7 @@ def log_tail(log: Path, lines: int = 25) -> list[str]:
 def run_one(run: str, args, work: Path, data: Path, target_dir: Path, aux_ids: list[int], vocab: int,
             lengths: list[int], timeout: float | None = None) -> dict:
     """Train one run in a child process (stopped after `timeout` s); its record for the results JSON."""
-    from draftsmith.vocab import default_draft_vocab_size
+    from draftsmith.model.vocab import default_draft_vocab_size
 
     trainer = run.split("-")[0]
     out = work / run
@@ -510,8 +510,8 @@ def run_parent(args, started: float | None = None) -> dict:
     where --max-seconds counts from."""
     import torch
 
-    from draftsmith.interop import EXPORT_INFO, export_speculators, write_index
-    from draftsmith.store import FeatureStore
+    from draftsmith.capture.interop import EXPORT_INFO, export_speculators, write_index
+    from draftsmith.capture.store import FeatureStore
     from draftsmith.target import resolve_target
 
     started = time.monotonic() if started is None else started

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_packing import LengthSource, draw_lengths, load_histogram  # noqa: E402
-from draftsmith.store import Sample  # noqa: E402
+from draftsmith.capture.store import Sample  # noqa: E402
 from kernel_timeline import device_kernels, timeline  # noqa: E402
 
 HISTOGRAM = Path(__file__).parent / "results" / "length_histogram_smollm2_self.json"
@@ -76,13 +76,13 @@ class HostSource(LengthSource):
         return Sample(ids[:n], self.loss_mask(k), aux[:n], last[:n], ids[:n].roll(-1))
 
     def packed_batch(self, rows, row_tokens: int, device: torch.device):
-        from draftsmith.features import feature_dtype, pack_rows
+        from draftsmith.train.features import feature_dtype, pack_rows
 
         return pack_rows(rows, row_tokens, lambda k: self.sample(k, torch.device("cpu")), device, feature_dtype(device))
 
 
 def parse_setting(text: str) -> tuple[str, dict]:
-    from draftsmith.train import TrainConfig
+    from draftsmith.train.trainer import TrainConfig
 
     name, _, rest = text.partition(":")
     fields = {}
@@ -128,7 +128,7 @@ def kernel_summary(prof, steps: int, top: int) -> dict:
 
 
 def measure(args, lengths: list[int], name: str, fields: dict) -> dict:
-    from draftsmith.train import TrainConfig, Trainer
+    from draftsmith.train.trainer import TrainConfig, Trainer
 
     device = torch.device(args.device)
     out = Path(tempfile.mkdtemp(prefix="train_profile_"))

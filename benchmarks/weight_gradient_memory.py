@@ -30,8 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from draftsmith import kernels  # noqa: E402
-from draftsmith.drafter import DrafterConfig, ttt_forward  # noqa: E402
+from draftsmith.model import kernels# noqa: E402
+from draftsmith.model.eagle3 import DrafterConfig, ttt_forward  # noqa: E402
 from gpu_train import weight_gradient_setting  # noqa: E402
 from weight_gradient_graph import compiled_step_inputs  # noqa: E402
 

@@ -70,7 +70,7 @@ if has data; then
   $DS regenerate --prompts train ${TRAIN_LIMIT:+--limit $TRAIN_LIMIT} $GEN --out "$W/train_greedy.jsonl"
   python3 -c "
 import json
-from draftsmith.prompts import load_prompts
+from draftsmith.regenerate.prompts import load_prompts
 with open('$W/train_prompts_s1.jsonl', 'w') as f:
     for p in load_prompts('train', ${TRAIN_LIMIT:-None}):
         f.write(json.dumps({'id': p.id + '-s1', 'messages': list(p.messages)}) + '\n')"

@@ -94,7 +94,7 @@ def _write_model(folder: Path, spec: str | dict, fixtures: Path) -> Path:
 
 def predict(case: dict, work: Path) -> tuple[str, list[str]]:
     """check's predicted outcome for a case, and its error findings (rule ids, first error first)."""
-    from draftsmith.check import run_checks
+    from draftsmith.preflight.check import run_checks
 
     target = _write_model(work / "target", case["target"], TARGETS)
     drafter = _write_model(work / "drafter-eagle3", case["drafter"], DRAFTERS)

@@ -188,7 +188,7 @@ def make_target(kind: str, work: Path) -> Path:
 
 
 def predict(target: Path, drafter: Path, spec: dict) -> dict:
-    from draftsmith.check import run_checks
+    from draftsmith.preflight.check import run_checks
 
     t0 = time.perf_counter()
     findings, _ = run_checks(target, drafter, "vllm", "0.33.0", json.dumps({**spec, "model": str(drafter)}),
@@ -220,9 +220,9 @@ def start_vllm(target: Path, drafter: Path, spec: dict, log: Path, timeout_s: fl
     takes, taken here so the wait for it is not counted as start-up time (the script does this; a caller
     already under that lock, such as an engine-tier test run with `flock`, must not, or it waits on itself).
     """
-    from draftsmith.diagnose import analyze, read_log
-    from draftsmith.engine import VLLM_CPU_ENV, VllmServe, engine_python, free_port, spawn, stop_tree
-    from draftsmith.launch import supervise
+    from draftsmith.engines.diagnose import analyze, read_log
+    from draftsmith.engines.process import VLLM_CPU_ENV, VllmServe, engine_python, free_port, spawn, stop_tree
+    from draftsmith.engines.launch import supervise
 
     port = free_port()
     serve = VllmServe(target=target, drafter=None, port=port,
@@ -263,7 +263,7 @@ def first_request(port: int, max_tokens: int = 32, timeout_s: float = 180.0) -> 
     import urllib.error
     import urllib.request
 
-    from draftsmith.metrics import acceptance_from_counters, parse_spec_counters
+    from draftsmith.bench.metrics import acceptance_from_counters, parse_spec_counters
 
     base = f"http://127.0.0.1:{port}"
     body = json.dumps({"model": "target", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0}).encode()

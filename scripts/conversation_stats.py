@@ -20,8 +20,8 @@ BIN = 64
 
 
 def data_summary(path: Path, target: str, max_length: int) -> dict:
-    from draftsmith.capture import tokenized_conversations
-    from draftsmith.conversations import read_conversations
+    from draftsmith.capture.local import tokenized_conversations
+    from draftsmith.regenerate.conversations import read_conversations
     from draftsmith.target import load_target, resolve_target
 
     _, tokenizer = load_target(resolve_target(target), device="cpu")

@@ -25,7 +25,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from draftsmith.diagnose import analyze, read_log
+from draftsmith.engines.diagnose import analyze, read_log
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "tests" / "fixtures" / "diagnose_corpus"

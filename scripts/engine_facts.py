@@ -1,4 +1,4 @@
-"""Read EAGLE-3 facts out of every released vLLM and SGLang wheel; write src/draftsmith/rules/engine_facts.json.
+"""Read EAGLE-3 facts out of every released vLLM and SGLang wheel; write src/draftsmith/data/rules/engine_facts.json.
 
 Maintenance script (CI never runs it). For each release it runs `pip download --no-deps` into a temp dir,
 reads only the files that matter straight out of the wheel (zipfile, no install), extracts the facts below,
@@ -57,7 +57,7 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from draftsmith.engineflags import FLAGS_READ
+from draftsmith.preflight.engineflags import FLAGS_READ
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = ROOT / "src" / "draftsmith" / "rules" / "engine_facts.json"

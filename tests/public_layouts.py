@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from draftsmith.drafter import DrafterConfig
+from draftsmith.model.eagle3 import DrafterConfig
 
 
 def llama_fields(cfg: DrafterConfig, dtype: str) -> dict:

@@ -12,11 +12,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from draftsmith import bench
-from draftsmith.bench import LevelResult, RequestResult, decide, speed_finding, summarize_level
+from draftsmith.bench import benchmark as bench
+from draftsmith.bench.benchmark import LevelResult, RequestResult, decide, speed_finding, summarize_level
 from draftsmith.cli import main
 from draftsmith.errors import DraftsmithError
-from draftsmith.metrics import Acceptance, SpecCounters
+from draftsmith.bench.metrics import Acceptance, SpecCounters
 
 FIXTURES = Path(__file__).parent / "fixtures" / "metrics"
 
@@ -299,7 +299,7 @@ def write_random_drafter(out: Path, seed: int = 0) -> Path:
 @pytest.fixture(scope="module")
 def vllm_runs(tmp_path_factory):
     """Bench JSON from a no-speculation server, then from a speculative one with that baseline."""
-    from draftsmith.engine import VllmServe, engine_python, serve
+    from draftsmith.engines.process import VllmServe, engine_python, serve
     from draftsmith.target import resolve_target
 
     engine_python("vllm")  # a clear error when the engine venv is missing

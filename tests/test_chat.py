@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import build_tokenizer
-from draftsmith.chat import prompt_ids, tokenize_conversation
+from draftsmith.regenerate.chat import prompt_ids, tokenize_conversation
 
 # Qwen3-style: reasoning rendered in <think> only for assistant turns after the last user turn.
 QWEN3_STYLE = (

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith import check, rulebook
+from draftsmith.preflight import check, rulebook
 from draftsmith.cli import main
 from draftsmith.errors import DraftsmithError
-from draftsmith.safetensors_header import read_header, read_model_tensors
+from draftsmith.preflight.safetensors_header import read_header, read_model_tensors
 
 FIXTURES = Path(__file__).parent / "fixtures" / "configs"
 TARGETS, DRAFTERS = FIXTURES / "targets", FIXTURES / "drafters"

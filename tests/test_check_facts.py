@@ -1,4 +1,4 @@
-"""`draftsmith check` against the engine facts table (src/draftsmith/rules/engine_facts.json).
+"""`draftsmith check` against the engine facts table (src/draftsmith/data/rules/engine_facts.json).
 
 The table is read out of released wheels by scripts/engine_facts.py; these tests hold the rules to it and
 pin a few facts that the releases themselves show (whitelists, model tables, the per-model aux-id shift).
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from draftsmith import check
+from draftsmith.preflight import check
 from draftsmith.errors import DraftsmithError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "configs"

@@ -10,9 +10,9 @@ import pytest
 
 from draftsmith.config import add_flags, from_flags, from_mapping
 from draftsmith.errors import DraftsmithError
-from draftsmith.eval import EvalSettings
-from draftsmith.runconfig import RUN_TRAIN_DEFAULTS, RunConfig
-from draftsmith.train import TrainConfig, TrainSettings
+from draftsmith.eval.evaluation import EvalSettings
+from draftsmith.run.settings import RUN_TRAIN_DEFAULTS, RunConfig
+from draftsmith.train.trainer import TrainConfig, TrainSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,17 +64,17 @@ def test_the_docs_key_table_is_the_generated_one():
 
 # ---------------------------------------------------------------- every verb: flags, defaults and run's section, one model
 
-from draftsmith.bench import BenchSettings  # noqa: E402
-from draftsmith.check import CheckSettings, EngineFlags  # noqa: E402
+from draftsmith.bench.benchmark import BenchSettings  # noqa: E402
+from draftsmith.preflight.check import CheckSettings, EngineFlags  # noqa: E402
 from draftsmith.cli import build_parser, main  # noqa: E402
-from draftsmith.export import ExportSettings  # noqa: E402
-from draftsmith.launch import LaunchSettings  # noqa: E402
-from draftsmith.regenerate import RegenerateSettings  # noqa: E402
-from draftsmith.capture import CaptureSettings  # noqa: E402
-from draftsmith.convert import ConvertSettings  # noqa: E402
-from draftsmith.diagnose import DiagnoseSettings  # noqa: E402
-from draftsmith.interop import ExportStoreSettings  # noqa: E402
-from draftsmith.report import ReportSettings  # noqa: E402
+from draftsmith.export.formats import ExportSettings  # noqa: E402
+from draftsmith.engines.launch import LaunchSettings  # noqa: E402
+from draftsmith.regenerate.command import RegenerateSettings  # noqa: E402
+from draftsmith.capture.local import CaptureSettings  # noqa: E402
+from draftsmith.export.convert import ConvertSettings  # noqa: E402
+from draftsmith.engines.diagnose import DiagnoseSettings  # noqa: E402
+from draftsmith.capture.interop import ExportStoreSettings  # noqa: E402
+from draftsmith.run.report import ReportSettings  # noqa: E402
 from draftsmith.target import TargetSettings  # noqa: E402
 
 # verb, its model, the arguments it requires, run's section (None: check, whose section lists engines)

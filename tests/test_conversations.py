@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from draftsmith.conversations import Conversation, ConversationWriter, finished_ids, read_conversations
+from draftsmith.regenerate.conversations import Conversation, ConversationWriter, finished_ids, read_conversations
 from draftsmith.errors import DraftsmithError
-from draftsmith.prompts import load_prompts
+from draftsmith.regenerate.prompts import load_prompts
 
 
 def test_writer_skips_done_ids_and_drops_a_torn_last_line(tmp_path):

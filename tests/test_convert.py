@@ -15,11 +15,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import CFG, drafter_logits
-from draftsmith.checkpoint import load_drafter
+from draftsmith.model.checkpoint import load_drafter
 from draftsmith.cli import main
-from draftsmith.convert import convert, read_drafter
+from draftsmith.export.convert import convert, read_drafter
 from draftsmith.errors import DraftsmithError
-from draftsmith.export import FORMATS, export
+from draftsmith.export.formats import FORMATS, export
 from public_layouts import WRITERS, write_mla, write_speculators_trained
 
 LAYOUT_DTYPE = {"eagle": "float16", "specforge": "bfloat16", "modelopt": "bfloat16", "speculators": "bfloat16"}

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftsmith.cpu_gemm import PackedLinear, mkl_packing_available, pack_linears
-from draftsmith.decoder import DecodeSettings, decode_batch, target_decode
-from draftsmith.drafter import DrafterConfig, Eagle3Drafter
+from draftsmith.eval.cpu_gemm import PackedLinear, mkl_packing_available, pack_linears
+from draftsmith.eval.decoder import DecodeSettings, decode_batch, target_decode
+from draftsmith.model.eagle3 import DrafterConfig, Eagle3Drafter
 from draftsmith.target import load_target
 
 needs_mkl = pytest.mark.skipif(not mkl_packing_available(), reason="this torch build has no MKL packing ops")

@@ -9,15 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-import draftsmith.decoder as decoder
+import draftsmith.eval.decoder as decoder
 from conftest import CORPUS
-from draftsmith.chat import prompt_ids
-from draftsmith.decoder import (DecodeSettings, choose, decode_batch, speculative_decode,
+from draftsmith.regenerate.chat import prompt_ids
+from draftsmith.eval.decoder import (DecodeSettings, choose, decode_batch, speculative_decode,
                                 target_decode)
-from draftsmith.drafter import DrafterConfig, Eagle3Drafter, engine_walk_acceptance, simulated_acceptance
+from draftsmith.model.eagle3 import DrafterConfig, Eagle3Drafter, engine_walk_acceptance, simulated_acceptance
 from draftsmith.target import load_target
-from draftsmith.tree import Candidates, DraftTree, accept_path, ancestry_of, chain_tree, select_tree
-from draftsmith.vocab import build_draft_vocab
+from draftsmith.eval.tree import Candidates, DraftTree, accept_path, ancestry_of, chain_tree, select_tree
+from draftsmith.model.vocab import build_draft_vocab
 
 
 @pytest.fixture(scope="module")
@@ -320,7 +320,7 @@ def test_eval_summary_without_a_baseline_says_not_measured(tmp_path):
     import json
     from dataclasses import asdict
 
-    from draftsmith.eval import plot, recommend, report_markdown, summarize
+    from draftsmith.eval.evaluation import plot, recommend, report_markdown, summarize
 
     r = summarize(4, [2, 0, 1, 4], spec_tokens=11, spec_s=2.0, base_tokens=0, base_s=0.0, model_s=1.9, identical=None)
     text = report_markdown([r], {"limit": 1})
@@ -345,7 +345,7 @@ def test_engine_walk_of_teacher_forced_steps_equals_decoded_tau(target_and_draft
     from copy import deepcopy
 
 
-    from draftsmith.drafter import engine_walk_acceptance, simulated_acceptance, step_masks
+    from draftsmith.model.eagle3 import engine_walk_acceptance, simulated_acceptance, step_masks
 
     model, tok, drafter = target_and_drafter
     drafter = deepcopy(drafter)

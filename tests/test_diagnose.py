@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from draftsmith.cli import main
-from draftsmith.causes import HINTS, step_of, weight_shape_detail
-from draftsmith.diagnose import (
+from draftsmith.engines.causes import HINTS, step_of, weight_shape_detail
+from draftsmith.engines.diagnose import (
     analyze_file,
     iter_log,
     TracebackCollector,
@@ -18,7 +18,7 @@ from draftsmith.diagnose import (
     choose_root_cause,
     read_log,
 )
-from draftsmith.loglines import PATTERN_NAMES, parse_line, split_line
+from draftsmith.engines.loglines import PATTERN_NAMES, parse_line, split_line
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"
 LOGS = sorted(FIXTURES.glob("*.log"))
@@ -445,7 +445,7 @@ def test_streamed_read_keeps_the_split_semantics(tmp_path):
 
 @pytest.mark.parametrize("log", LOGS + sorted(CORPUS.glob("*.log")), ids=lambda p: p.stem)
 def test_screen_and_block_scan_change_no_answer(log, monkeypatch):
-    import draftsmith.diagnose as diagnose
+    import draftsmith.engines.diagnose as diagnose
 
     screened, scanned = analyze(iter_log(log)), analyze_file(log)
     monkeypatch.setattr(diagnose, "_SCREEN", re.compile(""))  # matches every line: nothing is skipped
@@ -454,14 +454,14 @@ def test_screen_and_block_scan_change_no_answer(log, monkeypatch):
 
 @pytest.mark.parametrize("name", sorted(SAMPLES))
 def test_screen_passes_every_pattern_sample(name):
-    import draftsmith.diagnose as diagnose
+    import draftsmith.engines.diagnose as diagnose
 
     raw = SAMPLES[name]() if callable(SAMPLES[name]) else SAMPLES[name]
     assert diagnose._SCREEN.search(raw), f"{name}: the screen would skip {raw!r}"
 
 
 def test_block_scan_counts_skipped_lines_and_keeps_edge_lines(tmp_path, monkeypatch):
-    import draftsmith.diagnose as diagnose
+    import draftsmith.engines.diagnose as diagnose
 
     monkeypatch.setattr(diagnose, "CHUNK_BYTES", 64)  # many blocks, lines cut across them
     boring = "INFO 02-03 13:14:04 api.py:1] GET /health 200\n" * 7

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from draftsmith.drafter import (DrafterConfig, Eagle3Drafter, TTTOutput, apply_rope, rope_cos_sin, engine_walk_acceptance, simulated_acceptance,
+from draftsmith.model.eagle3 import (DrafterConfig, Eagle3Drafter, TTTOutput, apply_rope, rope_cos_sin, engine_walk_acceptance, simulated_acceptance,
                                 step_masks, ttt_forward)
-from draftsmith.kernels import ttt_attention
-from draftsmith.vocab import build_draft_vocab, default_draft_vocab_size
+from draftsmith.model.kernels import ttt_attention
+from draftsmith.model.vocab import build_draft_vocab, default_draft_vocab_size
 
 
 def dense_reference(q, k0, v0, dk, dv):
@@ -171,9 +171,9 @@ def test_ttt_forward_equals_the_naive_unroll_in_loss_argmax_and_every_gradient(n
     folded into one SDPA, the head + loss + argmax fused with gradients computed in the forward, in
     groups of steps: all 4 at once, 1 or 2 per group here) must not change the math: float64, against
     the plain unroll above."""
-    import draftsmith.kernels
+    import draftsmith.model.kernels
 
-    monkeypatch.setattr(draftsmith.kernels, "HEAD_GEMM_ROWS", head_rows)
+    monkeypatch.setattr(draftsmith.model.kernels, "HEAD_GEMM_ROWS", head_rows)
     torch.manual_seed(0)
     cfg = tiny_config(**norms)
     drafter = Eagle3Drafter(cfg).double()
@@ -204,7 +204,7 @@ def test_ttt_forward_equals_the_naive_unroll_in_loss_argmax_and_every_gradient(n
 
 
 def test_draft_head_loss_gradients_pass_gradcheck_and_skip_work_without_grad():
-    from draftsmith.kernels import DraftHeadLoss, soft_ce_rows
+    from draftsmith.model.kernels import DraftHeadLoss, soft_ce_rows
 
     torch.manual_seed(0)
     K, B, T, H, Vd = 3, 2, 5, 7, 11
@@ -234,10 +234,10 @@ def test_draft_head_loss_gradients_pass_gradcheck_and_skip_work_without_grad():
 def test_draft_head_loss_groups_its_steps_for_the_given_rows_with_the_same_loss_and_gradients(monkeypatch):
     """group_rows (the Trainer's head_rows: the most rows a micro-batch of the run has) sizes the grouping of TTT
     steps instead of the batch's own rows, so that every micro-batch groups alike; the math does not change."""
-    import draftsmith.kernels
-    from draftsmith.kernels import DraftHeadLoss, soft_ce_rows
+    import draftsmith.model.kernels
+    from draftsmith.model.kernels import DraftHeadLoss, soft_ce_rows
 
-    monkeypatch.setattr(draftsmith.kernels, "HEAD_GEMM_ROWS", 20)
+    monkeypatch.setattr(draftsmith.model.kernels, "HEAD_GEMM_ROWS", 20)
     torch.manual_seed(1)
     K, B, T, H, Vd = 4, 2, 5, 7, 11  # 10 rows: groups of 2 steps by the batch's rows, 4 for 5 rows, 1 for 20
     p = torch.softmax(torch.randn(B, T + K, Vd, dtype=torch.float64), -1)
@@ -266,7 +266,7 @@ def test_lse_merge_attention_matches_dense_mask_values_and_gradients(steps):
     """ttt_attention_lse (what CUDA runs) with the plain causal+lse reference standing in for the flash
     kernel: the merge algebra, in float64. The kernel's lse gradient is checked on the GPU
     (tests/test_gpu.py)."""
-    from draftsmith.kernels import causal_attention_lse_reference, ttt_attention_lse
+    from draftsmith.model.kernels import causal_attention_lse_reference, ttt_attention_lse
 
     q, k0, v0, dk, dv = random_qkv(steps)
     leaves = [q, k0, v0, *dk, *dv]
@@ -285,8 +285,8 @@ def test_mlp_recomputing_its_gated_product_matches_the_plain_swiglu_in_values_an
     and the gradients of the input and of all three weights equal autograd through the plain expression."""
     import torch.nn.functional as F
 
-    from draftsmith.drafter import MLP
-    from draftsmith.kernels import SwiGLUDown
+    from draftsmith.model.eagle3 import MLP
+    from draftsmith.model.kernels import SwiGLUDown
 
     torch.manual_seed(0)
     mlp = MLP(DrafterConfig(hidden_size=16, intermediate_size=40, num_heads=2, num_kv_heads=1, head_dim=8,
@@ -308,8 +308,8 @@ def test_mlp_recomputing_its_gated_product_matches_the_plain_swiglu_in_values_an
 def test_step_0_keys_repeated_once_per_unroll_give_the_same_values_and_gradients():
     """The unroll repeats step 0's K/V to the query heads once (StepCache.repeated_causal_kv) instead of once per
     step: the same attention and the same gradients into k0 / v0 as repeating inside every call, float64."""
-    from draftsmith.drafter import StepCache
-    from draftsmith.kernels import causal_attention_lse_reference, ttt_attention_lse
+    from draftsmith.model.eagle3 import StepCache
+    from draftsmith.model.kernels import causal_attention_lse_reference, ttt_attention_lse
 
     q, k0, v0, dk, dv = random_qkv(3)
     assert q.shape[1] > k0.shape[1]  # grouped: the repeat is real
@@ -349,10 +349,10 @@ def test_compiled_training_step_equals_eager(weight_gradient_pass, monkeypatch):
     """`compile_for_training` (what `train --compile` runs on GPUs) changes kernels, not results: loss, argmax and
     gradients of a tiny drafter match the eager unroll (fp32, CPU inductor), also with the layer's weight gradients
     merged over the TTT steps (`kernels.WEIGHT_GRADIENT_PASS`)."""
-    import draftsmith.kernels
-    from draftsmith.drafter import compile_for_training
+    import draftsmith.model.kernels
+    from draftsmith.model.eagle3 import compile_for_training
 
-    monkeypatch.setattr(draftsmith.kernels, "WEIGHT_GRADIENT_PASS", weight_gradient_pass)
+    monkeypatch.setattr(draftsmith.model.kernels, "WEIGHT_GRADIENT_PASS", weight_gradient_pass)
 
     torch.manual_seed(0)
     eager, compiled = Eagle3Drafter(tiny_config()), Eagle3Drafter(tiny_config())
@@ -376,8 +376,8 @@ def test_compiled_training_step_equals_eager(weight_gradient_pass, monkeypatch):
 
 def packed_and_unpacked(docs, rows, row_tokens):
     """The same documents as one padded sample per row and packed (`pack_rows`) into `rows` of segments."""
-    from draftsmith.features import pack_rows
-    from draftsmith.store import Sample
+    from draftsmith.train.features import pack_rows
+    from draftsmith.capture.store import Sample
 
     samples = [Sample(*d) for d in docs]
     T = max(len(s.input_ids) for s in samples)
@@ -439,7 +439,7 @@ def test_packed_rows_give_the_loss_and_every_gradient_of_the_unpacked_batch(norm
 
 
 def test_document_positions_restart_and_the_mask_stays_inside_each_document():
-    from draftsmith.kernels import document_mask, document_positions
+    from draftsmith.model.kernels import document_mask, document_positions
 
     documents = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [0, 0, 0, 0, 0, 1, 1, 1]])
     assert document_positions(documents).tolist() == [[0, 1, 2, 0, 1, 0, 1, 2], [0, 1, 2, 3, 4, 0, 1, 2]]
@@ -448,7 +448,7 @@ def test_document_positions_restart_and_the_mask_stays_inside_each_document():
 
 
 def test_document_spans_cover_each_row_in_order():
-    from draftsmith.kernels import document_spans
+    from draftsmith.model.kernels import document_spans
 
     documents = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [0, 0, 0, 0, 0, 0, 0, 0], [0, 1, 2, 3, 3, 3, 3, 4]])
     assert document_spans(documents).rows == (((0, 3), (3, 5), (5, 8)), ((0, 8),),
@@ -461,7 +461,7 @@ def test_ttt_attention_under_a_document_mask_equals_each_document_alone(steps):
     eager CPU path) one document span at a time, equal the dense reference run on each document separately, values
     and gradients (float64); FlexAttention's block-mask form (the CUDA path) is checked here forward only (flex has
     no CPU backward; tests/test_gpu.py checks it on CUDA)."""
-    from draftsmith.kernels import (causal_attention_lse_reference, document_block_mask, document_mask,
+    from draftsmith.model.kernels import (causal_attention_lse_reference, document_block_mask, document_mask,
                                     document_spans, flex, ttt_attention_lse)
 
     q, k0, v0, dk, dv = random_qkv(steps, T=13)
@@ -505,7 +505,7 @@ def test_the_document_block_mask_from_block_ranges_is_create_block_masks():
     `create_block_mask`, and FlexAttention under it equals the dense mask's attention (forward, CPU)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from draftsmith.kernels import FLEX_BLOCK, causal_attention_lse_reference, document_block_mask, document_mask, flex
+    from draftsmith.model.kernels import FLEX_BLOCK, causal_attention_lse_reference, document_block_mask, document_mask, flex
 
     def dense(counts, indices):  # (B, 1, n) + (B, 1, n, n) -> (B, n, n) bool
         B, _, n = counts.shape
@@ -543,8 +543,8 @@ def test_the_trainers_first_ttt_step_and_the_decoders_step_are_the_same_layer():
     forward (float64, to rounding)."""
     from conftest import CFG
 
-    from draftsmith.decoder import DrafterCache
-    from draftsmith.drafter import StepCache
+    from draftsmith.eval.decoder import DrafterCache
+    from draftsmith.model.eagle3 import StepCache
 
     torch.manual_seed(0)
     drafter = Eagle3Drafter(CFG).double()
@@ -607,7 +607,7 @@ def recording_pass(counts: list, max_rows: int | None = None):
     """`one_product_per_sum` as a post-grad pass that appends each graph's count of merged products to `counts`."""
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
-    from draftsmith.kernels import one_product_per_sum
+    from draftsmith.model.kernels import one_product_per_sum
 
     class Recording(CustomGraphPass):
         def __call__(self, graph):

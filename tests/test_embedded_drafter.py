@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from draftsmith.checkpoint import EMBEDDED_DRAFTERS, drafter_path, load_drafter
-from draftsmith.stages import starting_drafter
+from draftsmith.model.checkpoint import EMBEDDED_DRAFTERS, drafter_path, load_drafter
+from draftsmith.run.stages import starting_drafter
 
 
 def test_the_short_name_resolves_to_the_shipped_drafter_and_other_names_are_unchanged(tmp_path):
@@ -32,8 +32,8 @@ def test_the_shipped_drafter_loads_in_bf16_with_the_embedded_targets_shapes_and_
 
 def test_the_shipped_drafter_is_normed_with_trained_norms_and_the_targets_head_rows():
     """The session-17 drafter: norm_before_fc and norm_before_residual, served by vLLM and llama.cpp, not SGLang."""
-    from draftsmith.checkpoint import drafter_block
-    from draftsmith.export import unread_by_format
+    from draftsmith.model.checkpoint import drafter_block
+    from draftsmith.export.formats import unread_by_format
 
     path = drafter_path("smollm2")
     norms = drafter_block(json.loads((path / "config.json").read_text()))
@@ -58,7 +58,7 @@ def test_run_starts_from_the_shipped_drafter_only_for_its_own_target_and_engines
 
 
 def test_launch_replaces_a_shipped_drafters_short_name_in_vllm_and_sglang_commands():
-    from draftsmith.launch import with_shipped_drafters
+    from draftsmith.engines.launch import with_shipped_drafters
 
     spec = json.dumps({"method": "eagle3", "model": "smollm2", "num_speculative_tokens": 2})
     vllm = with_shipped_drafters(["vllm", "serve", "T", "--speculative-config", spec])
@@ -72,8 +72,8 @@ def test_launch_replaces_a_shipped_drafters_short_name_in_vllm_and_sglang_comman
 
 def test_a_run_config_refuses_an_explicit_normed_start_for_sglang_and_resolves_auto_to_scratch(tmp_path):
     from draftsmith.errors import DraftsmithError
-    from draftsmith.report import starting_drafter as described
-    from draftsmith.runconfig import RunConfig, apply_override
+    from draftsmith.run.report import starting_drafter as described
+    from draftsmith.run.settings import RunConfig, apply_override
 
     cfg = apply_override(RunConfig(), "export.formats=vllm,sglang")
     with pytest.raises(DraftsmithError, match="train.init_from: smollm2 has norm_before_fc, norm_before_residual"):

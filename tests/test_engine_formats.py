@@ -26,9 +26,9 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import Served, eval_tau, serve_and_measure, target_greedy_texts
-from draftsmith.convert import convert
-from draftsmith.drafter import DrafterConfig
-from draftsmith.export import export
+from draftsmith.export.convert import convert
+from draftsmith.model.eagle3 import DrafterConfig
+from draftsmith.export.formats import export
 from public_layouts import WRITERS
 
 # Parity tolerance, as in test_e2e: both sides count accepted drafts + 1 per verification over the same

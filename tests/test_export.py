@@ -18,9 +18,9 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import CFG, drafter_logits as logits
-from draftsmith.checkpoint import load_drafter
-from draftsmith.drafter import Eagle3Drafter
-from draftsmith.export import export
+from draftsmith.model.checkpoint import load_drafter
+from draftsmith.model.eagle3 import Eagle3Drafter
+from draftsmith.export.formats import export
 
 VLLM_KEYS = {  # key -> shape, the tensors vLLM's Eagle3LlamaForCausalLM.load_weights maps
     "fc.weight": (32, 120), "midlayer.hidden_norm.weight": (32,), "midlayer.input_layernorm.weight": (32,),
@@ -70,7 +70,7 @@ def test_speculators_export_config_and_layers0_keys(checkpoint, tmp_path):
 def test_a_full_vocabulary_drafter_ships_no_vocab_map_to_vllm(tmp_path, fmt):
     # vLLM has no draft_id_to_target_id at draft vocab = target vocab, yet renames a shipped d2t onto it: start-up
     # died with "There is no module or parameter named 'draft_id_to_target_id'" (speculators-defaults, issue #23)
-    from draftsmith.checkpoint import save_drafter
+    from draftsmith.model.checkpoint import save_drafter
 
     full = Eagle3Drafter(dataclasses.replace(CFG, draft_vocab_size=CFG.vocab_size))
     full.t2d.fill_(True)  # the identity map: d2t all zero
@@ -98,7 +98,7 @@ def test_vllm_export_is_read_as_trained_by_every_vllm_release_that_reads_ids(ver
     even when they are not the engine's default."""
     from dataclasses import replace
 
-    from draftsmith.checkpoint import hf_config
+    from draftsmith.model.checkpoint import hf_config
     from draftsmith.conventions import default_aux_ids, engine_reads
 
     L = CFG.target_num_layers
@@ -112,8 +112,8 @@ def test_vllm_export_is_read_as_trained_by_every_vllm_release_that_reads_ids(ver
 def test_each_engine_is_refused_exactly_the_norm_variants_it_does_not_compute():
     """One table (export.NORMS_READ) decides which norm variants a format's engine computes: the normed recipe
     serves in vLLM and llama.cpp, not in SGLang; speculators' defaults add norm_output, which only vLLM reads."""
-    from draftsmith.export import unread_norms
-    from draftsmith.train import RECIPES
+    from draftsmith.export.formats import unread_norms
+    from draftsmith.train.trainer import RECIPES
 
     normed, plain = RECIPES["normed"]._asdict(), RECIPES["plain"]._asdict()
     assert unread_norms(normed, "vllm") == unread_norms(normed, "llamacpp") == []
@@ -126,7 +126,7 @@ def test_each_engine_is_refused_exactly_the_norm_variants_it_does_not_compute():
 def test_a_normed_drafters_card_sends_sglang_users_elsewhere_and_a_plain_ones_shows_the_sglang_command():
     from pathlib import Path
 
-    from draftsmith.export import model_card
+    from draftsmith.export.formats import model_card
 
     meta = {"target": "t"}
     normed = model_card("vllm", Path("d"), dataclasses.replace(CFG, norm_before_fc=True, norm_before_residual=True), meta, 3)

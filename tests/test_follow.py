@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.follow import follow_shards
-from draftsmith.store import Sample, StoreWriter
+from draftsmith.train.shards import follow_shards
+from draftsmith.capture.store import Sample, StoreWriter
 
 
 def sample(i: int, T: int = 5, H: int = 8) -> Sample:

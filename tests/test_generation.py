@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.generation import DecodeSettings, decode_all, sample_next, supports
+from draftsmith.regenerate.generation import DecodeSettings, decode_all, sample_next, supports
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def test_an_unknown_decode_attention_is_refused_with_the_choices():
 
 
 def test_auto_attention_is_matmul_off_cuda_and_triton_there_is_refused(tiny):
-    from draftsmith.generation import RowDecoder, resolve_attention
+    from draftsmith.regenerate.generation import RowDecoder, resolve_attention
 
     assert resolve_attention("auto", torch.device("cpu")) == "matmul"
     assert resolve_attention("sdpa", torch.device("cpu")) == "sdpa"

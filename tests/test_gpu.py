@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from draftsmith.kernels import CausalAttentionLSE, causal_attention_lse_reference, ttt_attention, ttt_attention_lse
+from draftsmith.model.kernels import CausalAttentionLSE, causal_attention_lse_reference, ttt_attention, ttt_attention_lse
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -80,7 +80,7 @@ def test_packed_rows_through_flex_block_mask_are_as_accurate_as_the_masked_summa
     than the summary key under SDPA with the dense mask in bf16."""
     from functools import partial
 
-    from draftsmith.kernels import document_block_mask, document_mask
+    from draftsmith.model.kernels import document_block_mask, document_mask
 
     q, k0, v0, dk, dv = qkv(T=1024, steps=steps)
     documents = packed_documents()
@@ -110,8 +110,8 @@ def test_packed_ttt_forward_on_cuda_equals_the_unpacked_batch(compiled):
     rounding differs."""
     from test_drafter import packed_and_unpacked, random_documents, tiny_config
 
-    from draftsmith.drafter import Eagle3Drafter, compile_for_training, ttt_forward
-    from draftsmith.vocab import build_draft_vocab
+    from draftsmith.model.eagle3 import Eagle3Drafter, compile_for_training, ttt_forward
+    from draftsmith.model.vocab import build_draft_vocab
 
     torch.manual_seed(0)
     drafter = Eagle3Drafter(tiny_config(hidden_size=64, head_dim=16))
@@ -152,8 +152,8 @@ def test_compiled_training_steps_with_cuda_graphs_follow_the_eager_ones(monkeypa
     differs)."""
     from test_drafter import packed_and_unpacked, random_documents, tiny_config
 
-    from draftsmith.drafter import Eagle3Drafter, compile_for_training, ttt_forward
-    from draftsmith.vocab import build_draft_vocab
+    from draftsmith.model.eagle3 import Eagle3Drafter, compile_for_training, ttt_forward
+    from draftsmith.model.vocab import build_draft_vocab
 
     compile_ = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, fullgraph=True, **kw))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftsmith.generation import DecodeSettings, decode_all
+from draftsmith.regenerate.generation import DecodeSettings, decode_all
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -37,7 +37,7 @@ def test_cuda_graph_rows_equal_transformers_generate_in_fp32(tmp_path, attention
 def test_row_attention_equals_a_float64_reference_at_every_row_length(dtype, tol, heads):
     """Per-row lengths from 0 (an inactive row: zeros) to the whole cache, across block edges, on a layer slice
     of a (layers, B, kvh, M, hd) cache as the decoder holds it; the output is poisoned first."""
-    from draftsmith.cache_attention import reference_row_attention, row_attention
+    from draftsmith.regenerate.cache_attention import reference_row_attention, row_attention
 
     nh, kvh = heads
     B, M, hd, layers = 37, 300, 64, 2
@@ -58,7 +58,7 @@ def test_row_attention_equals_a_float64_reference_at_every_row_length(dtype, tol
 
 def test_row_attention_ignores_what_lies_past_each_rows_length():
     """Garbage (inf / nan) past a row's length never reaches its output: the kernel masks what it loads."""
-    from draftsmith.cache_attention import reference_row_attention, row_attention
+    from draftsmith.regenerate.cache_attention import reference_row_attention, row_attention
 
     B, kvh, nh, M, hd = 8, 3, 9, 200, 64
     keys = torch.randn(B, kvh, M, hd, device="cuda", dtype=torch.bfloat16)

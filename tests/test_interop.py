@@ -12,11 +12,11 @@ import torch
 from safetensors import safe_open
 
 from conftest import build_tiny_target, write_conversations
-from draftsmith.capture import capture
+from draftsmith.capture.local import capture
 from draftsmith.errors import DraftsmithError
-from draftsmith.interop import (EXPORT_INFO, TOKEN_FREQ, export_speculators, final_norm, hs_path, read_speculators,
+from draftsmith.capture.interop import (EXPORT_INFO, TOKEN_FREQ, export_speculators, final_norm, hs_path, read_speculators,
                                 write_index)
-from draftsmith.store import FeatureStore
+from draftsmith.capture.store import FeatureStore
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from draftsmith.cli import main
-from draftsmith.engine import alive, descendants, spawn, stop_tree
-from draftsmith.launch import (
+from draftsmith.engines.process import alive, descendants, spawn, stop_tree
+from draftsmith.engines.launch import (
     EXIT_CODES,
     LoadStatus,
     advance,
@@ -27,8 +27,8 @@ from draftsmith.launch import (
     supervise,
     url_from_command,
 )
-from draftsmith.diagnose import TracebackCollector, analyze, read_log
-from draftsmith.loglines import Event
+from draftsmith.engines.diagnose import TracebackCollector, analyze, read_log
+from draftsmith.engines.loglines import Event
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"
 REPO = Path(__file__).resolve().parents[1]
@@ -296,7 +296,7 @@ def _crash_logs_module():
 
 @pytest.mark.engine
 def test_live_vllm_cpu_start_reaches_ready_with_every_phase(tmp_path, monkeypatch):
-    from draftsmith.engine import VLLM_CPU_ENV, VllmServe, engine_python
+    from draftsmith.engines.process import VLLM_CPU_ENV, VllmServe, engine_python
     from draftsmith.target import resolve_target
 
     mk = _crash_logs_module()
@@ -348,7 +348,7 @@ def test_live_vllm_cpu_broken_drafter_is_named_the_moment_it_dies(tmp_path, reco
     Latency (worker's AssertionError in the log -> launch's report on its stdout) is recorded, not
     asserted; benchmarks/crash_detection.py measures it over several runs.
     """
-    from draftsmith.engine import VLLM_CPU_ENV, VllmServe, engine_python
+    from draftsmith.engines.process import VLLM_CPU_ENV, VllmServe, engine_python
     from draftsmith.target import resolve_target
 
     python, target = engine_python("vllm"), resolve_target("smollm2")
@@ -386,7 +386,7 @@ def test_live_vllm_cpu_broken_drafter_is_named_the_moment_it_dies(tmp_path, reco
 @pytest.mark.engine
 def test_live_vllm_cpu_ctrl_c_leaves_no_engine_process(tmp_path):
     """SIGINT to `draftsmith launch` mid-load stops the API server, EngineCore and Worker; checked by PID."""
-    from draftsmith.engine import VLLM_CPU_ENV, VllmServe, engine_python
+    from draftsmith.engines.process import VLLM_CPU_ENV, VllmServe, engine_python
     from draftsmith.target import resolve_target
 
     port = free_port()

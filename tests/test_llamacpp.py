@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftsmith import check, llamacpp
+from draftsmith.engines import llamacpp
+from draftsmith.preflight import check
 from draftsmith.errors import DraftsmithError
-from draftsmith.metrics import acceptance_from_counters, parse_spec_counters
+from draftsmith.bench.metrics import acceptance_from_counters, parse_spec_counters
 
 FIXTURES = Path(__file__).parent / "fixtures" / "metrics"
 TRAINED = (1, 4, 6)  # non-default boundary ids for the 8-layer tiny target (its default is (2, 4, 5))
@@ -29,9 +30,9 @@ TRAINED = (1, 4, 6)  # non-default boundary ids for the 8-layer tiny target (its
 def tiny_drafter(path: Path, target: Path, aux: tuple[int, ...] = TRAINED, engine: str = "vllm", **norms) -> Path:
     """A drafter for the tiny target, saved by `save_drafter` (ids in `eagle_config`, vLLM's place); `norms`:
     DrafterConfig's norm variants."""
-    from draftsmith.checkpoint import save_drafter
-    from draftsmith.drafter import DrafterConfig, Eagle3Drafter
-    from draftsmith.vocab import build_draft_vocab
+    from draftsmith.model.checkpoint import save_drafter
+    from draftsmith.model.eagle3 import DrafterConfig, Eagle3Drafter
+    from draftsmith.model.vocab import build_draft_vocab
 
     cfg_t = json.loads((target / "config.json").read_text())
     cfg = DrafterConfig(hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2, head_dim=8,
@@ -202,7 +203,7 @@ def test_real_llama_server_metrics_parse_to_the_shared_definition():
 
 @pytest.mark.e2e
 def test_the_converter_writes_the_trained_layers_only_through_the_llamacpp_export(tmp_path):
-    from draftsmith.export import export
+    from draftsmith.export.formats import export
     from draftsmith.target import resolve_target
 
     target = resolve_target("smollm2")
@@ -233,9 +234,9 @@ def test_the_normed_recipes_norms_reach_the_gguf_llama_cpp_computes(tmp_path):
     tau 1.650 there against the reference decoder's 1.661)."""
     from gguf import GGUFReader
 
-    from draftsmith.export import export
+    from draftsmith.export.formats import export
     from draftsmith.target import resolve_target
-    from draftsmith.train import RECIPES
+    from draftsmith.train.trainer import RECIPES
 
     target = resolve_target("smollm2")
     normed = RECIPES["normed"]
@@ -267,10 +268,10 @@ def test_llama_server_serves_the_exported_drafter_losslessly_with_the_acceptance
     from conftest import E2E_K, ENGINE_MAX_TOKENS, ENGINE_PROMPTS, target_greedy_texts
     from transformers import AutoTokenizer
 
-    from draftsmith.chat import prompt_ids
-    from draftsmith.eval import run_eval
-    from draftsmith.export import export
-    from draftsmith.prompts import load_prompts
+    from draftsmith.regenerate.chat import prompt_ids
+    from draftsmith.eval.evaluation import run_eval
+    from draftsmith.export.formats import export
+    from draftsmith.regenerate.prompts import load_prompts
     from draftsmith.target import resolve_target
 
     target = resolve_target("smollm2")
@@ -327,11 +328,11 @@ def test_runs_bench_serves_the_drafter_in_llama_server_at_each_k_and_keeps_the_m
     import shutil
     import time
 
-    from draftsmith.bench import SPEEDUP_FLOOR
-    from draftsmith.checkpoint import drafter_path
-    from draftsmith.report import headline, write_report
-    from draftsmith.runconfig import plain, resolve_config
-    from draftsmith.stages import RunContext, do_bench
+    from draftsmith.bench.benchmark import SPEEDUP_FLOOR
+    from draftsmith.model.checkpoint import drafter_path
+    from draftsmith.run.report import headline, write_report
+    from draftsmith.run.settings import plain, resolve_config
+    from draftsmith.run.stages import RunContext, do_bench
 
     llamacpp.server_binary()  # fails (does not skip) when llama-server is not built
     run = tmp_path / "run"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith.metrics import (
+from draftsmith.bench.metrics import (
     SpecCounters,
     acceptance_from_counters,
     acceptance_from_sglang_log,

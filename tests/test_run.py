@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.runconfig import STAGES, RunConfig, apply_override, load_config, plain, resolve_config
-from draftsmith.runstate import skip_reason, stage_hash, stage_settings
+from draftsmith.run.settings import STAGES, RunConfig, apply_override, load_config, plain, resolve_config
+from draftsmith.run.state import skip_reason, stage_hash, stage_settings
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 CLI = [sys.executable, "-m", "draftsmith.cli", "run"]
@@ -123,7 +123,7 @@ def test_bench_k_is_refused_when_it_cannot_be_measured():
 def test_bench_measures_the_launch_server_first_and_stops_it_before_the_next_k(tmp_path):
     import contextlib
 
-    from draftsmith.stages import RunContext, Served, speculative_server, sweep_order
+    from draftsmith.run.stages import RunContext, Served, speculative_server, sweep_order
 
     assert sweep_order([2, 3, 4], 4) == [4, 3, 2]
     assert sweep_order([2, 3, 4], None) == [4, 3, 2]
@@ -151,7 +151,7 @@ def test_bench_measures_vllm_then_llama_cpp_and_a_resumed_bench_keeps_vllms_swee
                                                                                  llamacpp_k, written, measured):
     import contextlib
 
-    from draftsmith import stages
+    from draftsmith.run import stages
 
     ran = []
     monkeypatch.setattr(stages, "bench_vllm", lambda ctx, out: ran.append("vLLM"))
@@ -196,9 +196,9 @@ def test_bench_llamacpp_settings_are_refused_when_they_cannot_be_measured():
 
 
 def test_a_run_asking_for_llama_cpp_that_is_not_built_fails_before_its_first_stage(tmp_path, monkeypatch, capsys):
-    from draftsmith import llamacpp
+    from draftsmith.engines import llamacpp
     from draftsmith.cli import main
-    from draftsmith.run import check_llamacpp_built
+    from draftsmith.run.pipeline import check_llamacpp_built
 
     monkeypatch.setenv(llamacpp.DIR_ENV, str(tmp_path / "no-llama.cpp"))
     out = tmp_path / "run"
@@ -347,7 +347,7 @@ def test_a_run_on_self_written_prompts_reports_its_filters(tiny_target, tmp_path
 
 @pytest.mark.engine
 def test_launch_and_bench_in_vllm_cpu_fill_the_report(small_run, tmp_path):
-    from draftsmith.engine import engine_python
+    from draftsmith.engines.process import engine_python
 
     engine_python("vllm")  # fails (does not skip) when the engine venv is missing
     run = copy_run(small_run, tmp_path / "run")
@@ -391,7 +391,7 @@ def test_launch_and_bench_in_vllm_cpu_fill_the_report(small_run, tmp_path):
 def test_verdict_uses_parity_to_rule_out_a_misread_drafter():
     """bench alone reads tau ~1 as a wiring fault; when the reference decoder measured the same tau, the report
     says the engine reads the drafter right (and keeps the bench reason when the two disagree)."""
-    from draftsmith.report import decide
+    from draftsmith.run.report import decide
 
     bench = {"verdict": {"decision": "no-go", "reasons": ["tau 1.10: ... the engine reads wrong (aux ...)", "slower"],
                          "next_steps": []}}
@@ -404,7 +404,7 @@ def test_verdict_uses_parity_to_rule_out_a_misread_drafter():
 
 
 def test_a_no_go_from_load_alone_does_not_blame_the_drafter():
-    from draftsmith.report import decide
+    from draftsmith.run.report import decide
 
     def doc(speedups, decision):
         return {"bench": {"verdict": {"decision": decision, "reasons": ["speed-up below 1 at high load"]},
@@ -421,7 +421,7 @@ def test_a_no_go_from_load_alone_does_not_blame_the_drafter():
 def test_the_report_gives_training_speed_in_useful_tokens_not_padded_slots(tmp_path):
     """train.jsonl records slot tokens/s (padding included) and real tokens/s; the report's average is the real
     one, with the padded figure beside it; a log from before real tokens were recorded keeps the old line."""
-    from draftsmith.report import training_summary
+    from draftsmith.run.report import training_summary
 
     log = tmp_path / "train.jsonl"
     rows = [{"step": s, "loss": 2.0 / s, "acc": [0.5], "tok_per_s": 1000.0, "real_tok_per_s": 600.0 + s}
@@ -460,8 +460,8 @@ def fake_run(tmp_path: Path, bench: dict) -> Path:
 
 
 def test_the_report_names_each_engines_k_and_why_with_the_vllm_sweep(tmp_path):
-    from draftsmith.report import write_report
-    from draftsmith.sweep import choose_k, KPoint, sweep_record
+    from draftsmith.run.report import write_report
+    from draftsmith.bench.sweep import choose_k, KPoint, sweep_record
 
     rows = {2: bench_json(2, (1.60, 1.29), 2.12), 3: bench_json(3, (1.62, 1.23), 2.36), 4: bench_json(4, (1.34, 1.03), 2.48)}
     for r in rows.values():
@@ -483,7 +483,7 @@ def test_the_report_names_each_engines_k_and_why_with_the_vllm_sweep(tmp_path):
 
 
 def test_a_bench_json_from_before_the_sweep_still_renders(tmp_path):
-    from draftsmith.report import write_report
+    from draftsmith.run.report import write_report
 
     old = bench_json(4, (1.34, 1.03), 2.48)
     del old["settings"]["rounds"]
@@ -496,7 +496,7 @@ def test_a_bench_json_from_before_the_sweep_still_renders(tmp_path):
 
 def test_the_report_says_when_a_fine_tune_kept_its_starting_drafter(tmp_path):
     """train.keep_start's choice, read from the drafter's config, is one line in the Training section."""
-    from draftsmith.report import write_report
+    from draftsmith.run.report import write_report
 
     run = fake_run(tmp_path, bench_json(2, (1.60, 1.29), 2.12))
     (run / "train" / "drafter").mkdir(parents=True)
@@ -517,7 +517,7 @@ def test_the_report_says_when_a_fine_tune_kept_its_starting_drafter(tmp_path):
 
 def swept(reports: dict[int, dict]) -> dict:
     """What the bench stage writes for a k sweep (stages.write_sweep): the chosen k's report with the sweep record."""
-    from draftsmith.sweep import choose_from_reports, sweep_record
+    from draftsmith.bench.sweep import choose_from_reports, sweep_record
 
     for r in reports.values():
         r["baseline"] = None
@@ -536,7 +536,7 @@ def llamacpp_json(speedups: dict[int, float], tau: float = 2.31, decision: str =
 
 
 def test_the_report_shows_llama_cpp_beside_vllm_and_says_go_only_when_both_are_faster(tmp_path):
-    from draftsmith.report import headline, write_report
+    from draftsmith.run.report import headline, write_report
 
     vllm = swept({2: bench_json(2, (1.60, 1.29), 2.12), 3: bench_json(3, (1.62, 1.23), 2.36),
                   4: bench_json(4, (1.34, 1.03), 2.48)})
@@ -568,7 +568,7 @@ def test_the_report_shows_llama_cpp_beside_vllm_and_says_go_only_when_both_are_f
     (1.00, "go", "speed-up 1.00x at k=4, batch 1, tau 2.31: not faster than without the drafter"),  # the floor
 ])
 def test_a_llama_cpp_no_go_makes_the_run_no_go_and_names_llama_cpp(tmp_path, speedup, decision, why):
-    from draftsmith.report import write_report
+    from draftsmith.run.report import write_report
 
     run = fake_run(tmp_path, bench_json(2, (1.60, 1.29), 2.12))
     (run / "bench" / "llamacpp.json").write_text(json.dumps(llamacpp_json({4: speedup}, decision=decision)))
@@ -579,7 +579,7 @@ def test_a_llama_cpp_no_go_makes_the_run_no_go_and_names_llama_cpp(tmp_path, spe
 
 
 def test_a_bench_of_llama_cpp_alone_is_the_verdict_when_vllm_did_not_run(tmp_path):
-    from draftsmith.report import write_report
+    from draftsmith.run.report import write_report
 
     run = fake_run(tmp_path, bench_json(2, (1.60, 1.29), 2.12))
     (run / "bench" / "bench.json").unlink()

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith import stages
+from draftsmith.run import stages
 from draftsmith.errors import DraftsmithError
-from draftsmith.runconfig import RunConfig, apply_override, load_config
+from draftsmith.run.settings import RunConfig, apply_override, load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -34,12 +34,12 @@ def test_engine_settings_that_cannot_work_are_named(overrides, problem):
 
 
 def test_the_capture_stage_takes_the_engine_path_with_the_configs_settings(monkeypatch, tmp_path):
-    import draftsmith.capture
-    import draftsmith.engine_capture
+    import draftsmith.capture.command
+    import draftsmith.capture.vllm
 
     calls: dict[str, tuple] = {}
-    monkeypatch.setattr(draftsmith.engine_capture, "engine_capture", lambda *a, **kw: calls.setdefault("engine", (a, kw)))
-    monkeypatch.setattr(draftsmith.capture, "capture", lambda *a, **kw: calls.setdefault("transformers", (a, kw)))
+    monkeypatch.setattr(draftsmith.capture.vllm, "engine_capture", lambda *a, **kw: calls.setdefault("engine", (a, kw)))
+    monkeypatch.setattr(draftsmith.capture.command, "capture", lambda *a, **kw: calls.setdefault("transformers", (a, kw)))
     cfg = RunConfig()
     for o in ("capture.engine=vllm", "capture.tensor_parallel=2", "capture.endpoint=http://127.0.0.1:9", "capture.concurrency=7"):
         cfg = apply_override(cfg, o)

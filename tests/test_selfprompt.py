@@ -9,7 +9,7 @@ import torch
 
 from conftest import build_tokenizer
 from draftsmith.errors import DraftsmithError
-from draftsmith.selfprompt import (SelfPromptSettings, TurnFilter, end_of_turn_ids, is_repetitive,
+from draftsmith.regenerate.selfprompt import (SelfPromptSettings, TurnFilter, end_of_turn_ids, is_repetitive,
                                    user_turn_prefix)
 
 DEFAULT_SYSTEM = (
@@ -58,8 +58,8 @@ def test_regenerate_self_writes_multi_turn_conversations_and_a_rerun_skips_them(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from conftest import build_tiny_target
-    from draftsmith.conversations import ConversationWriter
-    from draftsmith.regenerate import LocalCompleter, LocalSettings, end_of_turn_stops, regenerate_self
+    from draftsmith.regenerate.conversations import ConversationWriter
+    from draftsmith.regenerate.command import LocalCompleter, LocalSettings, end_of_turn_stops, regenerate_self
 
     path = build_tiny_target(tmp_path / "t", layers=2, head_scale=3.0)  # flat logits: varied sampled turns
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -88,10 +88,10 @@ def test_self_written_prompts_through_a_real_llama_servers_completions_api(tmp_p
     prefix to /v1/completions (the chat template rendered here)."""
     from transformers import AutoTokenizer
 
-    from draftsmith import llamacpp
-    from draftsmith.conversations import ConversationWriter
-    from draftsmith.endpoints import EndpointCompleter
-    from draftsmith.regenerate import LocalSettings, end_of_turn_stops, regenerate_self
+    from draftsmith.engines import llamacpp
+    from draftsmith.regenerate.conversations import ConversationWriter
+    from draftsmith.regenerate.endpoints import EndpointCompleter
+    from draftsmith.regenerate.command import LocalSettings, end_of_turn_stops, regenerate_self
     from draftsmith.target import embedded_gguf_path, resolve_target
 
     tok = AutoTokenizer.from_pretrained(resolve_target("smollm2"))

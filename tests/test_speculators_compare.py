@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import CFG
-from draftsmith.train import TrainConfig
+from draftsmith.train.trainer import TrainConfig
 from public_layouts import write_speculators_trained
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -307,7 +307,7 @@ def test_concurrent_runs_are_all_skipped_when_too_little_time_is_left(monkeypatc
 
 
 def test_draftsmith_only_runs_do_not_export_the_store(monkeypatch, tmp_path):
-    import draftsmith.interop as interop
+    import draftsmith.capture.interop as interop
 
     monkeypatch.setattr(interop, "export_speculators", lambda *a, **k: pytest.fail("exported for draftsmith runs"))
     seen = []
@@ -325,7 +325,7 @@ def test_draftsmith_only_runs_do_not_export_the_store(monkeypatch, tmp_path):
         def __len__(self):
             return 0
 
-    monkeypatch.setattr("draftsmith.store.FeatureStore", Store)
+    monkeypatch.setattr("draftsmith.capture.store.FeatureStore", Store)
     args = cmp.build_parser().parse_args(["--store", str(tmp_path), "--only", "draftsmith-defaults", "--concurrent",
                                           "--out", str(tmp_path / "r.json")])
     result = cmp.run_parent(args)

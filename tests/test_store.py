@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from conftest import write_conversations
-from draftsmith.capture import capture
+from draftsmith.capture.local import capture
 from draftsmith.errors import DraftsmithError
-from draftsmith.store import FeatureStore
+from draftsmith.capture.store import FeatureStore
 
 CLI = [sys.executable, "-m", "draftsmith.cli"]
 
@@ -181,7 +181,7 @@ def test_target_features_are_the_boundary_hidden_states(tiny_target, aux_ids):
     embeddings) and k = N (after the final norm), in the order asked."""
     from transformers import AutoModelForCausalLM
 
-    from draftsmith.capture import target_features
+    from draftsmith.capture.local import target_features
 
     model = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
     ids = torch.randint(0, model.config.vocab_size, (2, 12))
@@ -201,8 +201,8 @@ def test_right_padded_rows_give_the_same_features_without_an_attention_mask(tiny
     position's aux states, final state and argmax are those of the masked forward, and of each row alone."""
     from transformers import AutoModelForCausalLM
 
-    from draftsmith.capture import pad_batch, target_features
-    from draftsmith.chat import TokenizedSample
+    from draftsmith.capture.local import pad_batch, target_features
+    from draftsmith.regenerate.chat import TokenizedSample
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_target).eval()

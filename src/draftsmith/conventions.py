@@ -117,7 +117,7 @@ class AuxReading:
     source: str
 
 
-FACTS_TABLE = Path(__file__).parent / "rules" / "engine_facts.json"
+FACTS_TABLE = Path(__file__).parent / "data" / "rules" / "engine_facts.json"
 # Engines whose reading comes from the facts table: the convention, and where they look when they read at all.
 TABLE_READINGS: dict[str, tuple[Convention, tuple[Location, ...]]] = {
     "vllm": ("boundary", ("top-level", "eagle_config")),

@@ -1,0 +1,343 @@
+"""`draftsmith eval`: decode with target and drafter, count what is accepted, and measure the speed-up.
+
+tau (mean acceptance length) = accepted draft tokens + 1 bonus token per verification step, the
+definition vLLM's `Mean acceptance length` and SGLang's `accept len` use. per_position[i] = share of
+verification steps whose draft token i+1 was accepted (vLLM's `accepted_per_pos / num_drafts`).
+
+Drafting is a chain of k tokens (vLLM) or, with --topk > 1, an EAGLE-2 tree of --draft-tokens nodes and depth
+k (SGLang's --speculative-eagle-topk / --speculative-num-draft-tokens / --speculative-num-steps). With
+--batch-size B, B prompts decode together, each with its own acceptance; the baseline runs at the same batch.
+
+Run: draftsmith eval --drafter runs/demo/train/drafter --prompts eval --limit 20 --k 1,2,3,4,5 --json eval.json
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from pydantic import model_validator
+
+from draftsmith.config import Settings, add_flags, check_choices, from_flags
+from draftsmith.errors import DraftsmithError
+
+
+@dataclass(frozen=True)
+class KResult:
+    k: int
+    """Draft depth: the chain length, or the tree depth (SGLang --speculative-num-steps)."""
+    tau: float
+    per_position: list[float]
+    """per_position[i] = share of verification steps that accepted at least i+1 draft tokens."""
+    histogram: list[int]
+    """histogram[a] = verification steps that accepted exactly a draft tokens (a = 0..k)."""
+    tokens_per_s_spec: float
+    tokens_per_s_base: float | None
+    """None when no baseline was decoded (--no-baseline); so is speedup."""
+    speedup: float | None
+    verify_steps: int
+    generated_tokens: int
+    overhead_share: float
+    """Share of speculative wall time outside target and drafter forwards."""
+    identical_to_target: bool | None
+    """Greedy only: every output equals the target's own greedy output."""
+    topk: int = 1
+    """Children per expanded tree node; 1 = chain."""
+    draft_tokens: int = 0
+    """Tree nodes verified per step, the root included (SGLang --speculative-num-draft-tokens); k + 1 for a chain."""
+    batch_size: int = 1
+
+
+def summarize(k: int, accepted: list[int], spec_tokens: int, spec_s: float, base_tokens: int, base_s: float,
+              model_s: float, identical: bool | None, topk: int = 1, draft_tokens: int | None = None,
+              batch_size: int = 1) -> KResult:
+    steps = len(accepted)
+    hist = [sum(1 for a in accepted if a == i) for i in range(k + 1)]
+    per_pos = [sum(1 for a in accepted if a > i) / max(steps, 1) for i in range(k)]
+    tps_spec = spec_tokens / max(spec_s, 1e-9)
+    tps_base = base_tokens / max(base_s, 1e-9) if base_s else None
+    return KResult(k=k, tau=(sum(accepted) / max(steps, 1)) + 1.0, per_position=per_pos, histogram=hist,
+                   tokens_per_s_spec=tps_spec, tokens_per_s_base=tps_base, speedup=tps_spec / tps_base if tps_base else None,
+                   verify_steps=steps, generated_tokens=spec_tokens, overhead_share=max(0.0, 1 - model_s / max(spec_s, 1e-9)),
+                   identical_to_target=identical, topk=topk, draft_tokens=draft_tokens or k + 1, batch_size=batch_size)
+
+
+@dataclass
+class Totals:
+    """What one k's run over the prompt set adds up."""
+
+    accepted: list[int]
+    spec_tokens: int = 0
+    spec_s: float = 0.0
+    model_s: float = 0.0
+    base_tokens: int = 0
+    base_s: float = 0.0
+    identical: bool = True
+
+
+def turn_batches(prompts, batch_size: int):
+    """Groups of at most batch_size prompts, each answered turn by turn: yields (group, conversations so far)
+    lists whose last message is the user turn to answer; the caller appends the answer to each conversation."""
+    for start in range(0, len(prompts), batch_size):
+        group = prompts[start:start + batch_size]
+        convs, cursors = [[] for _ in group], [0] * len(group)
+        while True:
+            owners = []
+            for j, p in enumerate(group):
+                while cursors[j] < len(p.messages):
+                    msg = p.messages[cursors[j]]
+                    cursors[j] += 1
+                    convs[j].append(msg)
+                    if msg["role"] == "user":
+                        owners.append(j)
+                        break
+            if not owners:
+                break
+            yield start, [convs[j] for j in owners]
+
+
+class EvalSettings(Settings):
+    """How `eval` decodes: the eval verb's flags and `run`'s eval section."""
+
+    prompts: str = "eval"
+    """eval (HumanEval) | chat-eval | humaneval | train | a JSONL of prompt / messages / turns records."""
+    limit: int | None = 20
+    """Decode the first N prompts (null: all)."""
+    k: tuple[int, ...] = (4,)
+    """Draft lengths (tree depths) to sweep; the best is the recommended k."""
+    max_new_tokens: int = 128
+    """Tokens generated per prompt."""
+    temperature: float = 0.0
+    """0 = greedy (then speculative output must equal the target's)."""
+    engine: str = "trained"
+    """Read the drafter's aux ids as this engine would: trained | vllm | sglang."""
+    dtype: str = "float32"
+    """float32 | bfloat16."""
+    device: str = "cpu"
+    """Where target and drafter run: cpu | cuda | cuda:N | auto (cuda when there is one)."""
+    baseline: bool = True
+    """Also decode without speculation (the speed-up's denominator)."""
+    seed: int = 0
+    """Seed of sampled decoding (temperature > 0)."""
+    batch_size: int = 1
+    """Prompts decoded together (per-sequence acceptance)."""
+    topk: int = 1
+    """Tree drafting: children per expanded node (SGLang --speculative-eagle-topk); 1 = chain."""
+    draft_tokens: int | None = None
+    """Tree nodes verified per step, root included (SGLang --speculative-num-draft-tokens)."""
+    cpu_pack: bool = True
+    """CPU, float32: pack the target's linear weights once (MKL) for the row counts the verification runs at, which
+    makes verifying k + 1 tokens cheaper (cpu_gemm.py, benchmarks/cpu_gemm.py); false: plain F.linear throughout."""
+
+    @model_validator(mode="after")
+    def check_choices(self) -> EvalSettings:
+        check_choices(("--engine", self.engine, ("trained", "vllm", "sglang")),
+                      ("--dtype", self.dtype, ("float32", "bfloat16")))
+        return self
+
+    def record(self) -> dict:
+        """The settings as eval.json and eval.md name them."""
+        return {"prompts": self.prompts, "limit": self.limit, "temperature": self.temperature,
+                "max_new_tokens": self.max_new_tokens, "engine": self.engine, "dtype": self.dtype,
+                "device": self.device, "batch": self.batch_size, "drafting": "tree" if self.topk > 1 else "chain",
+                "cpu_pack": self.cpu_pack}
+
+
+def evaluate(target_name: str, drafter_dir: Path, s: EvalSettings) -> list[KResult]:
+    """`run_eval` with typed settings."""
+    return run_eval(target_name, drafter_dir, s.prompts, list(s.k), s.limit, s.temperature, s.max_new_tokens,
+                    s.engine, s.dtype, s.baseline, s.seed, batch_size=s.batch_size, topk=s.topk,
+                    draft_tokens=s.draft_tokens, device=s.device, cpu_pack=s.cpu_pack)
+
+
+def run_eval(target_name: str, drafter_dir: Path, prompts_source: str, ks: list[int], limit: int | None,
+             temperature: float, max_new_tokens: int, engine: str, dtype: str, baseline: bool, seed: int,
+             batch_size: int = 1, topk: int = 1, draft_tokens: int | None = None,
+             device: str = "cpu", cpu_pack: bool = True) -> list[KResult]:
+    """Decode the prompt set with speculation for each k (the tree depth when topk > 1) and without.
+
+    Args:
+        batch_size: prompts decoded together (per-sequence acceptance); the baseline runs at the same batch.
+        topk, draft_tokens: tree settings (SGLang's --speculative-eagle-topk / --speculative-num-draft-tokens);
+            topk 1 is a chain of k tokens.
+        device: where target and drafter run (cpu, cuda, auto).
+        cpu_pack: pack the target's linears for the row counts decoded (`cpu_gemm.pack_linears`; CPU float32 only).
+    """
+    from draftsmith.regenerate.chat import prompt_ids
+    from draftsmith.model.checkpoint import load_drafter
+    from draftsmith.conventions import engine_aux_ids
+    from draftsmith.eval.cpu_gemm import pack_linears
+    from draftsmith.eval.decoder import DecodeSettings, decode_batch, masked_gqa, target_decode
+    from draftsmith.progress import progress_bar
+    from draftsmith.regenerate.prompts import load_prompts
+    from draftsmith.target import describe_target, load_target, read_config, resolve_target
+
+    model_dir = resolve_target(target_name)
+    spec = describe_target(read_config(model_dir))
+    target, tokenizer = load_target(model_dir, dtype=dtype, device=device)
+    drafter = load_drafter(drafter_dir, target.get_input_embeddings().weight.detach().float().cpu())
+    drafter = drafter.to(device=target.device, dtype=getattr(torch, dtype)).eval()
+    drafter_config = json.loads((Path(drafter_dir) / "config.json").read_text())
+    aux_ids = engine_aux_ids(drafter_config, spec.num_layers, engine)
+    if max(aux_ids) >= spec.num_layers:
+        raise DraftsmithError(f"{engine} would read aux ids {list(aux_ids)}, past the target's {spec.num_layers} layers",
+                              got=str(drafter_config.get("eagle_config")), expected="ids inside the target",
+                              fix="re-export the drafter for this engine: draftsmith export --format " + engine)
+    prompts = load_prompts(prompts_source, limit)
+    masked_gqa(target.device)
+    if cpu_pack and target.device.type == "cpu":
+        nodes = [DecodeSettings(k=k, topk=topk, draft_tokens=draft_tokens).nodes for k in ks]
+        # rows per forward: a full batch verifying its tree; the baseline at batch > 1 (batch 1 runs single rows)
+        rows = {batch_size * n for n in nodes} | ({batch_size} if batch_size > 1 and baseline else set())
+        print(pack_linears(target, rows).line(), file=sys.stderr, flush=True)
+    results = []
+    for k in ks:
+        settings = DecodeSettings(k=k, temperature=temperature, max_new_tokens=max_new_tokens,
+                                  eos_token_id=tokenizer.eos_token_id, topk=topk, draft_tokens=draft_tokens)
+        plain = DecodeSettings(k=0, temperature=temperature, max_new_tokens=max_new_tokens,
+                               eos_token_id=tokenizer.eos_token_id)
+        tot = Totals(accepted=[])
+        with progress_bar(f"eval k={k}", total=len(prompts), unit="prompts") as bar:
+            done = -1
+            for n, convs in turn_batches(prompts, batch_size):
+                ids = [prompt_ids(tokenizer, c) for c in convs]
+                res = decode_batch(target, drafter, ids, aux_ids, settings, seed=seed + n)
+                for acc in res.accepted:
+                    tot.accepted += acc
+                tot.spec_tokens += sum(len(t) for t in res.tokens)
+                tot.spec_s, tot.model_s = tot.spec_s + res.seconds, tot.model_s + res.target_seconds + res.drafter_seconds
+                if baseline:  # batch 1: transformers' own decoding; batch > 1: the same batched loop, no drafter
+                    if len(ids) == 1:
+                        one = target_decode(target, ids[0], plain, seed=seed + n)
+                        base_tokens, base_s = [one.tokens], one.seconds
+                    else:
+                        many = decode_batch(target, None, ids, (), plain, seed=seed + n)
+                        base_tokens, base_s = many.tokens, many.seconds
+                    tot.base_tokens += sum(len(t) for t in base_tokens)
+                    tot.base_s += base_s
+                    tot.identical &= temperature > 0 or base_tokens == res.tokens
+                for c, t in zip(convs, res.tokens):
+                    c.append({"role": "assistant", "content": tokenizer.decode(t, skip_special_tokens=True)})
+                if n != done:
+                    bar.advance(min(batch_size, len(prompts) - n), tokens=tot.spec_tokens)
+                    done = n
+        results.append(summarize(k, tot.accepted, tot.spec_tokens, tot.spec_s, tot.base_tokens, tot.base_s,
+                                 tot.model_s, tot.identical if baseline and temperature <= 0 else None,
+                                 topk=topk, draft_tokens=settings.nodes, batch_size=batch_size))
+    return results
+
+
+def recommend(results: list[KResult]) -> KResult:
+    """The k with the best measured speed-up (best tau when no baseline was measured)."""
+    if all(r.speedup is not None for r in results):
+        return max(results, key=lambda r: r.speedup)
+    return max(results, key=lambda r: r.tau)
+
+
+def report_markdown(results: list[KResult], settings: dict) -> str:
+    best = recommend(results)
+    lines = ["# draftsmith eval", "",
+             "| k (depth) | topk | draft tokens | tau | per-position acceptance | tok/s spec | tok/s base | speed-up | overhead |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    def measured(x: float | None, spec: str, unit: str = "") -> str:  # None: no baseline was decoded (--no-baseline)
+        return "n/a" if x is None else f"{x:{spec}}{unit}"
+
+    for r in results:
+        lines.append(f"| {r.k} | {r.topk} | {r.draft_tokens} | {r.tau:.2f} | {' '.join(f'{p:.2f}' for p in r.per_position)} | "
+                     f"{r.tokens_per_s_spec:.1f} | {measured(r.tokens_per_s_base, '.1f')} | {measured(r.speedup, '.2f', 'x')} | "
+                     f"{r.overhead_share:.1%} |")
+    lines += ["", f"Recommended k: **{best.k}** (tau {best.tau:.2f}, speed-up {measured(best.speedup, '.2f', 'x')}).", "",
+              "Settings: " + ", ".join(f"{k}={v}" for k, v in settings.items())]
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: list[KResult], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    best = recommend(results)
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.bar(range(1, best.k + 1), best.per_position, color="#3b7dd8")
+    ax.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1), title=f"per-position acceptance (k={best.k}, topk={best.topk})")
+    fig.tight_layout()
+    fig.savefig(out / "per_position.png", dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ks = [r.k for r in results]
+    ax.plot(ks, [r.tau for r in results], "o-", label="tau")
+    if all(r.speedup is not None for r in results):
+        ax.plot(ks, [r.speedup for r in results], "s-", label="speed-up")
+    ax.set(xlabel="k (draft tokens)", title="tau and speed-up against k")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "tau_vs_k.png", dpi=120)
+    plt.close(fig)
+    return [out / "per_position.png", out / "tau_vs_k.png"]
+
+
+def add_parser(sub) -> None:
+    from draftsmith.config import example_help
+
+    p = sub.add_parser("eval", help="reference speculative decoding: acceptance and speed-up",
+                       **example_help(
+                           "examples:\n"
+                           "  draftsmith eval --drafter runs/demo/train/drafter --prompts eval --limit 20 --k 4\n"
+                           "  draftsmith eval --drafter DIR --k 1,2,3,4,5,6,7 --json sweep.json --out report/\n"
+                           "  draftsmith eval --drafter DIR --engine sglang   # read aux ids the way SGLang would\n"
+                           "  draftsmith eval --drafter DIR --topk 4 --draft-tokens 8 --depth 5   # SGLang's default tree\n"
+                           "  draftsmith eval --drafter DIR --k 3 --batch-size 4"))
+    p.add_argument("--target", default="smollm2")
+    p.add_argument("--drafter", required=True,
+                   help="drafter directory, or a shipped drafter's short name (smollm2: the embedded target's)")
+    p.add_argument("--k", default=None, help="draft length (tree depth), or a comma list to sweep (1,2,3,4)")
+    p.add_argument("--depth", type=int, default=None,
+                   help="tree depth (SGLang --speculative-num-steps); replaces --k; default: draft-tokens - 1")
+    add_flags(p, EvalSettings, skip=("k",))
+    p.add_argument("--json", type=Path, default=None, help="write results as JSON here")
+    p.add_argument("--out", type=Path, default=None, help="directory for eval.md and PNG plots")
+    p.set_defaults(func=run_eval_cli)
+
+
+def run_eval_cli(args) -> int:
+    try:
+        ks = [int(k) for k in str(args.k or 4).split(",")]
+    except ValueError as exc:
+        raise DraftsmithError("bad --k", got=args.k, expected="an integer or a comma list", fix="--k 4 or --k 1,2,3") from exc
+    if args.topk > 1 and args.draft_tokens is None:
+        raise DraftsmithError("a tree needs its node budget", got=f"--topk {args.topk} without --draft-tokens",
+                              expected="--draft-tokens M (root included)", fix="--topk 4 --draft-tokens 8 --depth 5")
+    if args.depth is not None:
+        ks = [args.depth]
+    elif args.topk > 1 and args.k is None:
+        ks = [args.draft_tokens - 1]  # deep enough for any path the node budget allows
+    if args.batch_size < 1:
+        raise DraftsmithError("bad --batch-size", got=str(args.batch_size), expected=">= 1", fix="--batch-size 4")
+    from draftsmith.model.checkpoint import drafter_path
+
+    args.drafter = drafter_path(args.drafter)
+    s = from_flags(EvalSettings, args, k=ks)
+    results = evaluate(args.target, args.drafter, s)
+    settings = {"target": args.target, "drafter": str(args.drafter), **s.record(),
+                "topk": args.topk, "draft_tokens": args.draft_tokens, "depth": ks if len(ks) > 1 else ks[0]}
+    best = recommend(results)
+    print(report_markdown(results, settings))
+    payload = {**asdict(best), "recommended_k": best.k, "prompts": args.prompts, "sweep": [asdict(r) for r in results],
+               "settings": settings}
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "eval.md").write_text(report_markdown(results, settings))
+        plot(results, args.out)
+    if best.identical_to_target is False:
+        print("eval: WARNING: greedy speculative output differs from the target's greedy output")
+        return 1
+    return 0

@@ -1,0 +1,166 @@
+"""Drafter checkpoints on disk: the `LlamaForCausalLMEagle3` layout vLLM and SGLang load natively.
+
+A checkpoint directory holds `config.json` (a Llama config plus the EAGLE-3 fields) and
+`model.safetensors` with the keys of `Eagle3Drafter` minus the frozen `embed_tokens`:
+`fc.weight`, `midlayer.*`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d`.
+
+`config.json` also carries a `draftsmith` block: the drafter config with the aux ids as boundary
+indices (the convention they were trained with), so any later reader knows exactly what was trained.
+Training state (optimizer, scheduler, RNG, data position) lives beside it in `training_state.pt`,
+never in the model files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from draftsmith.conventions import aux_ids_for_format
+from draftsmith.model.eagle3 import DrafterConfig, Eagle3Drafter
+from draftsmith.errors import DraftsmithError
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+WEIGHTS = "model.safetensors"
+NOT_EXPORTED = ("embed_tokens.weight",)
+
+
+def hf_config(cfg: DrafterConfig, engine: str = "vllm", dtype: str = "float32",
+              extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """config.json for the LlamaForCausalLMEagle3 layout, every flag explicit so no engine default applies.
+
+    The aux ids, in `engine`'s convention, go both at the top level and in `eagle_config`: vLLM 0.11.1-0.21.0
+    reads them only at the top level, later vLLM and SGLang in `eagle_config` (engine_facts.json).
+    """
+    aux_ids = aux_ids_for_format(cfg.aux_layer_ids, engine)
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "num_hidden_layers": 1,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": dtype,
+        "norm_before_residual": cfg.norm_before_residual,
+        "norm_before_fc": cfg.norm_before_fc,
+        "fc_norm": False,
+        "norm_output": cfg.norm_output,
+        "eagle_aux_hidden_state_layer_ids": aux_ids,
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": aux_ids,
+            "use_aux_hidden_state": True,
+            "norm_before_fc": cfg.norm_before_fc,
+        },
+        "draftsmith": {
+            "drafter": cfg.to_dict(),
+            "aux_layer_ids_boundary": list(cfg.aux_layer_ids),
+            "aux_id_convention": engine,
+            **(extra or {}),
+        },
+    }
+
+
+def drafter_state(drafter: Eagle3Drafter, dtype: torch.dtype | None = None,
+                  state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The exported tensors, in the checkpoint's key names (from `state` when given: an FSDP-gathered one)."""
+    out = {}
+    for name, tensor in (drafter.state_dict() if state is None else state).items():
+        if name in NOT_EXPORTED:
+            continue
+        t = tensor.detach().cpu()
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        out[name] = t.contiguous()
+    return out
+
+
+def save_drafter(drafter: Eagle3Drafter, path: Path, engine: str = "vllm", dtype: str = "float32",
+                 extra: dict[str, Any] | None = None, state: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write config.json and model.safetensors (to temporary names, then renamed).
+
+    `state`: the full state dict when the module's own is sharded (FSDP2 gathers it first)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = drafter_state(drafter, getattr(torch, dtype), state)
+    save_file(state, str(path / (WEIGHTS + ".tmp")), metadata={"format": "pt"})
+    os.replace(path / (WEIGHTS + ".tmp"), path / WEIGHTS)
+    config = hf_config(drafter.config, engine, dtype, extra)
+    (path / "config.json.tmp").write_text(json.dumps(config, indent=2) + "\n")
+    os.replace(path / "config.json.tmp", path / "config.json")
+    return path
+
+
+def load_drafter(path: Path, embed_tokens: torch.Tensor | None = None) -> Eagle3Drafter:
+    """Load a draftsmith-written checkpoint; the frozen embedding comes from the target.
+
+    Raises:
+        DraftsmithError: no draftsmith block (use `draftsmith convert` for foreign layouts), or
+            tensors that do not match the config.
+    """
+    path = Path(path)
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise DraftsmithError("not a drafter checkpoint", got=f"no config.json in {path}",
+                              expected="a directory written by `draftsmith train` or `draftsmith export`",
+                              fix="point at the checkpoint directory")
+    config = json.loads(config_path.read_text())
+    if "draftsmith" not in config:
+        raise DraftsmithError("checkpoint was not written by draftsmith", got=f"{path}/config.json has no "
+                              "'draftsmith' block", expected="a draftsmith checkpoint",
+                              fix=f"convert it first: draftsmith convert {path} OUT --to draftsmith")
+    cfg = DrafterConfig.from_dict(config["draftsmith"]["drafter"])
+    drafter = Eagle3Drafter(cfg)
+    state = load_file(str(path / WEIGHTS))
+    if embed_tokens is not None:
+        state["embed_tokens.weight"] = embed_tokens
+    missing, unexpected = drafter.load_state_dict({k: v.float() if v.is_floating_point() else v
+                                                   for k, v in state.items()}, strict=False)
+    missing = [m for m in missing if m not in NOT_EXPORTED]
+    if missing or unexpected:
+        raise DraftsmithError(f"checkpoint tensors do not match its config in {path}",
+                              got=f"missing {missing[:5]}, unexpected {unexpected[:5]}",
+                              expected="exactly the LlamaForCausalLMEagle3 keys", fix="re-export the drafter")
+    return drafter
+
+
+EMBEDDED_DRAFTERS = Path(__file__).parents[1] / "data" / "drafters"
+"""Drafters shipped with the package, one directory per short name (`smollm2`: the embedded target's)."""
+
+
+def shipped_drafter(name: object) -> Path | None:
+    """The directory of the drafter shipped under this short name (`smollm2`), or None: the one place that decides."""
+    if not isinstance(name, str) or not name or "/" in name:
+        return None
+    path = EMBEDDED_DRAFTERS / name
+    return path if (path / "config.json").is_file() else None
+
+
+def drafter_block(config: dict) -> dict[str, Any]:
+    """The drafter settings a saved config.json records: draftsmith's own `draftsmith.model.eagle3` block, else the top
+    level (an engine-format config): where export.unread_norms reads a drafter's norm variants."""
+    return (config.get("draftsmith") or {}).get("drafter") or config
+
+
+def drafter_path(name: str | Path) -> Path:
+    """A drafter directory, or the shipped drafter of that short name (`smollm2`); anything else unchanged."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    return shipped_drafter(str(name)) or path

