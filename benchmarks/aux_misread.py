@@ -55,7 +55,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from draftsmith.regenerate.chat import prompt_ids
-    from draftsmith.preflight.check import run_checks
+    from draftsmith.preflight.check import CheckSettings, run_checks
     from draftsmith.engines.process import VllmServe, serve
     from draftsmith.export.formats import export
     from draftsmith.regenerate.prompts import load_prompts
@@ -74,8 +74,12 @@ def main() -> None:
         export(args.drafter, tmp / "vllm", "vllm", "float32", args.k, str(target))
         for name, ids in VARIANTS.items():
             drafter = variant(tmp / "vllm", tmp / name / "drafter-eagle3", ids)
-            findings, _ = run_checks(target, drafter, "vllm", "0.33.0",
-                                     json.dumps({**json.loads(spec), "model": str(drafter)}), "--dtype float32")
+            findings, _ = run_checks(target, drafter, CheckSettings(
+                engine="vllm",
+                engine_version="0.33.0",
+                speculative_config=json.dumps({**json.loads(spec), "model": str(drafter)}),
+                engine_args="--dtype float32",
+            ))
             row = {"aux_ids_in_config": ids if ids is not None else "as exported",
                    "check": [{"severity": f.severity, "rule": f.rule, "message": f.message} for f in findings
                              if f.severity != "ok"]}

@@ -37,10 +37,10 @@ def main() -> int:
             t0 = time.perf_counter()
             res = subprocess.run(cmd, capture_output=True, text=True, check=False)
             times.append(time.perf_counter() - t0)
-        from draftsmith.preflight.check import run_checks
+        from draftsmith.preflight.check import CheckSettings, run_checks
 
         t0 = time.perf_counter()
-        run_checks(target, drafter, "vllm", "0.18.0")
+        run_checks(target, drafter, CheckSettings(engine="vllm", engine_version="0.18.0"))
         in_process = time.perf_counter() - t0
         apparent = sum(p.stat().st_size for p in target.glob("*.safetensors"))
         out = {"command": " ".join(["draftsmith check"] + cmd[3:]).replace(str(work), "$TMP"),

@@ -94,14 +94,18 @@ def _write_model(folder: Path, spec: str | dict, fixtures: Path) -> Path:
 
 def predict(case: dict, work: Path) -> tuple[str, list[str]]:
     """check's predicted outcome for a case, and its error findings (rule ids, first error first)."""
-    from draftsmith.preflight.check import run_checks
+    from draftsmith.preflight.check import CheckSettings, run_checks
 
     target = _write_model(work / "target", case["target"], TARGETS)
     drafter = _write_model(work / "drafter-eagle3", case["drafter"], DRAFTERS)
     spec = case.get("speculative_config")
-    findings, _ = run_checks(target, drafter, case["engine"], str(case["version"]),
-                             json.dumps(spec) if spec is not None else None, case.get("engine_args", ""),
-                             gpu=case.get("gpu"))
+    findings, _ = run_checks(target, drafter, CheckSettings(
+        engine=case["engine"],
+        engine_version=str(case["version"]),
+        speculative_config=json.dumps(spec) if spec is not None else None,
+        engine_args=case.get("engine_args", ""),
+        gpu=case.get("gpu"),
+    ))
     errors = [f for f in findings if f.severity == "error"]
     for kind in OUTCOMES[:3]:
         if any(f.kind == kind for f in errors):

@@ -188,11 +188,15 @@ def make_target(kind: str, work: Path) -> Path:
 
 
 def predict(target: Path, drafter: Path, spec: dict) -> dict:
-    from draftsmith.preflight.check import run_checks
+    from draftsmith.preflight.check import CheckSettings, run_checks
 
     t0 = time.perf_counter()
-    findings, _ = run_checks(target, drafter, "vllm", "0.33.0", json.dumps({**spec, "model": str(drafter)}),
-                             "--max-model-len 2048 --dtype float32")
+    findings, _ = run_checks(target, drafter, CheckSettings(
+        engine="vllm",
+        engine_version="0.33.0",
+        speculative_config=json.dumps({**spec, "model": str(drafter)}),
+        engine_args="--max-model-len 2048 --dtype float32",
+    ))
     errors = [f for f in findings if f.severity == "error"]
     return {"check_s": round(time.perf_counter() - t0, 3),
             "errors": [f.rule for f in errors], "warnings": [f.rule for f in findings if f.severity == "warning"],

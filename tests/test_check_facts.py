@@ -14,6 +14,7 @@ import pytest
 from packaging.version import Version
 
 from draftsmith.preflight import check
+from draftsmith.preflight.check import CheckSettings
 from draftsmith.errors import DraftsmithError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "configs"
@@ -45,8 +46,9 @@ def llama_drafter(tmp_path, **over) -> Path:
 
 
 def run(target, drafter, engine="vllm", version="0.33.0", spec=None, engine_args=""):
-    return check.run_checks(Path(target), Path(drafter), engine, version, json.dumps(spec) if spec else None,
-                            engine_args)
+    return check.run_checks(Path(target), Path(drafter),
+        CheckSettings(engine=engine, engine_version=version, speculative_config=json.dumps(spec) if spec else None,
+                      engine_args=engine_args))
 
 
 def errors(findings, kind=None) -> list[str]:
@@ -369,8 +371,8 @@ SG_ARGS = "--speculative-algorithm EAGLE3 --speculative-draft-model-path D --tp 
 ])
 def test_an_mha_drafter_inheriting_sglangs_mla_backend_will_not_start(tmp_path, gpu, extra, rule):
     """Kimi-K2.5 with the SpecForge MHA head on SGLang 0.5.10.post1 (sgl-project/sglang#23490)."""
-    findings, _ = check.run_checks(TARGETS / "kimi-k2.5", KIMI_MHA, "sglang", "0.5.10.post1", None, SG_ARGS + extra,
-                                   gpu=gpu)
+    findings, _ = check.run_checks(TARGETS / "kimi-k2.5", KIMI_MHA,
+        CheckSettings(engine="sglang", engine_version="0.5.10.post1", engine_args=SG_ARGS + extra, gpu=gpu))
     got = {f.rule: f for f in findings if f.rule.startswith("sglang.draft-attention")}
     if rule == "error":
         assert "sglang.draft-attention-mla-backend" in errors(findings, "start")
@@ -389,10 +391,11 @@ def test_the_mla_default_follows_the_release_list_and_spares_mla_drafters(tmp_pa
     first = min((v for v, f in check.facts_table()["sglang"].items() if f["sm100_trtllm_mla_archs"]), key=Version)
     assert first == "0.5.3.post2"
     for version, fires in (("0.5.2", False), (first, True)):
-        findings, _ = check.run_checks(TARGETS / "deepseek-v3", drafter, "sglang", version, None, SG_ARGS, gpu="B200")
+        findings, _ = check.run_checks(TARGETS / "deepseek-v3", drafter,
+            CheckSettings(engine="sglang", engine_version=version, engine_args=SG_ARGS, gpu="B200"))
         assert ("sglang.draft-attention-mla-backend" in errors(findings)) is fires, version
-    findings, _ = check.run_checks(TARGETS / "kimi-k2.5", DRAFTERS / "kimi-k25-eagle3-mla", "sglang", "0.5.23", None,
-                                   SG_ARGS, gpu="B200")
+    findings, _ = check.run_checks(TARGETS / "kimi-k2.5", DRAFTERS / "kimi-k25-eagle3-mla",
+        CheckSettings(engine="sglang", engine_version="0.5.23", engine_args=SG_ARGS, gpu="B200"))
     assert "sglang.draft-attention-mla-backend" not in errors(findings)
 
 
@@ -416,13 +419,15 @@ def test_sglang_derives_context_lengths_its_own_way():
 ])
 def test_a_drafter_with_a_shorter_context_than_the_target_on_sglang(version, env, rule, severity, kind):
     """The original 2,048-position Llama-3.1 EAGLE-3 head: the draft worker gets the target's 131,072."""
-    findings, facts = check.run_checks(TARGETS / "llama-3.1-8b", DRAFTERS / "eagle3-llama3.1-8b-original", "sglang",
-                                       version, None, env + "--speculative-algorithm EAGLE3 --speculative-draft-model-path D")
+    findings, facts = check.run_checks(TARGETS / "llama-3.1-8b", DRAFTERS / "eagle3-llama3.1-8b-original",
+        CheckSettings(engine="sglang", engine_version=version,
+                      engine_args=env + "--speculative-algorithm EAGLE3 --speculative-draft-model-path D"))
     got = next(f for f in findings if f.rule == rule)
     assert (got.severity, got.kind) == (severity, kind)
     assert facts["drafter_context_sglang"] == 2048 and facts["sg_served_context"] == 131072
-    findings, _ = check.run_checks(TARGETS / "llama-3.1-8b", DRAFTERS / "eagle3-llama3.1-8b-original", "sglang",
-                                   version, None, env + "--speculative-algorithm EAGLE3 --context-length 2048")
+    findings, _ = check.run_checks(TARGETS / "llama-3.1-8b", DRAFTERS / "eagle3-llama3.1-8b-original",
+        CheckSettings(engine="sglang", engine_version=version,
+                      engine_args=env + "--speculative-algorithm EAGLE3 --context-length 2048"))
     assert not [f for f in findings if f.rule.startswith("sglang.draft-context")]
 
 
@@ -462,8 +467,9 @@ def test_an_abbreviated_algorithm_flag_is_the_algorithm(tmp_path):
     not a server without speculation."""
     drafter = write(tmp_path / "drafter-eagle3", json.loads((DRAFTERS / "kimi-k25-eagle3-specforge" / "config.json")
                                                             .read_text()))
-    findings, facts = check.run_checks(TARGETS / "kimi-k2.5", drafter, "sglang", "0.5.11", None,
-                                       "--speculative-algo EAGLE --speculative-draft-model-path D --tp 8")
+    findings, facts = check.run_checks(TARGETS / "kimi-k2.5", drafter,
+        CheckSettings(engine="sglang", engine_version="0.5.11",
+                      engine_args="--speculative-algo EAGLE --speculative-draft-model-path D --tp 8"))
     assert facts["sg_algorithm"] == "EAGLE"
     assert "sglang.algorithm" in errors(findings, "accept") and "sglang.algorithm-missing" not in errors(findings)
 
@@ -480,10 +486,12 @@ def test_sglang_pipeline_parallelism_with_speculative_decoding(tmp_path, version
     """server-args validation refuses --pp-size > 1 with speculation (from 0.4.6); 0.5.21 on allows EAGLE alone."""
     drafter = llama_drafter(tmp_path, vocab_size=151936, max_position_embeddings=40960)  # the Qwen3-8B drafter shape
     args = f"--speculative-algorithm {algorithm} --speculative-draft-model-path D --pp-size 2"
-    findings, facts = check.run_checks(TARGETS / "qwen3-8b", drafter, "sglang", version, None, args)
+    findings, facts = check.run_checks(TARGETS / "qwen3-8b", drafter,
+        CheckSettings(engine="sglang", engine_version=version, engine_args=args))
     assert facts["sg_pp_refuses_algorithm"] is refused
     assert ("sglang.pipeline-parallel" in errors(findings, "start")) is bool(refused)
-    _, facts = check.run_checks(TARGETS / "qwen3-8b", drafter, "sglang", version, None, args.replace("--pp-size", "--tp"))
+    _, facts = check.run_checks(TARGETS / "qwen3-8b", drafter,
+        CheckSettings(engine="sglang", engine_version=version, engine_args=args.replace("--pp-size", "--tp")))
     assert not facts["sg_pp_refuses_algorithm"]
 
 
@@ -560,7 +568,8 @@ def test_sglang_spec_v2_runs_chain_drafts_only(tmp_path, version, env, topk, kin
     drafter = llama_drafter(tmp_path, vocab_size=151936, max_position_embeddings=40960)
     args = (f"{env}--speculative-algorithm EAGLE3 --speculative-draft-model-path D --speculative-num-steps 5 "
             f"--speculative-eagle-topk {topk} --speculative-num-draft-tokens 8")
-    findings, _ = check.run_checks(TARGETS / "qwen3-8b", drafter, "sglang", version, None, args)
+    findings, _ = check.run_checks(TARGETS / "qwen3-8b", drafter,
+        CheckSettings(engine="sglang", engine_version=version, engine_args=args))
     rules = {f.rule: f.kind for f in findings if f.severity == "error" and f.rule.startswith("sglang.spec-v2")}
     assert rules == ({} if kind is None else {"sglang.spec-v2-topk" + ("-refused" if kind == "start" else ""): kind})
 

@@ -20,6 +20,7 @@ import torch
 
 from draftsmith.engines import llamacpp
 from draftsmith.preflight import check
+from draftsmith.preflight.check import CheckSettings
 from draftsmith.errors import DraftsmithError
 from draftsmith.bench.metrics import acceptance_from_counters, parse_spec_counters
 
@@ -70,7 +71,7 @@ def rules(findings, severity: str) -> set[str]:
 
 def test_the_vllm_layout_carries_top_level_ids_that_the_converter_reads_as_trained(tmp_path, tiny_target):
     drafter = tiny_drafter(tmp_path / "d", tiny_target)
-    findings, facts = check.run_checks(tiny_target, drafter, "llamacpp", "0.3.36")
+    findings, facts = check.run_checks(tiny_target, drafter, CheckSettings(engine="llamacpp", engine_version="0.3.36"))
     # conversion/llama.py:74-82 reads only the top-level ids (without them it writes [2, L//2, L-3]); the vllm
     # layout writes them there too (for vLLM 0.11.1-0.21.0), so the converter finds the trained layers
     assert facts["aux_engine_reads"] == facts["aux_trained"] == list(TRAINED) != [2, 4, 5]
@@ -80,7 +81,7 @@ def test_the_vllm_layout_carries_top_level_ids_that_the_converter_reads_as_train
     config = json.loads((drafter / "config.json").read_text())
     config.pop("eagle_aux_hidden_state_layer_ids")  # a vllm-layout drafter from before: eagle_config only
     (drafter / "config.json").write_text(json.dumps(config))
-    findings, facts = check.run_checks(tiny_target, drafter, "llamacpp", "0.3.36")
+    findings, facts = check.run_checks(tiny_target, drafter, CheckSettings(engine="llamacpp", engine_version="0.3.36"))
     assert facts["aux_engine_reads"] == [2, 4, 5]
     assert "llamacpp.aux-mismatch" in rules(findings, "error")
     assert "llamacpp.aux-eagle-config-only" in rules(findings, "warning")
@@ -93,7 +94,7 @@ def test_the_llamacpp_config_puts_the_trained_ids_on_top_and_check_passes(tmp_pa
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(TRAINED)
     assert config["draftsmith"]["aux_id_convention"] == "llamacpp"
     (drafter / "config.json").write_text(json.dumps(config))
-    findings, facts = check.run_checks(tiny_target, drafter, "llamacpp", "0.3.36")
+    findings, facts = check.run_checks(tiny_target, drafter, CheckSettings(engine="llamacpp", engine_version="0.3.36"))
     assert facts["aux_engine_reads"] == list(TRAINED)
     assert rules(findings, "error") == set()
     assert "llamacpp.aux-mismatch" in rules(findings, "ok")
@@ -106,7 +107,7 @@ def test_a_gguf_in_the_directory_is_what_check_believes(tmp_path, tiny_target):
     write_gguf(drafter / "drafter-f32.gguf", [2, 4, 5])  # converted before the ids were fixed
     meta = llamacpp.read_gguf(drafter / "drafter-f32.gguf")
     assert (meta.arch, meta.target_layers, meta.draft_vocab_size) == ("eagle3", (2, 4, 5), 48)
-    findings, facts = check.run_checks(tiny_target, drafter, "llamacpp", "0.3.36")
+    findings, facts = check.run_checks(tiny_target, drafter, CheckSettings(engine="llamacpp", engine_version="0.3.36"))
     assert facts["aux_engine_reads"] == [2, 4, 5] and "GGUF" in facts["llamacpp_aux_source"]
     assert "llamacpp.aux-mismatch" in rules(findings, "error")
 
@@ -114,11 +115,11 @@ def test_a_gguf_in_the_directory_is_what_check_believes(tmp_path, tiny_target):
 def test_two_aux_layers_or_a_plain_llama_gguf_will_not_load(tmp_path, tiny_target):
     drafter = tiny_drafter(tmp_path / "d", tiny_target)
     write_gguf(drafter / "a.gguf", [2, 4])
-    findings, _ = check.run_checks(tiny_target, drafter, "llamacpp", "0.3.36")
+    findings, _ = check.run_checks(tiny_target, drafter, CheckSettings(engine="llamacpp", engine_version="0.3.36"))
     assert "llamacpp.aux-count" in rules(findings, "error")
     (drafter / "a.gguf").unlink()
     write_gguf(drafter / "a.gguf", [1, 4, 6], arch="llama")
-    findings, _ = check.run_checks(tiny_target, drafter, "llamacpp", "0.3.36")
+    findings, _ = check.run_checks(tiny_target, drafter, CheckSettings(engine="llamacpp", engine_version="0.3.36"))
     assert "llamacpp.gguf-arch" in rules(findings, "error")
     config = json.loads((drafter / "config.json").read_text())
     config["draftsmith"]["aux_layer_ids_boundary"] = [2, 4]
@@ -128,8 +129,9 @@ def test_two_aux_layers_or_a_plain_llama_gguf_will_not_load(tmp_path, tiny_targe
 
 def test_spec_flags_that_break_the_comparison_are_flagged(tmp_path, tiny_target):
     drafter = tiny_drafter(tmp_path / "d", tiny_target)
-    findings, _ = check.run_checks(tiny_target, drafter, "llamacpp", "0.3.36", None,
-                                   "--spec-type draft-simple --spec-draft-p-min 0.5")
+    findings, _ = check.run_checks(tiny_target, drafter,
+        CheckSettings(engine="llamacpp", engine_version="0.3.36",
+                      engine_args="--spec-type draft-simple --spec-draft-p-min 0.5"))
     assert {"llamacpp.spec-type", "llamacpp.p-min"} <= rules(findings, "warning")
 
 
@@ -269,7 +271,7 @@ def test_llama_server_serves_the_exported_drafter_losslessly_with_the_acceptance
     from transformers import AutoTokenizer
 
     from draftsmith.regenerate.chat import prompt_ids
-    from draftsmith.eval.evaluation import run_eval
+    from draftsmith.eval.evaluation import EvalSettings, run_eval
     from draftsmith.export.formats import export
     from draftsmith.regenerate.prompts import load_prompts
     from draftsmith.target import resolve_target
@@ -307,8 +309,9 @@ def test_llama_server_serves_the_exported_drafter_losslessly_with_the_acceptance
     # near-tie that f32 kernels round differently, and in the last tokens before max_tokens, where
     # llama.cpp shortens the draft to the tokens left (server-context.cpp:463-466). 0.25 in tau is under a
     # tenth of the gap between a working drafter and a misread one (tau 1.0); the same bound as vLLM's test.
-    [ours] = run_eval("smollm2", small_run / "train" / "drafter", "eval", [E2E_K], ENGINE_PROMPTS, 0.0,
-                      ENGINE_MAX_TOKENS, "vllm", "float32", True, 0)
+    [ours] = run_eval("smollm2", small_run / "train" / "drafter",
+                      EvalSettings(prompts="eval", k=(E2E_K,), limit=ENGINE_PROMPTS, temperature=0.0,
+                                   max_new_tokens=ENGINE_MAX_TOKENS, engine="vllm", dtype="float32", baseline=True, seed=0))
     assert abs(tau_llamacpp - ours.tau) <= 0.25, (tau_llamacpp, ours.tau)
     # bench reads the same counters (its own window over its own requests)
     assert r.returncode in (0, 1), r.stderr[-3000:]

@@ -147,25 +147,14 @@ class EvalSettings(Settings):
                 "cpu_pack": self.cpu_pack}
 
 
-def evaluate(target_name: str, drafter_dir: Path, s: EvalSettings) -> list[KResult]:
-    """`run_eval` with typed settings."""
-    return run_eval(target_name, drafter_dir, s.prompts, list(s.k), s.limit, s.temperature, s.max_new_tokens,
-                    s.engine, s.dtype, s.baseline, s.seed, batch_size=s.batch_size, topk=s.topk,
-                    draft_tokens=s.draft_tokens, device=s.device, cpu_pack=s.cpu_pack)
-
-
-def run_eval(target_name: str, drafter_dir: Path, prompts_source: str, ks: list[int], limit: int | None,
-             temperature: float, max_new_tokens: int, engine: str, dtype: str, baseline: bool, seed: int,
-             batch_size: int = 1, topk: int = 1, draft_tokens: int | None = None,
-             device: str = "cpu", cpu_pack: bool = True) -> list[KResult]:
+def run_eval(target_name: str, drafter_dir: Path, s: EvalSettings) -> list[KResult]:
     """Decode the prompt set with speculation for each k (the tree depth when topk > 1) and without.
 
-    Args:
-        batch_size: prompts decoded together (per-sequence acceptance); the baseline runs at the same batch.
-        topk, draft_tokens: tree settings (SGLang's --speculative-eagle-topk / --speculative-num-draft-tokens);
-            topk 1 is a chain of k tokens.
-        device: where target and drafter run (cpu, cuda, auto).
-        cpu_pack: pack the target's linears for the row counts decoded (`cpu_gemm.pack_linears`; CPU float32 only).
+    `s` is the eval verb's settings (and run's eval section), passed whole. Among them: batch_size, the prompts
+    decoded together (per-sequence acceptance; the baseline runs at the same batch); topk and draft_tokens, the tree
+    settings (SGLang's --speculative-eagle-topk / --speculative-num-draft-tokens; topk 1 is a chain of k tokens);
+    device, where target and drafter run; cpu_pack, pack the target's linears for the row counts decoded
+    (`cpu_gemm.pack_linears`; CPU float32 only).
     """
     from draftsmith.regenerate.chat import prompt_ids
     from draftsmith.model.checkpoint import load_drafter
@@ -176,6 +165,9 @@ def run_eval(target_name: str, drafter_dir: Path, prompts_source: str, ks: list[
     from draftsmith.regenerate.prompts import load_prompts
     from draftsmith.target import describe_target, load_target, read_config, resolve_target
 
+    ks, limit, temperature, max_new_tokens = list(s.k), s.limit, s.temperature, s.max_new_tokens
+    engine, dtype, baseline, device, seed = s.engine, s.dtype, s.baseline, s.device, s.seed
+    batch_size, topk, draft_tokens = s.batch_size, s.topk, s.draft_tokens
     model_dir = resolve_target(target_name)
     spec = describe_target(read_config(model_dir))
     target, tokenizer = load_target(model_dir, dtype=dtype, device=device)
@@ -187,9 +179,9 @@ def run_eval(target_name: str, drafter_dir: Path, prompts_source: str, ks: list[
         raise DraftsmithError(f"{engine} would read aux ids {list(aux_ids)}, past the target's {spec.num_layers} layers",
                               got=str(drafter_config.get("eagle_config")), expected="ids inside the target",
                               fix="re-export the drafter for this engine: draftsmith export --format " + engine)
-    prompts = load_prompts(prompts_source, limit)
+    prompts = load_prompts(s.prompts, limit)
     masked_gqa(target.device)
-    if cpu_pack and target.device.type == "cpu":
+    if s.cpu_pack and target.device.type == "cpu":
         nodes = [DecodeSettings(k=k, topk=topk, draft_tokens=draft_tokens).nodes for k in ks]
         # rows per forward: a full batch verifying its tree; the baseline at batch > 1 (batch 1 runs single rows)
         rows = {batch_size * n for n in nodes} | ({batch_size} if batch_size > 1 and baseline else set())
@@ -323,7 +315,7 @@ def run_eval_cli(args) -> int:
 
     args.drafter = drafter_path(args.drafter)
     s = from_flags(EvalSettings, args, k=ks)
-    results = evaluate(args.target, args.drafter, s)
+    results = run_eval(args.target, args.drafter, s)
     settings = {"target": args.target, "drafter": str(args.drafter), **s.record(),
                 "topk": args.topk, "draft_tokens": args.draft_tokens, "depth": ks if len(ks) > 1 else ks[0]}
     best = recommend(results)

@@ -132,10 +132,14 @@ def dry_run_vllm(python: Path, target: Path, spec: dict, args: dict[str, str], t
 
 # ---------------------------------------------------------------- the verb
 
-def run_checks(target: Path, drafter: Path, engine: str, version: str | None, spec_raw: str | None = None,
-               engine_args: str = "", engine_python: Path | None = None,
-               gpu: str | None = None) -> tuple[list[Finding], dict[str, Any]]:
-    """All findings for one deployment, errors first, and the facts they were computed from."""
+def run_checks(target: Path, drafter: Path, s: CheckSettings, engine_python: Path | None = None
+               ) -> tuple[list[Finding], dict[str, Any]]:
+    """All findings for one deployment, errors first, and the facts they were computed from.
+
+    `s` is the check verb's settings (and each engine's check in `run`), passed whole; `engine_python`, when given,
+    is the engine's interpreter: its installed version is read and its own config validation runs.
+    """
+    engine, version, spec_raw, engine_args, gpu = s.engine, s.engine_version, s.speculative_config, s.engine_args, s.gpu
     book = load_rules(engine)
     notes: list[Finding] = []
     if version is None and engine_python is not None:
@@ -300,8 +304,7 @@ def run_check(args) -> int:
     s = from_flags(CheckSettings, args)
     target = resolve_target(args.target)
     drafter = resolve_drafter(args.drafter)
-    findings, facts = run_checks(target, drafter, s.engine, s.engine_version, s.speculative_config,
-                                 s.engine_args, args.engine_python, s.gpu)
+    findings, facts = run_checks(target, drafter, s, args.engine_python)
     if args.json:
         print(json.dumps([asdict(f) for f in findings], indent=2))
     else:

@@ -196,10 +196,10 @@ def do_export(ctx: RunContext) -> None:
 
 
 def do_eval(ctx: RunContext) -> None:
-    from draftsmith.eval.evaluation import evaluate, recommend
+    from draftsmith.eval.evaluation import recommend, run_eval
 
     e = ctx.cfg.eval
-    results = evaluate(ctx.cfg.target, ctx.drafter, e)
+    results = run_eval(ctx.cfg.target, ctx.drafter, e)
     best = recommend(results)
     settings = e.record()
     (ctx.out / "eval.json").write_text(json.dumps({**asdict(best), "recommended_k": best.k, "settings": settings,
@@ -222,8 +222,7 @@ def do_check(ctx: RunContext) -> None:
         python = ctx.python if engine == "vllm" else None
         s = CheckSettings(engine=engine, engine_version=c.vllm_version if engine == "vllm" else c.sglang_version,
                           speculative_config=spec_raw, engine_args=args.strip())
-        findings, facts = run_checks(target, drafter, s.engine, s.engine_version, s.speculative_config,
-                                     s.engine_args, python)
+        findings, facts = run_checks(target, drafter, s, python)
         report[engine] = {"verdict": verdict(findings), "engine_version": facts.get("engine_version"),
                           "errors": sum(f.severity == "error" for f in findings),
                           "warnings": sum(f.severity == "warning" for f in findings),
