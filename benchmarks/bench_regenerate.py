@@ -28,7 +28,8 @@ from pathlib import Path
 import openai
 
 from draftsmith.regenerate.conversations import ConversationWriter
-from draftsmith.regenerate.endpoints import EndpointSettings, api_key_from_env, parse_endpoint, regenerate_endpoints
+from draftsmith.client import api_key_from_env, parse_endpoint
+from draftsmith.regenerate.endpoints import EndpointSettings, regenerate_endpoints
 from draftsmith.engines.process import VllmServe, serve
 from draftsmith.regenerate.prompts import Prompt, load_prompts
 from draftsmith.target import resolve_target

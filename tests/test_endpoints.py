@@ -24,19 +24,21 @@ import openai
 import pytest
 
 from draftsmith.regenerate.conversations import ConversationWriter, read_conversations
-from draftsmith.regenerate.endpoints import (
-    EndpointSettings,
+from draftsmith.client import (
     Failure,
-    _Endpoint,
-    _Item,
-    _Run,
     api_key_from_env,
     backoff_delay,
     classify,
     normalize_base,
     parse_endpoint,
-    parse_reply,
     parse_retry_after,
+)
+from draftsmith.regenerate.endpoints import (
+    EndpointSettings,
+    _Endpoint,
+    _Item,
+    _Run,
+    parse_reply,
     regenerate_endpoints_sync,
     walk_turns,
 )
@@ -431,11 +433,12 @@ def test_sigkill_mid_run_then_rerun_gives_every_id_exactly_once(server, tmp_path
 
 def test_endpoint_backend_without_openai_says_how_to_install_it(tmp_path, monkeypatch):
     """The local backend imports this module too; without the client only the endpoint backend refuses."""
+    import draftsmith.client as client
     import draftsmith.regenerate.endpoints as endpoints
     from draftsmith.errors import DraftsmithError
     from draftsmith.regenerate.prompts import Prompt
 
-    monkeypatch.setattr(endpoints, "openai", None)
+    monkeypatch.setattr(client, "openai", None)
     with ConversationWriter(tmp_path / "c.jsonl") as writer, pytest.raises(DraftsmithError) as err:
         endpoints.regenerate_endpoints_sync([Prompt("p0", [{"role": "user", "content": "hi"}])],
                                             ["http://127.0.0.1:9/v1"], writer, endpoints.EndpointSettings())

@@ -4,9 +4,9 @@
 chat-completion servers (vLLM, SGLang, any OpenAI-compatible API) and appends each finished
 conversation to a `ConversationWriter` exactly once. How it works:
 
-- One `AsyncOpenAI` client per endpoint, `concurrency` workers per endpoint, one shared work queue.
-  A prompt that fails goes back into the queue after a backoff and any healthy endpoint takes it,
-  so the share of an endpoint that dies moves to the others.
+- One client per endpoint, `concurrency` workers per endpoint, one shared work queue. A prompt that
+  fails goes back into the queue after a backoff and any healthy endpoint takes it, so the share of an
+  endpoint that dies moves to the others.
 - An endpoint is marked down after `DOWN_AFTER_CONNECTION_ERRORS` connection failures in a row; its
   workers stop taking work and a prober polls `GET /models` (which costs no prompt an attempt) until
   it answers again. 429 / 503 with `Retry-After` pause that endpoint for as long as it asks.
@@ -20,7 +20,8 @@ conversation to a `ConversationWriter` exactly once. How it works:
 - Reasoning comes from the message field `reasoning_content` or `reasoning` (servers run with a
   reasoning parser) or from an inline `<think>...</think>` block; `meta` records which.
 
-The API key comes from $DRAFTSMITH_API_KEY or $OPENAI_API_KEY, never from a flag, and is never printed.
+URLs, the API key ($DRAFTSMITH_API_KEY or $OPENAI_API_KEY, never a flag, never printed), failure classes,
+backoff and the served-model lookup live in `draftsmith.client`.
 Run it with `draftsmith regenerate --endpoint URL [--endpoint URL ...]`; docs/regenerate.md has more.
 """
 
@@ -28,9 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import email.utils
 import heapq
-import os
 import random
 import re
 import sys
@@ -38,27 +37,34 @@ import time
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
-from urllib.parse import urlsplit, urlunsplit
 
-try:
-    import openai
-except ImportError:  # the local backend and the summaries work without the client; the endpoint backend says so
-    openai = None
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from draftsmith.regenerate.conversations import Conversation, ConversationWriter
+from draftsmith.client import (
+    BadReply,
+    Failure,
+    NoServedModel,
+    RequestFailed,
+    backoff_delay,
+    classify,
+    display_url,
+    normalize_base,
+    open_client,
+    parse_endpoint,
+    served_model,
+    with_retries,
+)
+from draftsmith.client import api_key_from_env  # noqa: F401  bench.benchmark's import; goes when bench imports client
 from draftsmith.errors import DraftsmithError
+from draftsmith.regenerate.conversations import Conversation, ConversationWriter
 
 if TYPE_CHECKING:
+    import openai
+
     from draftsmith.regenerate.prompts import Prompt
 
-API_KEY_ENV_VARS = ("DRAFTSMITH_API_KEY", "OPENAI_API_KEY")
-# vLLM and SGLang accept any key when started without --api-key; the openai client insists on one.
-NO_API_KEY = "EMPTY"
-# Statuses worth retrying: timeouts, conflicts, rate limits and server-side failures (RFC 9110 §15.6).
-RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
 # One reset can be a fault of a single request; three in a row mean the server is gone.
 DOWN_AFTER_CONNECTION_ERRORS = 3
 PROBE_TIMEOUT_S = 5.0
@@ -186,43 +192,7 @@ class RegenerateSummary:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Pure pieces: endpoint specs, reasoning, retry policy
-
-
-def parse_endpoint(spec: str, default_concurrency: int) -> tuple[str, int]:
-    """`http://host:8000` or `http://host:8000/v1#32` -> (base URL ending in /v1 unless a path is given, concurrency)."""
-    url, _, conc = spec.partition("#")
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise DraftsmithError("bad --endpoint", got=repr(spec), expected="http[s]://HOST:PORT[/PATH][#CONCURRENCY]",
-                              fix="e.g. --endpoint http://127.0.0.1:8000/v1#16")
-    if conc and not (conc.isdigit() and int(conc) > 0):
-        raise DraftsmithError("bad concurrency in --endpoint", got=repr(spec), expected="URL#N with N >= 1",
-                              fix="e.g. --endpoint http://127.0.0.1:8000/v1#16")
-    path = parts.path.rstrip("/") or "/v1"
-    return urlunsplit((parts.scheme, parts.netloc, path, parts.query, "")), int(conc) if conc else default_concurrency
-
-
-def display_url(url: str) -> str:
-    """The URL without user:password, for logs and meta."""
-    parts = urlsplit(url)
-    return urlunsplit((parts.scheme, parts.hostname + (f":{parts.port}" if parts.port else ""), parts.path, "", ""))
-
-
-def normalize_base(url: str) -> str:
-    """`http://host:port` (and any path before `/v1`) from a URL that may end in `/` or `/v1` (bench)."""
-    base = url.rstrip("/")
-    if base.endswith("/v1"):
-        base = base[: -len("/v1")]
-    if not base.startswith(("http://", "https://")):
-        raise DraftsmithError("endpoint is not an http(s) URL", got=repr(url),
-                              expected="for example http://127.0.0.1:8000", fix="pass the server's base URL")
-    return base
-
-
-def api_key_from_env() -> str:
-    """The API key from the environment (never a flag); servers without auth accept any value."""
-    return next((os.environ[v] for v in API_KEY_ENV_VARS if os.environ.get(v)), NO_API_KEY)
+# Pure pieces: reasoning, turns, sampling
 
 
 @dataclass(frozen=True)
@@ -254,61 +224,6 @@ def parse_reply(message: dict[str, Any]) -> Reply:
     if content.lstrip().startswith("<think>"):
         return Reply("", content.lstrip()[len("<think>"):].strip(), "inline")
     return Reply(content, None, "none")
-
-
-def backoff_delay(retry: int, base_s: float, cap_s: float, rng: random.Random) -> float:
-    """Delay before retry number `retry` (1-based): exponential, capped, with "equal jitter" so that
-    clients failing together do not retry together (half fixed, half uniform random)."""
-    ceiling = min(cap_s, base_s * 2 ** (retry - 1))
-    return ceiling / 2 + rng.uniform(0, ceiling / 2)
-
-
-def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
-    """Seconds from a `Retry-After` header: delta-seconds or an HTTP date (RFC 9110 §10.2.3)."""
-    if not value:
-        return None
-    value = value.strip()
-    if re.fullmatch(r"\d+(\.\d+)?", value):
-        return float(value)
-    with contextlib.suppress(TypeError, ValueError):
-        when = email.utils.parsedate_to_datetime(value)
-        return max(0.0, when.timestamp() - (time.time() if now is None else now))
-    return None
-
-
-@dataclass(frozen=True)
-class Failure:
-    kind: str
-    """Short, countable: refused, reset, timeout, http 503, bad reply."""
-    reason: str
-    retryable: bool
-    connection: bool
-    """The server could not be reached or dropped the connection (counts towards marking it down)."""
-    retry_after_s: float | None = None
-
-
-class BadReply(Exception):
-    """A 200 response without a usable message."""
-
-
-def classify(exc: Exception) -> Failure:
-    """Turn an exception from one request into a retry decision."""
-    if isinstance(exc, openai.APITimeoutError):
-        return Failure("timeout", "request timed out", True, True)
-    if isinstance(exc, openai.APIConnectionError):
-        cause = exc.__cause__ or exc.__context__
-        text = f"{type(cause).__name__}: {cause}" if cause else str(exc)
-        if "ConnectError" in text or "refused" in text.lower():
-            return Failure("refused", f"cannot connect ({text[:200]})", True, True)
-        return Failure("reset", f"connection lost mid-exchange ({text[:200]})", True, True)
-    if isinstance(exc, openai.APIStatusError):
-        status = exc.status_code
-        detail = exc.message[:200] if exc.message else ""
-        return Failure(f"http {status}", f"HTTP {status}: {detail}", status in RETRYABLE_STATUS, False,
-                       parse_retry_after(exc.response.headers.get("retry-after")))
-    if isinstance(exc, (BadReply, openai.APIResponseValidationError)):
-        return Failure("bad reply", str(exc)[:200], True, False)
-    raise exc
 
 
 def walk_turns(messages: list[dict[str, Any]]) -> list[tuple[dict[str, Any], int | None]]:
@@ -543,7 +458,7 @@ class _Run:
                 ep.in_flight += 1
                 try:
                     await self.converse(ep, item)
-                except (openai.APIError, BadReply) as exc:
+                except Exception as exc:  # classify raises again what is not a failed request (a bug)
                     self.on_failure(ep, item, classify(exc))
                 else:
                     self.on_success(item)
@@ -590,15 +505,9 @@ class _Run:
 async def probe(ep: _Endpoint, model: str | None) -> str | None:
     """Ask `/models`; on success set `ep.model` and return None, else return the error."""
     try:
-        listing = await ep.client.models.list(timeout=PROBE_TIMEOUT_S)
-    except openai.APIError as exc:
-        return classify(exc).reason
-    served = [m.id for m in listing.data]
-    if model is not None and model not in served:
-        return f"model {model!r} not served here (serves {served})"
-    if not served:
-        return "the server lists no models"
-    ep.model = model or served[0]
+        ep.model = await served_model(ep.client, model, PROBE_TIMEOUT_S)
+    except NoServedModel as exc:
+        return exc.got
     return None
 
 
@@ -694,12 +603,10 @@ async def regenerate_endpoints(prompts: list[Prompt], endpoints: list[str], writ
         raise DraftsmithError("no endpoint given", expected="at least one --endpoint URL",
                               fix="e.g. --endpoint http://127.0.0.1:8000/v1")
     todo = [p for p in prompts if p.id not in writer.done]
-    key = api_key_from_env()
     eps = []
     for spec in endpoints:
         url, conc = parse_endpoint(spec, settings.concurrency)
-        client = openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0, timeout=settings.request_timeout_s)
-        eps.append(_Endpoint(url, conc, client))
+        eps.append(_Endpoint(url, conc, open_client(url, timeout=settings.request_timeout_s)))
     run = _Run(todo, eps, writer, settings, len(prompts) - len(todo))
     try:
         errors = await asyncio.gather(*(probe(ep, settings.model) for ep in eps))
@@ -744,9 +651,6 @@ async def run_workers(run: _Run) -> None:
 def regenerate_endpoints_sync(prompts: list[Prompt], endpoints: list[str], writer: ConversationWriter,
                               settings: EndpointSettings) -> RegenerateSummary:
     """`regenerate_endpoints` for callers without an event loop."""
-    if openai is None:
-        raise DraftsmithError("the endpoint backend needs the openai client", got="no Python package 'openai'",
-                              expected="openai >= 1.40 (a draftsmith dependency)", fix="pip install 'openai>=1.40'")
     return asyncio.run(regenerate_endpoints(prompts, endpoints, writer, settings))
 
 
@@ -774,9 +678,6 @@ class EndpointCompleter:
 
     def __call__(self, prefixes: list[str], max_tokens: int, temperature: float, top_p: float,
                  label: str) -> list:
-        if openai is None:
-            raise DraftsmithError("the endpoint backend needs the openai client", got="no module openai",
-                                  expected="pip package openai", fix="pip install openai")
         self.calls += 1
         return asyncio.run(self._complete_all(prefixes, max_tokens, temperature, top_p, label))
 
@@ -785,37 +686,31 @@ class EndpointCompleter:
         from draftsmith.progress import progress_bar
         from draftsmith.regenerate.selfprompt import Continuation
 
-        key = api_key_from_env()
         urls = [normalize_base(parse_endpoint(u, self.concurrency)[0]) + "/v1" for u in self.endpoints]  # either form
-        clients = [openai.AsyncOpenAI(base_url=u, api_key=key, max_retries=0, timeout=self.request_timeout_s)
-                   for u in urls]
-        model = self.model or (await clients[0].models.list()).data[0].id
+        clients = [open_client(u, timeout=self.request_timeout_s) for u in urls]
+        model = self.model or await served_model(clients[0])
         gate = asyncio.Semaphore(self.concurrency * len(clients))
         rng = random.Random(self.seed)
         done = [0, 0]
 
         async def one(i: int, prefix: str, bar) -> Continuation:
             client = clients[i % len(clients)]
+            seed = (self.seed * 1_000_003 + self.calls * 100_003 + i) % 2**31
             async with gate:
-                for attempt in range(self.max_retries + 1):
-                    try:
-                        r = await client.completions.create(
-                            model=model, prompt=prefix, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                            stop=list(self.stop) or None, seed=(self.seed * 1_000_003 + self.calls * 100_003 + i) % 2**31)
-                        choice = r.choices[0]
-                        tokens = r.usage.completion_tokens if r.usage else 0
-                        done[0] += 1
-                        done[1] += tokens
-                        bar.advance(1, tokens=done[1])
-                        return Continuation(choice.text, choice.finish_reason == "stop", tokens)
-                    except Exception as exc:  # classify re-raises what it does not know
-                        failure = classify(exc)
-                        if not failure.retryable or attempt == self.max_retries:
-                            raise DraftsmithError(f"a completion request to {display_url(str(client.base_url))} failed",
-                                                  got=failure.reason, expected="a completion",
-                                                  fix="check the server (its log, --model) and rerun") from exc
-                        await asyncio.sleep(failure.retry_after_s or backoff_delay(attempt + 1, 0.5, 8.0, rng))
-            raise AssertionError("unreachable: the loop returns or raises")
+                try:
+                    r = await with_retries(lambda: client.completions.create(
+                        model=model, prompt=prefix, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                        stop=list(self.stop) or None, seed=seed), self.max_retries, rng)
+                except RequestFailed as exc:
+                    raise DraftsmithError(f"a completion request to {display_url(str(client.base_url))} failed",
+                                          got=str(exc), expected="a completion",
+                                          fix="check the server (its log, --model) and rerun") from exc
+            choice = r.choices[0]
+            tokens = r.usage.completion_tokens if r.usage else 0
+            done[0] += 1
+            done[1] += tokens
+            bar.advance(1, tokens=done[1])
+            return Continuation(choice.text, choice.finish_reason == "stop", tokens)
 
         try:
             with progress_bar(label, total=len(prefixes), unit="turns") as bar:
