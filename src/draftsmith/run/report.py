@@ -10,8 +10,8 @@ Reads only what the stages left in the run directory (`run_config.json`, `summar
 
 The verdict at the top comes from bench (the drafter measured in each engine, vLLM and llama.cpp, against the
 same engine without speculation: go when every engine measured is faster with it) when it ran, else from eval
-(the reference speculative decoder); a failed stage is a no-go. `draftsmith run` writes the report at its end;
-this verb re-renders it.
+(the reference speculative decoder); a failed stage is a no-go: the rules of bench.verdict.decide_run, the same
+module bench decides by. `draftsmith run` writes the report at its end; this verb re-renders it.
 
 Run: draftsmith report runs/demo
 """
@@ -24,6 +24,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from draftsmith.bench.render import fmt
+from draftsmith.bench.verdict import decide_run
 from draftsmith.config import JSON_FLAG, Settings, add_flags, from_flags
 from draftsmith.errors import DraftsmithError
 
@@ -197,9 +199,6 @@ def k_choices(ev: dict | None, bench: dict | None, llama: dict | None) -> list[d
     return out
 
 
-PARITY_TOLERANCE = 0.25  # engine vs reference tau: the bound the engine tier of the tests holds vLLM to
-
-
 def parity(ev: dict | None, bench: dict | None) -> dict | None:
     """The engine's tau next to the reference decoder's at the same k."""
     if not ev or not bench or bench.get("tau") is None:
@@ -210,81 +209,6 @@ def parity(ev: dict | None, bench: dict | None) -> dict | None:
             "engine_per_position": bench["per_position"], "reference_per_position": ref["per_position"] if ref else None,
             "note": "on different prompts and output lengths: bench's, not eval's" if ref else
                     f"eval did not measure k={bench['k']}"}
-
-
-def decide(doc: dict) -> dict:
-    """Go / no-go: from bench when it ran (go when every engine it measured is), else from eval; a failed stage
-    is a no-go."""
-    reasons: list[str] = []
-    failed = (doc.get("summary") or {}).get("failed")
-    check_errors = {e: c["errors"] for e, c in (doc.get("check") or {}).items() if c["errors"]}
-    if check_errors:
-        reasons.append("check found " + ", ".join(f"{n} error(s) for {e}" for e, n in check_errors.items()))
-    if failed:
-        return {"decision": "no-go", "source": f"{failed['stage']} failed",
-                "reasons": [failed["error"].splitlines()[0]] + reasons}
-    engines = [v for v in (vllm_verdict(doc), llamacpp_verdict(doc.get("llamacpp"))) if v]
-    if engines:
-        decisions = {v["decision"] for v in engines}
-        named = len(engines) > 1  # one engine: the source names it
-        return {"decision": "no-go" if "no-go" in decisions else "go" if decisions == {"go"} else "inconclusive",
-                "source": f"bench: {' and '.join(v['engine'] for v in engines)} with and without the drafter",
-                "reasons": [f"{v['engine']}: {r}" if named else r for v in engines for r in v["reasons"]] + reasons,
-                "next_steps": [f"{v['engine']}: {n}" if named else n for v in engines for n in v["next_steps"]]}
-    ev = doc.get("eval")
-    if ev:
-        from draftsmith.bench.benchmark import SPEEDUP_FLOOR, TAU_WIRING_FAULT
-
-        ok = (ev["speedup"] or 0) > SPEEDUP_FLOOR and ev["tau"] >= TAU_WIRING_FAULT \
-            and ev["identical_to_target"] is not False
-        why = [f"reference decoder: tau {ev['tau']:.2f} at k={ev['k']}, speed-up {fmt(ev['speedup'])}x"]
-        if ev["tau"] < TAU_WIRING_FAULT:
-            why.append(f"tau below {TAU_WIRING_FAULT}: the target rejects almost every drafted token")
-        if ev["identical_to_target"] is False:
-            why.append("greedy speculative output differs from the target's own: a decoder or export bug")
-        return {"decision": "go" if ok else "no-go", "source": "eval: reference speculative decoder (no engine run)",
-                "reasons": why + reasons}
-    return {"decision": "incomplete", "source": "neither eval nor bench ran", "reasons": reasons}
-
-
-def vllm_verdict(doc: dict) -> dict | None:
-    """vLLM's go / no-go: bench's verdict at the chosen k, with the parity finding when there is one."""
-    if not doc.get("bench"):
-        return None
-    v = doc["bench"]["verdict"]
-    why, p = list(v["reasons"]), doc.get("parity")
-    if p and p["reference_tau"] is not None and abs(p["difference"]) <= PARITY_TOLERANCE:
-        # bench alone cannot tell a misread drafter from a weak one; the reference decoder reads it as trained,
-        # so an engine tau this close to the reference's rules the wiring fault out.
-        why = [r for r in why if "reads wrong" not in r]
-        speedups = [lv.get("speedup") for lv in doc["bench"].get("levels", [])]
-        # a drafter that pays off at some level is not weak: the no-go comes from the load, not from acceptance
-        weak = "" if v["decision"] == "go" or any((x or 0) > 1 for x in speedups) \
-            else "; the drafter itself accepts little"
-        where = f" ({p['note']})" if p.get("note") else ""
-        why.insert(0, f"engine tau {p['engine_tau']:.2f} is within {PARITY_TOLERANCE} of the reference decoder's "
-                      f"{p['reference_tau']:.2f} at k={p['k']}{where}: the engine reads the drafter as trained{weak}")
-    return {"engine": "vLLM", "decision": v["decision"], "reasons": why, "next_steps": v.get("next_steps", [])}
-
-
-def llamacpp_verdict(llama: dict | None) -> dict | None:
-    """llama.cpp's go / no-go: bench's verdict at the chosen k (failed requests, no drafts, a wiring-fault tau,
-    slower), and a go only when faster than the plain llama-server (speed-up above bench.SPEEDUP_FLOOR)."""
-    if not llama:
-        return None
-    from draftsmith.bench.benchmark import SPEEDUP_FLOOR
-
-    v = llama["verdict"]
-    if v["decision"] != "go":
-        return {"engine": "llama.cpp", "decision": v["decision"], "reasons": v["reasons"],
-                "next_steps": v.get("next_steps", [])}
-    up = llama["levels"][0]["speedup"]
-    where = f"speed-up {up:.2f}x at k={llama['k']}, batch 1, tau {fmt(llama['tau'])}"
-    if up > SPEEDUP_FLOOR:
-        return {"engine": "llama.cpp", "decision": "go", "reasons": [where], "next_steps": []}
-    return {"engine": "llama.cpp", "decision": "no-go", "reasons": [f"{where}: not faster than without the drafter"],
-            "next_steps": ["serve llama.cpp without the drafter here, or raise acceptance (train longer, on the "
-                           "target's own outputs)"]}
 
 
 def collect(run: Path) -> dict:
@@ -306,7 +230,7 @@ def collect(run: Path) -> dict:
            "selection": (drafter or {}).get("draftsmith", {}).get("selection"),
            "eval": ev, "check": read_json(run / "check.json"), "launch": read_json(run / "launch.json"),
            "bench": bench, "llamacpp": llama, "parity": parity(ev, bench), "k_choice": k_choices(ev, bench, llama)}
-    doc["verdict"] = decide(doc)
+    doc["verdict"] = decide_run(doc)
     return doc
 
 
@@ -451,14 +375,6 @@ def draw_throughput(doc: dict, plt):
 
 
 # ---------------------------------------------------------------- the page
-
-
-def fmt(x: Any, spec: str = ".2f") -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, (list, tuple)):
-        return " ".join(fmt(v, spec) for v in x)
-    return format(x, spec) if isinstance(x, float) else str(x)
 
 
 def blocks(doc: dict, images: list[str]) -> list[tuple]:
