@@ -13,7 +13,10 @@ import httpx
 import pytest
 
 from draftsmith.bench import benchmark as bench
-from draftsmith.bench.benchmark import LevelResult, RequestResult, decide, speed_finding, summarize_level
+from draftsmith.bench.benchmark import summarize_level
+from draftsmith.bench.render import print_report, write_plots
+from draftsmith.bench.results import EndpointResult, LevelResult, RequestResult
+from draftsmith.bench.verdict import TAU_WIRING_FAULT, decide, speed_finding
 from draftsmith.cli import main
 from draftsmith.errors import DraftsmithError
 from draftsmith.bench.metrics import Acceptance, SpecCounters
@@ -234,12 +237,12 @@ def test_report_plots_are_written(tmp_path):
     lv = summarize_level("concurrency", 1, [RequestResult(True, 0.1, 1.0, 5, (0.2,) * 4)], 1.0, accepted(2.0))
     lv.baseline_output_tokens_per_s, lv.speedup = 4.0, 1.25
     s = bench.BenchSettings(prompts="eval", num_prompts=1, concurrency=(1,), max_tokens=8, warmup=0, timeout_s=60.0)
-    run = bench.EndpointResult("http://x", "target", [lv], accepted(2.0))
+    run = EndpointResult("http://x", "target", [lv], accepted(2.0))
     report = bench.build_report(s, run, {"source": "nospec.json"}, decide(run.acceptance, [lv], True))
-    paths = bench.write_plots(report, tmp_path)
+    paths = write_plots(report, tmp_path)
     assert [p.name for p in paths] == ["throughput.png", "acceptance.png"]
     assert all(p.stat().st_size > 1000 for p in paths)
-    bench.print_report(report)
+    print_report(report)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -370,5 +373,5 @@ def test_engine_verdict_follows_the_rules(vllm_runs):
     acc = Acceptance(**{**report["acceptance"], "per_position": tuple(report["per_position"])})
     assert verdict == dataclasses.asdict(decide(acc, levels, has_baseline=True))
     assert code == (1 if verdict["decision"] == "no-go" else 0)
-    if report["tau"] < bench.TAU_WIRING_FAULT:
+    if report["tau"] < TAU_WIRING_FAULT:
         assert any("draftsmith check" in s for s in verdict["next_steps"])

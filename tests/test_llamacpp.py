@@ -331,7 +331,7 @@ def test_runs_bench_serves_the_drafter_in_llama_server_at_each_k_and_keeps_the_m
     import shutil
     import time
 
-    from draftsmith.bench.benchmark import SPEEDUP_FLOOR
+    from draftsmith.bench.verdict import SPEEDUP_FLOOR
     from draftsmith.model.checkpoint import drafter_path
     from draftsmith.run.report import headline, write_report
     from draftsmith.run.settings import plain, resolve_config

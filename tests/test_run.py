@@ -391,30 +391,30 @@ def test_launch_and_bench_in_vllm_cpu_fill_the_report(small_run, tmp_path):
 def test_verdict_uses_parity_to_rule_out_a_misread_drafter():
     """bench alone reads tau ~1 as a wiring fault; when the reference decoder measured the same tau, the report
     says the engine reads the drafter right (and keeps the bench reason when the two disagree)."""
-    from draftsmith.run.report import decide
+    from draftsmith.bench.verdict import decide_run
 
     bench = {"verdict": {"decision": "no-go", "reasons": ["tau 1.10: ... the engine reads wrong (aux ...)", "slower"],
                          "next_steps": []}}
-    close = decide({"bench": bench, "parity": {"k": 3, "engine_tau": 1.10, "reference_tau": 1.09, "difference": 0.01}})
+    close = decide_run({"bench": bench, "parity": {"k": 3, "engine_tau": 1.10, "reference_tau": 1.09, "difference": 0.01}})
     assert close["decision"] == "no-go"
     assert not any("reads wrong" in r for r in close["reasons"])
     assert "reads the drafter as trained" in close["reasons"][0] and "slower" in close["reasons"]
-    far = decide({"bench": bench, "parity": {"k": 3, "engine_tau": 1.10, "reference_tau": 2.4, "difference": -1.3}})
+    far = decide_run({"bench": bench, "parity": {"k": 3, "engine_tau": 1.10, "reference_tau": 2.4, "difference": -1.3}})
     assert any("reads wrong" in r for r in far["reasons"])
 
 
 def test_a_no_go_from_load_alone_does_not_blame_the_drafter():
-    from draftsmith.run.report import decide
+    from draftsmith.bench.verdict import decide_run
 
     def doc(speedups, decision):
         return {"bench": {"verdict": {"decision": decision, "reasons": ["speed-up below 1 at high load"]},
                           "levels": [{"concurrency": c, "speedup": x} for c, x in zip((1, 4), speedups)]},
                 "parity": {"engine_tau": 1.83, "reference_tau": 1.92, "difference": -0.09, "k": 2}}
 
-    mixed = decide(doc([1.45, 0.98], "no-go"))
+    mixed = decide_run(doc([1.45, 0.98], "no-go"))
     assert mixed["decision"] == "no-go"
     assert not any("accepts little" in r for r in mixed["reasons"])
-    slower = decide(doc([0.8, 0.7], "no-go"))
+    slower = decide_run(doc([0.8, 0.7], "no-go"))
     assert any("accepts little" in r for r in slower["reasons"])
 
 

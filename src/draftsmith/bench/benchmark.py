@@ -18,6 +18,9 @@ How it measures (the gpt-fast habits of docs/design.md, "Measured output"):
   turns with the one under test (`--rounds`: each level cut into rounds, the order flipping every round,
   never both at once, so drift of a shared machine hits both alike), or an earlier run's JSON;
   speed-up = tokens/s over the baseline's.
+
+This module holds the settings, the load generator and the measurement; the go / no-go is verdict.py's
+`decide`, the tables and plots render.py's.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import random
 import sys
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,12 +52,10 @@ from draftsmith.bench.metrics import (
     parse_sglang_server_info,
     parse_spec_counters,
 )
+from draftsmith.bench.render import print_report, write_plots
+from draftsmith.bench.results import EndpointResult, LevelResult, RequestResult
+from draftsmith.bench.verdict import Verdict, decide
 
-# Mean acceptance length below which a drafter is most likely wired wrong rather than weak: a wrong
-# aux-layer choice gives 1.036 and SGLang's EAGLE algorithm on an EAGLE-3 head 1.00, while healthy
-# heads reach 2.3-3.5 (docs/engines.md §5.4, vllm-project/vllm#50170, sgl-project/sglang#21272).
-TAU_WIRING_FAULT = 1.2
-SPEEDUP_FLOOR = 1.0  # below this, speculation costs more than it saves
 PERCENTILES = (50, 90, 99)
 LATENCIES = ("ttft", "itl", "tpot", "e2e")
 SETTLE_POLL_S = 0.25  # engines publish counters just after the last chunk; re-scrape until still
@@ -122,70 +123,6 @@ class BenchSettings(Settings):
         if self.request_rate:
             return [("rate", r) for r in self.request_rate]
         return [("concurrency", c) for c in self.concurrency]
-
-
-@dataclass(frozen=True)
-class RequestResult:
-    ok: bool
-    ttft_s: float = 0.0
-    e2e_s: float = 0.0
-    output_tokens: int = 0
-    chunk_gaps_s: tuple[float, ...] = ()
-    error: str = ""
-
-
-@dataclass
-class LevelResult:
-    """One load level on one endpoint."""
-
-    concurrency: int | None
-    request_rate: float | None
-    requests: int
-    failed: int
-    duration_s: float
-    output_tokens: int
-    output_tokens_per_s: float
-    latency_ms: dict[str, float | None]
-    """Flat percentiles: `ttft_ms_p50`, `itl_ms_p99`, `tpot_ms_p50`, `e2e_ms_p90`, ..."""
-    acceptance: Acceptance | None
-    first_error: str = ""
-    speedup: float | None = None
-    baseline_output_tokens_per_s: float | None = None
-    rounds_tokens_per_s: tuple[float, ...] = ()
-    """Output tokens/s of each round of the level (BenchSettings.rounds): how much the machine moved."""
-
-    def key(self) -> tuple[str, float]:
-        return ("rate", self.request_rate) if self.request_rate is not None else ("concurrency", self.concurrency)
-
-    def label(self) -> str:
-        return f"{self.request_rate:g} req/s" if self.request_rate is not None else f"c={self.concurrency}"
-
-    def to_dict(self) -> dict[str, Any]:
-        out = {k: v for k, v in asdict(self).items() if k not in ("latency_ms", "acceptance")}
-        out.update(self.latency_ms)
-        acc = self.acceptance
-        out["rounds_tokens_per_s"] = list(self.rounds_tokens_per_s)
-        out["tau"] = acc.tau if acc else None
-        out["acceptance_rate"] = acc.acceptance_rate if acc else None
-        out["acceptance"] = acc.to_dict() if acc else None
-        return out
-
-
-@dataclass
-class EndpointResult:
-    endpoint: str
-    model: str
-    levels: list[LevelResult]
-    acceptance: Acceptance | None
-    """Over all measured levels together (warm-up excluded)."""
-
-
-@dataclass(frozen=True)
-class Verdict:
-    decision: str
-    """`go`, `no-go`, or `inconclusive` (nothing wrong found, but no baseline to prove a speed-up)."""
-    reasons: list[str] = field(default_factory=list)
-    next_steps: list[str] = field(default_factory=list)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -464,7 +401,7 @@ async def bench_endpoints(urls: list[str], settings: list[BenchSettings], warm, 
 
 
 # ----------------------------------------------------------------------------------------------
-# Baseline and verdict
+# Baseline
 
 
 def baseline_levels_from_json(path: Path) -> dict[tuple[str, float], float]:
@@ -492,68 +429,8 @@ def apply_baseline(levels: list[LevelResult], baseline: dict[tuple[str, float], 
         level.speedup = level.output_tokens_per_s / ref if ref else None
 
 
-def decide(acceptance: Acceptance | None, levels: list[LevelResult], has_baseline: bool) -> Verdict:
-    """Go / no-go from acceptance and per-level speed-up, with the reasons and what to do next.
-
-    no-go: failed requests, no acceptance data, tau below TAU_WIRING_FAULT, or a speed-up below 1.
-    inconclusive: none of those, but no baseline level to compare with. go: otherwise.
-    """
-    problems: list[tuple[str, str]] = []
-    failed = sum(lv.failed for lv in levels)
-    if failed:
-        first = next(lv.first_error for lv in levels if lv.failed)
-        problems.append((f"{failed} of {sum(lv.requests for lv in levels)} requests failed ({first})",
-                         "read the server log (`draftsmith diagnose LOG`) and rerun; timings with failures "
-                         "are not comparable"))
-    if acceptance is None or acceptance.tau is None:
-        problems.append(("the endpoint reported no speculative decoding in the measured window (no drafts "
-                         "in vLLM/llama.cpp counters, no SGLang accept length)",
-                         "check the server runs with speculation (vLLM --speculative-config, SGLang "
-                         "--speculative-algorithm EAGLE3) and exposes metrics (SGLang: --enable-metrics)"))
-    elif acceptance.tau < TAU_WIRING_FAULT:
-        problems.append((f"tau {acceptance.tau:.3f}: the target rejects almost every drafted token; for a "
-                         "trained drafter that is the signature of a drafter the engine reads wrong (aux "
-                         "layer ids, method, vocabulary map), not of a weak one",
-                         "run `draftsmith check` on this target, drafter and engine version before anything else"))
-    status, speed_reason, speed_step = speed_finding(levels, has_baseline)
-    if status == "slow":
-        problems.append((speed_reason, speed_step))
-    if problems:
-        return Verdict("no-go", [r for r, _ in problems], [s for _, s in problems])
-    if status == "unknown":
-        return Verdict("inconclusive", [f"tau {acceptance.tau:.2f}", speed_reason], [speed_step])
-    lo, hi = min(lv.speedup for lv in levels), max(lv.speedup for lv in levels)
-    return Verdict("go", [f"speed-up {lo:.2f}x-{hi:.2f}x at every level, tau {acceptance.tau:.2f}"], [])
-
-
-def speed_finding(levels: list[LevelResult], has_baseline: bool) -> tuple[str, str, str]:
-    """(`ok` | `unknown` | `slow`, reason, next step) from the per-level speed-ups."""
-    if not has_baseline:
-        return ("unknown", "no baseline: speed-up not measured",
-                "rerun with --baseline-endpoint (same model, no speculation) or --baseline-json")
-    missing = [lv.label() for lv in levels if lv.speedup is None]
-    if missing:
-        return ("unknown", f"the baseline has no level matching {', '.join(missing)}",
-                "measure the baseline at the same levels")
-    slow = [lv for lv in levels if lv.speedup < SPEEDUP_FLOOR]
-    if not slow:
-        return "ok", "", ""
-    desc = ", ".join(f"{lv.label()} {lv.speedup:.2f}x" for lv in slow)
-    first_slow = min(slow, key=lambda lv: lv.key()[1])
-    safe = [lv for lv in levels if lv.key()[1] < first_slow.key()[1] and lv.speedup >= SPEEDUP_FLOOR]
-    if not safe:
-        return ("slow", f"slower than without speculation at {desc}, the lowest load measured included",
-                "raise acceptance (train longer, on the target's own outputs) or draft fewer tokens "
-                "(num_speculative_tokens)")
-    limit = max(lv.key()[1] for lv in safe)
-    unit = "request rate" if first_slow.request_rate is not None else "batch size"
-    return ("slow", f"speed-up below 1 at high load ({desc})",
-            f"disable speculation above {unit} {limit:g} (vLLM <= 0.16: speculative_config "
-            "disable_by_batch_size; otherwise route that load to a server without speculation)")
-
-
 # ----------------------------------------------------------------------------------------------
-# Report: JSON, tables, plots
+# The JSON report
 
 
 def build_report(s: BenchSettings, run: EndpointResult, baseline: dict[str, Any] | None,
@@ -572,92 +449,6 @@ def build_report(s: BenchSettings, run: EndpointResult, baseline: dict[str, Any]
         "baseline": baseline,
         "verdict": asdict(verdict),
     }
-
-
-def fmt(x: float | None, spec: str = ".1f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def print_report(report: dict[str, Any], console=None) -> None:
-    """Rich tables: acceptance, per-level throughput and latency, then the verdict."""
-    from rich.console import Console
-    from rich.table import Table
-
-    # a pipe or a CI log is not 80 columns wide: give the tables room when not on a terminal
-    console = console or Console(width=None if sys.stdout.isatty() else 120)
-    acc = report["acceptance"]
-    t = Table(title=f"acceptance  {report['endpoint']}  ({acc['source'] if acc else 'no data'})")
-    for col in ("tau", "acceptance rate", "per position", "drafts", "window"):
-        t.add_column(col, justify="right")
-    if acc:
-        t.add_row(fmt(acc["tau"], ".3f"), fmt(acc["acceptance_rate"], ".3f"),
-                  " ".join(f"{p:.3f}" for p in acc["per_position"]) or "-",
-                  str(acc["drafts"]) if acc["drafts"] is not None else "-",
-                  "measured" if acc["windowed"] else "server-side, not windowed")
-    console.print(t)
-    t = Table(title=f"load  {report['model']}  max_tokens {report['settings']['max_tokens']}  "
-                    f"temperature {report['settings']['temperature']}  {report['settings']['num_prompts']} "
-                    f"requests/level from {report['settings']['prompts']!r}")
-    cols = ("level", "tok/s", "base tok/s", "speed-up", "tau", "TTFT p50/p99 ms", "ITL p50 ms",
-            "TPOT p50 ms", "e2e p50 ms", "failed")
-    for col in cols:
-        t.add_column(col, justify="right")
-    for lv in report["levels"]:
-        label = f"c={lv['concurrency']}" if lv["concurrency"] is not None else f"{lv['request_rate']:g} req/s"
-        t.add_row(label, fmt(lv["output_tokens_per_s"]), fmt(lv["baseline_output_tokens_per_s"]),
-                  fmt(lv["speedup"], ".2f"), fmt(lv["tau"], ".2f"),
-                  f"{fmt(lv['ttft_ms_p50'], '.0f')}/{fmt(lv['ttft_ms_p99'], '.0f')}", fmt(lv["itl_ms_p50"]),
-                  fmt(lv["tpot_ms_p50"]), fmt(lv["e2e_ms_p50"], ".0f"), str(lv["failed"]))
-    console.print(t)
-    v = report["verdict"]
-    color = {"go": "green", "no-go": "red"}.get(v["decision"], "yellow")
-    console.print(f"[bold {color}]verdict: {v['decision']}[/]")
-    for r in v["reasons"]:
-        console.print(f"  - {r}")
-    for step in v["next_steps"]:
-        console.print(f"  next: {step}")
-
-
-def write_plots(report: dict[str, Any], out: Path) -> list[Path]:
-    """throughput.png (tokens/s per level, with and without speculation) and acceptance.png."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out.mkdir(parents=True, exist_ok=True)
-    levels = report["levels"]
-    by_rate = any(lv["concurrency"] is None for lv in levels)
-    xs = [lv["request_rate"] if by_rate else lv["concurrency"] for lv in levels]
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.plot(xs, [lv["output_tokens_per_s"] for lv in levels], "o-", label="with speculation")
-    base = [(x, lv["baseline_output_tokens_per_s"]) for x, lv in zip(xs, levels) if lv["baseline_output_tokens_per_s"]]
-    if base:
-        ax.plot(*zip(*base), "s--", label="without (baseline)")
-    ax.set(xlabel="request rate (req/s)" if by_rate else "concurrency", ylabel="output tokens/s",
-           title=f"{report['model']}")
-    if not by_rate and len(set(xs)) > 1:
-        ax.set_xscale("log", base=2)
-    ax.set_xticks(xs, [f"{x:g}" for x in xs])
-    ax.set_ylim(bottom=0)
-    ax.legend()
-    fig.tight_layout()
-    paths = [out / "throughput.png"]
-    fig.savefig(paths[0], dpi=120)
-    plt.close(fig)
-    per_pos = report["per_position"]
-    if per_pos:
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        bars = ax.bar(range(len(per_pos)), per_pos)
-        ax.bar_label(bars, fmt="%.3f")
-        ax.set_xticks(range(len(per_pos)))
-        ax.set(xlabel="draft position", ylabel="accepted / drafts", ylim=(0, 1),
-               title=f"tau {report['tau']:.2f}, acceptance rate {report['acceptance_rate']:.2f}")
-        fig.tight_layout()
-        paths.append(out / "acceptance.png")
-        fig.savefig(paths[1], dpi=120)
-        plt.close(fig)
-    return paths
 
 
 # ----------------------------------------------------------------------------------------------

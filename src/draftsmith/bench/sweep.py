@@ -7,7 +7,7 @@ engine's (docs/eval.md: reference decoder best at k=4, vLLM 1.34x at k=4 against
 
 The rule (`choose_k`): the best speed-up at the lowest load level measured (concurrency 1 in the demo:
 one user, where decoding is latency-bound and speculation is for), among the k that are not slower than
-the baseline at any level measured (bench's SPEEDUP_FLOOR; when every k is slower somewhere, among all).
+the baseline at any level measured (verdict.SPEEDUP_FLOOR; when every k is slower somewhere, among all).
 Speed-ups within K_TIE of that best count as a tie, broken by the speed-up at the highest load level
 (drafting costs compute that a loaded server lacks), then by the smaller k. A k with failed requests or
 without acceptance data is out.
@@ -23,7 +23,8 @@ from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from draftsmith.bench.benchmark import SPEEDUP_FLOOR, BenchSettings, measure
+from draftsmith.bench.benchmark import BenchSettings, measure
+from draftsmith.bench.verdict import SPEEDUP_FLOOR
 
 # Two speed-ups closer than this (relative) are a tie. A judgement, not a measured bound: on this shared 2-core
 # CPU the per-round speed-ups of one level spread wider than this (bench.json's sweep rows list them), so a

@@ -107,7 +107,7 @@ def write_summary(out: Path, summary: dict) -> None:
 
     summary["report"] = str(write_report(out))
     verdict = json.loads((out / "report.json").read_text())["verdict"]
-    if verdict["source"].startswith("bench:"):  # every engine bench measured (report.decide): run's exit code
+    if verdict["source"].startswith("bench:"):  # every engine bench measured (verdict.decide_run): run's exit code
         summary["bench_verdict"] = {k: verdict.get(k, []) for k in ("decision", "reasons", "next_steps")}
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 

@@ -10,8 +10,9 @@ Reads only what the stages left in the run directory (`run_config.json`, `summar
 
 The verdict at the top comes from bench (the drafter measured in each engine, vLLM and llama.cpp, against the
 same engine without speculation: go when every engine measured is faster with it) when it ran, else from eval
-(the reference speculative decoder); a failed stage is a no-go. `draftsmith run` writes the report at its end;
-this verb re-renders it.
+(the reference speculative decoder); a failed stage is a no-go: the rules of bench.verdict.decide_run, the same
+module bench decides by. The plots are run/plots.py's. `draftsmith run` writes the report at its end; this verb
+re-renders it.
 
 Run: draftsmith report runs/demo
 """
@@ -24,10 +25,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from draftsmith.bench.render import fmt
+from draftsmith.bench.verdict import decide_run
 from draftsmith.config import JSON_FLAG, Settings, add_flags, from_flags
 from draftsmith.errors import DraftsmithError
-
-PLOTS = ("report-training.png", "report-acceptance.png", "report-throughput.png")
+from draftsmith.run.plots import PLOTS, plot_all
 
 
 def read_json(path: Path) -> Any:
@@ -197,9 +199,6 @@ def k_choices(ev: dict | None, bench: dict | None, llama: dict | None) -> list[d
     return out
 
 
-PARITY_TOLERANCE = 0.25  # engine vs reference tau: the bound the engine tier of the tests holds vLLM to
-
-
 def parity(ev: dict | None, bench: dict | None) -> dict | None:
     """The engine's tau next to the reference decoder's at the same k."""
     if not ev or not bench or bench.get("tau") is None:
@@ -210,81 +209,6 @@ def parity(ev: dict | None, bench: dict | None) -> dict | None:
             "engine_per_position": bench["per_position"], "reference_per_position": ref["per_position"] if ref else None,
             "note": "on different prompts and output lengths: bench's, not eval's" if ref else
                     f"eval did not measure k={bench['k']}"}
-
-
-def decide(doc: dict) -> dict:
-    """Go / no-go: from bench when it ran (go when every engine it measured is), else from eval; a failed stage
-    is a no-go."""
-    reasons: list[str] = []
-    failed = (doc.get("summary") or {}).get("failed")
-    check_errors = {e: c["errors"] for e, c in (doc.get("check") or {}).items() if c["errors"]}
-    if check_errors:
-        reasons.append("check found " + ", ".join(f"{n} error(s) for {e}" for e, n in check_errors.items()))
-    if failed:
-        return {"decision": "no-go", "source": f"{failed['stage']} failed",
-                "reasons": [failed["error"].splitlines()[0]] + reasons}
-    engines = [v for v in (vllm_verdict(doc), llamacpp_verdict(doc.get("llamacpp"))) if v]
-    if engines:
-        decisions = {v["decision"] for v in engines}
-        named = len(engines) > 1  # one engine: the source names it
-        return {"decision": "no-go" if "no-go" in decisions else "go" if decisions == {"go"} else "inconclusive",
-                "source": f"bench: {' and '.join(v['engine'] for v in engines)} with and without the drafter",
-                "reasons": [f"{v['engine']}: {r}" if named else r for v in engines for r in v["reasons"]] + reasons,
-                "next_steps": [f"{v['engine']}: {n}" if named else n for v in engines for n in v["next_steps"]]}
-    ev = doc.get("eval")
-    if ev:
-        from draftsmith.bench.benchmark import SPEEDUP_FLOOR, TAU_WIRING_FAULT
-
-        ok = (ev["speedup"] or 0) > SPEEDUP_FLOOR and ev["tau"] >= TAU_WIRING_FAULT \
-            and ev["identical_to_target"] is not False
-        why = [f"reference decoder: tau {ev['tau']:.2f} at k={ev['k']}, speed-up {fmt(ev['speedup'])}x"]
-        if ev["tau"] < TAU_WIRING_FAULT:
-            why.append(f"tau below {TAU_WIRING_FAULT}: the target rejects almost every drafted token")
-        if ev["identical_to_target"] is False:
-            why.append("greedy speculative output differs from the target's own: a decoder or export bug")
-        return {"decision": "go" if ok else "no-go", "source": "eval: reference speculative decoder (no engine run)",
-                "reasons": why + reasons}
-    return {"decision": "incomplete", "source": "neither eval nor bench ran", "reasons": reasons}
-
-
-def vllm_verdict(doc: dict) -> dict | None:
-    """vLLM's go / no-go: bench's verdict at the chosen k, with the parity finding when there is one."""
-    if not doc.get("bench"):
-        return None
-    v = doc["bench"]["verdict"]
-    why, p = list(v["reasons"]), doc.get("parity")
-    if p and p["reference_tau"] is not None and abs(p["difference"]) <= PARITY_TOLERANCE:
-        # bench alone cannot tell a misread drafter from a weak one; the reference decoder reads it as trained,
-        # so an engine tau this close to the reference's rules the wiring fault out.
-        why = [r for r in why if "reads wrong" not in r]
-        speedups = [lv.get("speedup") for lv in doc["bench"].get("levels", [])]
-        # a drafter that pays off at some level is not weak: the no-go comes from the load, not from acceptance
-        weak = "" if v["decision"] == "go" or any((x or 0) > 1 for x in speedups) \
-            else "; the drafter itself accepts little"
-        where = f" ({p['note']})" if p.get("note") else ""
-        why.insert(0, f"engine tau {p['engine_tau']:.2f} is within {PARITY_TOLERANCE} of the reference decoder's "
-                      f"{p['reference_tau']:.2f} at k={p['k']}{where}: the engine reads the drafter as trained{weak}")
-    return {"engine": "vLLM", "decision": v["decision"], "reasons": why, "next_steps": v.get("next_steps", [])}
-
-
-def llamacpp_verdict(llama: dict | None) -> dict | None:
-    """llama.cpp's go / no-go: bench's verdict at the chosen k (failed requests, no drafts, a wiring-fault tau,
-    slower), and a go only when faster than the plain llama-server (speed-up above bench.SPEEDUP_FLOOR)."""
-    if not llama:
-        return None
-    from draftsmith.bench.benchmark import SPEEDUP_FLOOR
-
-    v = llama["verdict"]
-    if v["decision"] != "go":
-        return {"engine": "llama.cpp", "decision": v["decision"], "reasons": v["reasons"],
-                "next_steps": v.get("next_steps", [])}
-    up = llama["levels"][0]["speedup"]
-    where = f"speed-up {up:.2f}x at k={llama['k']}, batch 1, tau {fmt(llama['tau'])}"
-    if up > SPEEDUP_FLOOR:
-        return {"engine": "llama.cpp", "decision": "go", "reasons": [where], "next_steps": []}
-    return {"engine": "llama.cpp", "decision": "no-go", "reasons": [f"{where}: not faster than without the drafter"],
-            "next_steps": ["serve llama.cpp without the drafter here, or raise acceptance (train longer, on the "
-                           "target's own outputs)"]}
 
 
 def collect(run: Path) -> dict:
@@ -306,7 +230,7 @@ def collect(run: Path) -> dict:
            "selection": (drafter or {}).get("draftsmith", {}).get("selection"),
            "eval": ev, "check": read_json(run / "check.json"), "launch": read_json(run / "launch.json"),
            "bench": bench, "llamacpp": llama, "parity": parity(ev, bench), "k_choice": k_choices(ev, bench, llama)}
-    doc["verdict"] = decide(doc)
+    doc["verdict"] = decide_run(doc)
     return doc
 
 
@@ -336,27 +260,7 @@ def headline(doc: dict) -> str:
     return f"verdict: {v['decision'].upper()} ({v['source']})" + (": " + "; ".join(parts) if parts else "")
 
 
-# ---------------------------------------------------------------- plots
-
-
-def plot_all(doc: dict, out: Path) -> list[str]:
-    """The PNGs the page shows (only those with data), written into `out`."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    made = []
-    for name, draw in zip(PLOTS, (draw_training, draw_acceptance, draw_throughput)):
-        fig = draw(doc, plt)
-        (out / name).unlink(missing_ok=True)
-        if fig is None:
-            continue
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=110)
-        plt.close(fig)
-        made.append(name)
-    return made
+# ---------------------------------------------------------------- the page
 
 
 def kept_line(sel: dict) -> str:
@@ -366,99 +270,6 @@ def kept_line(sel: dict) -> str:
         return (f"**The run kept the starting drafter unchanged**: fine-tuning did not raise {change} "
                 "(train.keep_start; train.keep_start=false keeps the fine-tuned one).")
     return f"The fine-tuned drafter is kept: {change}."
-
-
-def draw_training(doc: dict, plt):
-    tr = doc.get("training")
-    if not tr:
-        return None
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.4))
-    a.plot(tr["step"], tr["loss"], color="#3b7dd8")
-    a.set(xlabel="optimizer step", ylabel="TTT loss", title="training loss")
-    for i in range(len(tr["acc"][0])):
-        b.plot(tr["step"], [acc[i] for acc in tr["acc"]], label=f"TTT step {i + 1}")
-    for e in tr["evals"]:
-        b.scatter([e["step"]] * len(e["acc"]), e["acc"], marker="x", color="black", zorder=3)
-    b.set(xlabel="optimizer step", ylabel="accuracy vs target argmax", ylim=(0, 1),
-          title="per-step accuracy (x: held-back samples)")
-    b.legend(fontsize=7)
-    return fig
-
-
-def draw_acceptance(doc: dict, plt):
-    ev, bench, sim, llama = doc.get("eval"), doc.get("bench"), doc.get("simulated_tau"), doc.get("llamacpp")
-    if not ev and not bench and not sim and not llama:
-        return None
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.4))
-    bars = [(label, engine["per_position"]) for label, engine in (
-        (f"reference decoder (k={(ev or {}).get('k')})", ev), (f"vLLM (k={(bench or {}).get('k')})", bench),
-        (f"llama.cpp (k={(llama or {}).get('k')}, p-min {(llama or {}).get('p_min')})", llama))
-        if engine and engine["per_position"]]
-    width = 0.8 / max(len(bars), 1)  # the engines side by side at each position
-    for i, (label, per_position) in enumerate(bars):
-        offset = (i - (len(bars) - 1) / 2) * width
-        a.bar([x + offset for x in range(1, len(per_position) + 1)], per_position, width, label=label)
-    from matplotlib.ticker import MaxNLocator
-
-    for ax in (a, b):
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    a.set(xlabel="draft position", ylabel="accepted / verification steps", ylim=(0, 1),
-          title="acceptance per position")
-    if bars:
-        a.legend(fontsize=7)
-    if sim:
-        ks = sorted(int(k) for k in sim)
-        b.plot(ks, [sim[str(k)] if str(k) in sim else sim[k] for k in ks], "o--", label="simulated (training)")
-    if ev:
-        b.plot([r["k"] for r in ev["sweep"]], [r["tau"] for r in ev["sweep"]], "s-", label="reference decoder")
-    rows = [r for r in ((bench or {}).get("sweep") or {}).get("rows", []) if r["tau"] is not None]
-    if len(rows) > 1:
-        b.plot([r["k"] for r in rows], [r["tau"] for r in rows], "D-", label="vLLM")
-    if bench and bench["tau"] is not None:
-        b.plot([bench["k"]], [bench["tau"]], "D", markersize=9, label="vLLM" if len(rows) < 2 else "vLLM, chosen k")
-    llama_rows = [r for r in ((llama or {}).get("sweep") or {}).get("rows", []) if r["tau"] is not None]
-    if llama_rows:
-        b.plot([r["k"] for r in llama_rows], [r["tau"] for r in llama_rows], "^-",
-               label=f"llama.cpp (p-min {llama['p_min']:g})")
-    b.set(xlabel="k (drafted tokens)", ylabel="tau (tokens per target step)", title="tau against k")
-    b.legend(fontsize=7)
-    return fig
-
-
-def draw_throughput(doc: dict, plt):
-    ev = doc.get("eval")
-    measured = [(name, doc[key]) for name, key in (("vLLM", "bench"), ("llama.cpp", "llamacpp")) if doc.get(key)]
-    if measured:
-        levels = [(name, lv) for name, engine in measured for lv in engine["levels"]]
-        labels = [f"{name} c={lv['concurrency']}" for name, lv in levels]
-        spec = [lv["output_tokens_per_s"] for _, lv in levels]
-        base = [lv["baseline_output_tokens_per_s"] or 0 for _, lv in levels]
-        title = " and ".join(name for name, _ in measured) + " output tokens/s"
-    elif ev:
-        labels, spec, base = ["batch 1"], [ev["tokens_per_s_spec"]], [ev["tokens_per_s_base"] or 0]
-        title = "reference decoder tokens/s"
-    else:
-        return None
-    fig, ax = plt.subplots(figsize=(5, 3.4))
-    xs = range(len(labels))
-    ax.bar([x - 0.2 for x in xs], base, 0.4, label="without speculation")
-    bars = ax.bar([x + 0.2 for x in xs], spec, 0.4, label="with the drafter")
-    ax.bar_label(bars, labels=[f"{s / b:.2f}x" if b else "" for s, b in zip(spec, base)])
-    ax.set_xticks(list(xs), labels)
-    ax.set(ylabel="output tokens/s", title=title)
-    ax.legend(fontsize=7)
-    return fig
-
-
-# ---------------------------------------------------------------- the page
-
-
-def fmt(x: Any, spec: str = ".2f") -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, (list, tuple)):
-        return " ".join(fmt(v, spec) for v in x)
-    return format(x, spec) if isinstance(x, float) else str(x)
 
 
 def blocks(doc: dict, images: list[str]) -> list[tuple]:

@@ -348,7 +348,7 @@ def bench_vllm(ctx: RunContext, out: Path) -> None:
 def write_sweep(reports: dict[int, dict], name: str, per_k: Path, result: Path, **extra: Any) -> None:
     """Each k's report as `per_k/k<K>.json`; the chosen k's (sweep.choose_from_reports), with `extra` and the sweep
     record, as `result`; its plots into `per_k`."""
-    from draftsmith.bench.benchmark import print_report, write_plots
+    from draftsmith.bench.render import print_report, write_plots
     from draftsmith.bench.sweep import choose_from_reports, sweep_record
 
     for k, report in reports.items():
