@@ -7,10 +7,10 @@
 # requirements, then train the four runs of benchmarks/speculators_compare.py and put the results under $OUT.
 #
 # Carried: .whl (benchmarks/speculators_wheels.txt, docs/peers.md "Running it on the H200") and the conversations; the
-# embedded GGUF as in scripts/device_build_call.sh (two carried halves, rejoined on the machine) unless
+# embedded GGUF as in scripts/device/device_build_call.sh (two carried halves, rejoined on the machine) unless
 # TARGET names another HF directory there.
 #
-# Usage on the device: CONV=data/conv.jsonl GGUF=/tmp/smollm2.gguf bash scripts/gpu_speculators_compare.sh
+# Usage on the device: CONV=data/conv.jsonl GGUF=/tmp/smollm2.gguf bash scripts/device/gpu_speculators_compare.sh
 # Knobs (env): W (work dir, /tmp/cmp), EPOCHS (1), TARGET (smollm2), DEVICE (cuda; cpu for a smoke run), ONLY (e.g. "draftsmith-defaults"), OUT,
 # BUDGET (seconds this script may run, 570: the device call stops at 600 s and returns nothing of a run it
 # killed; the trainings get what capture left, as --max-seconds, and a run past it is stopped, the JSON kept),

@@ -10,23 +10,23 @@
 #              edb2da0` for session 33's diagonal change; 114 s): DIR's gpu_train.py, then this tree's, same
 #              arguments.
 #
-#   bash scripts/device_throughput_ab.sh      # in the repository root on the GPU machine
+#   bash scripts/device/device_throughput_ab.sh      # in the repository root on the GPU machine
 #
 # Carry `anchors` (SpecForge under anchors/specforge, as ../shared/anchors/specforge-bench/RUN.md sets it up) for
-# MODE=real, and `.whl` where the machine lacks pydantic (`bash scripts/device_carry.sh prepare`
+# MODE=real, and `.whl` where the machine lacks pydantic (`bash scripts/device/device_carry.sh prepare`
 # downloads it). For MODE=before, only this checkout travels: copy the other commit's src and benchmarks into an
 # ignored folder here (session 37: `.before`, its drafter weights left out) and carry that.
 # Every command runs under `timeout`, sized from what is left of BUDGET_S (default 570 s, under the call's 600 s);
 # all output is tee'd to $OUT/device_throughput_ab.log and each command's to $OUT/<name>.txt, so a call cut short
 # still returns what finished.
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/device_throughput_ab}
 mkdir -p "$OUT"
 MODE=${MODE:-real}
 BUDGET_S=${BUDGET_S:-570}
 export PYTHONPATH=${PYTHONPATH:-/tmp/site:$PWD/src}
-source scripts/device_steps.sh  # t0, left, step, python_ready
+source scripts/device/device_steps.sh  # t0, left, step, python_ready
 TRAINER=(--trainer --compile --seq 4096 --steps 11 --synced-steps 0 --trace-steps 2)
 
 need_anchors() {
