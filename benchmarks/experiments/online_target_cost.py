@@ -12,8 +12,8 @@ committed self-written SmolLM2 length histogram.
 The target is SmolLM2-135M-shaped with random bf16 weights (its config below): no GGUF, so one device call suffices.
 Token ids are random; the forward's cost does not depend on them.
 
-    python3 benchmarks/online_target_cost.py --out $OUT/online_target_cost.json            # CUDA, bf16
-    .venv/bin/python benchmarks/online_target_cost.py --device cpu --layers 6 --micro-batches 2 --row-tokens 2048 \\
+    python3 benchmarks/experiments/online_target_cost.py --out $OUT/online_target_cost.json            # CUDA, bf16
+    .venv/bin/python benchmarks/experiments/online_target_cost.py --device cpu --layers 6 --micro-batches 2 --row-tokens 2048 \\
         --out /tmp/x.json                                                                    # a smoke run
 """
 
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_packing import draw_lengths, load_histogram  # noqa: E402
 
