@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from draftsmith.train.features import Batch, feature_dtype, pack_rows  # noqa: E402
 from draftsmith.capture.store import Sample  # noqa: E402
 from gpu_train import (SyntheticSource, llama8b_drafter, llama8b_target_config, pipelined_steps,  # noqa: E402
-                       synced_steps, trace_steps, weight_gradient_setting)
+                       synced_steps, trace_steps)
 
 
 # --- the histogram ------------------------------------------------------------------------------------
@@ -285,20 +285,16 @@ def main() -> None:
     r.add_argument("--warm-shapes", action="store_true",
                    help="first run one step of every micro-batch shape of the timed steps (each compiles with "
                         "--compile), so the timed steps measure the steady state; their times are reported apart")
-    r.add_argument("--weight-gradient-pass", action="store_true",
-                   help="with --compile: kernels.one_product_per_sum on (see gpu_train.py --weight-gradient-pass)")
     r.add_argument("--dense-document-mask", action="store_true",
                    help="eager CPU: packed rows attend under the dense (T x T) document mask, as before document "
                         "spans (kernels.per_document), for the A/B")
     r.add_argument("--out", required=True)
     args = ap.parse_args()
-    if args.cmd == "run":
-        weight_gradient_setting(args.weight_gradient_pass, None)
-        if args.dense_document_mask:
-            import draftsmith.model.eagle3
-            from draftsmith.model.kernels import document_mask
+    if args.cmd == "run" and args.dense_document_mask:
+        import draftsmith.model.eagle3
+        from draftsmith.model.kernels import document_mask
 
-            draftsmith.model.eagle3.document_spans = document_mask  # ttt_unroll's eager CPU mask, swapped for the A/B
+        draftsmith.model.eagle3.document_spans = document_mask  # ttt_unroll's eager CPU mask, swapped for the A/B
     if args.cmd == "histogram":
         if bool(args.store) == bool(args.conversations):
             ap.error("histogram needs --store or --conversations")

@@ -1,8 +1,8 @@
 """Draft-vocabulary coverage: the share of a conversations file's answer tokens that a drafter can propose at all.
 
 The share of supervised (assistant) tokens that lie in the drafter's draft vocabulary (its `t2d` mask): a token
-outside it is never drafted, whatever the drafter has learned. `benchmarks/draft_vocab_growth.py` measures what a
-larger vocabulary buys in tau and costs in speed.
+outside it is never drafted, whatever the drafter has learned. `benchmarks/experiments/draft_vocab_growth.py`
+measured what a larger vocabulary buys in tau and costs in speed.
 
     .venv/bin/draftsmith regenerate --target smollm2 --prompts chat-eval --limit 200 --max-new-tokens 192 \
         --device cpu --dtype float32 --batch-size 50 --temperature 0 --out /tmp/chat_answers.jsonl

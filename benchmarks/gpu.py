@@ -6,7 +6,7 @@ file per suite, `<out>/gpu_<suite>.json` (history is git's, not the file name's)
 (the device rule: NCCL_NVLS_ENABLE=0 and friends) for every command.
 
 Multi-stage device runs that build something (a drafter, the issue #23 comparison) are developer tools under
-scripts/ (gpu_smollm2.sh, gpu_smollm2_collect.sh, gpu_speculators_compare.sh), not suites.
+scripts/ (build_embedded_drafter.sh, device/gpu_speculators_compare.sh), not suites.
 
 Run (on the GPU machine):
     python3 benchmarks/gpu.py --suite kernels,step            # nvidia-h200

@@ -372,15 +372,6 @@ def profiled_steps(trainer, n: int) -> dict:
                               "host_ops": during(s, e)} for ms, s, e in gaps[:12]]}
 
 
-def weight_gradient_setting(on: bool, rows: int | None) -> None:
-    """The weight-gradient pass of `compile_for_training` on or off for this process (kernels.WEIGHT_GRADIENT_PASS,
-    WEIGHT_GRADIENT_ROWS): the benchmarks' switch for its A/B."""
-    import draftsmith.model.kernels
-
-    draftsmith.model.kernels.WEIGHT_GRADIENT_PASS = on or rows is not None
-    draftsmith.model.kernels.WEIGHT_GRADIENT_ROWS = rows
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seq", default="2048,4096")
@@ -406,13 +397,7 @@ def main() -> None:
     ap.add_argument("--trace-steps", type=int, default=0,
                     help="trainer mode, CUDA: profile this many pipelined steps after the timed ones (GPU busy and "
                          "idle time, the longest idle gaps with the host ops during them, kernel time by kind)")
-    ap.add_argument("--weight-gradient-pass", action="store_true",
-                    help="compile with kernels.one_product_per_sum on (kernels.WEIGHT_GRADIENT_PASS): each weight's "
-                         "gradient over the K TTT steps as one GEMM instead of K summed afterwards")
-    ap.add_argument("--weight-gradient-rows", type=int, default=None,
-                    help="with the pass: merge the products of at most this many rows (kernels.WEIGHT_GRADIENT_ROWS)")
     args = ap.parse_args()
-    weight_gradient_setting(args.weight_gradient_pass, args.weight_gradient_rows)
     if args.trainer:
         args.seq = int(args.seq.split(",")[0])
         return bench_trainer(args)

@@ -105,11 +105,8 @@ def main() -> None:
                     help="fixed 4096 and the packed real-length mode: profile this many pipelined steps after the timed "
                          "ones (GPU busy and idle time, kernel time by kind)")
     ap.add_argument("--real-modes", default="packed,unpacked", help="real lengths: draftsmith's modes, in order")
-    ap.add_argument("--weight-gradient-pass", action="store_true",
-                    help="draftsmith's runs compile with kernels.one_product_per_sum on (gpu_train.py's flag)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    wgp = ["--weight-gradient-pass"] if args.weight_gradient_pass else []
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     logs = args.out.parent / "specforge_compare_logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -125,7 +122,7 @@ def main() -> None:
     if "fixed" not in skip:
         lines, secs = run([py, "benchmarks/gpu_train.py", "--trainer", "--compile", "--seq", "4096", "--steps",
                            str(args.steps + 3 + args.synced_steps), "--synced-steps", str(args.synced_steps),
-                           "--trace-steps", str(args.trace_steps)] + wgp, ROOT, 300, logs / "draftsmith_fixed.log")
+                           "--trace-steps", str(args.trace_steps)], ROOT, 300, logs / "draftsmith_fixed.log")
         fixed = next((r for r in lines if r.get("mode") == "trainer"), None)
         result["draftsmith_fixed_4096"] = {"wall_s": secs, **(fixed or {"error": "no result; see the log"})}
         sf = sf_grid.get(4096)
@@ -137,7 +134,7 @@ def main() -> None:
                 one_bin.write_text(json.dumps({"bins": [{"lo": 4096, "hi": 4096, "count": 1}]}))
                 run([py, "benchmarks/bench_packing.py", "run", "--histogram", str(one_bin), "--device", "cuda",
                      "--compile", "--cuda-graphs", "--modes", "packed", "--samples", str(args.steps + 8),
-                     "--steps", str(args.steps), "--out", str(graphs_out)] + wgp, ROOT, 300,
+                     "--steps", str(args.steps), "--out", str(graphs_out)], ROOT, 300,
                     logs / "draftsmith_fixed_graphs.log")
                 graphs = json.loads(graphs_out.read_text())["packed"] if graphs_out.exists() else None
             result["draftsmith_fixed_4096_graphs"] = graphs or {"error": "no result; see the log"}
@@ -160,7 +157,7 @@ def main() -> None:
             run([py, "benchmarks/bench_packing.py", "run", "--histogram", str(scaled), "--device", "cuda", "--compile",
                  "--samples", str(args.samples), "--seed", "0", "--steps", str(args.steps), "--out", str(packing_out),
                  "--warm-shapes", "--modes", args.real_modes, "--trace-steps", str(args.trace_steps)]
-                + (["--cuda-graphs"] if args.cuda_graphs else []) + wgp,
+                + (["--cuda-graphs"] if args.cuda_graphs else []),
                 ROOT, args.real_limit_s, logs / "draftsmith_real.log")
             packing = json.loads(packing_out.read_text()) if packing_out.exists() else None
         real = {"histogram": str(args.histogram.relative_to(ROOT)), "scale_max": args.scale_max,

@@ -181,7 +181,7 @@ SPECULATORS_LOSS = ("--loss-implementation", "eager")
 """Both speculators runs use its eager loss (same KL math, schema.py `LossArgs`: "for compatibility and numerical
 validation"): its default fused Triton loss stopped both runs on the H200 (torch 2.11, 2026-12-02) inside
 torch.compile, `AssertionError: ListVariable(length=21) is already tracked for mutation` at `losses/fused.py`
-`loss_backward_kernel.configs` (benchmarks/results/speculators_compare.json, `first_try`)."""
+`loss_backward_kernel.configs` (`first_try` in benchmarks/results/speculators_compare.json as of commit b6ca207)."""
 
 
 SPECULATORS_WINDOW = 2048

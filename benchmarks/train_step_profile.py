@@ -10,7 +10,7 @@ and CPU-side ops, and with --compile torch.compile's graph and graph-break count
 host work and syncs cost.
 
 Compiled settings of different shapes in one process share dynamo's cache: the second shape recompiles with
-dynamic shapes, which is not what a run of that shape alone compiles. scripts/device_step_profile.sh runs each
+dynamic shapes, which is not what a run of that shape alone compiles. scripts/device/device_step_profile.sh runs each
 setting in a process of its own.
 
 `--host` builds every batch as the store reader does: samples on the CPU (a pool of real-length tensors),

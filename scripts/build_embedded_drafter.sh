@@ -18,7 +18,7 @@
 # stand-in package directory whose GGUF is the same file, so `--target smollm2` is the same weights as on CPU.
 # pack (runs when PACK is set, e.g. PACK=$OUT on the device machine) writes what a device call can return (at most 8
 # files of 16 MiB): the export's weights in 15 MB parts with their sha256, config.json, README.md and one
-# build.tgz of summaries, logs, metrics and evals; join them here with `bash scripts/device_carry.sh join DIR DEST`.
+# build.tgz of summaries, logs, metrics and evals; join them here with `bash scripts/device/device_carry.sh join DIR DEST`.
 # What to commit afterwards (only when the new drafter beats the shipped one on chat-eval): $W/export/* into
 # src/draftsmith/data/drafters/smollm2/, and $W/chat_eval.jsonl into src/draftsmith/data/ if it changed.
 set -euo pipefail

@@ -344,15 +344,10 @@ def test_ttt_output_is_a_pytree_so_fsdp2_can_hook_its_backward():
     assert pytree.tree_unflatten(leaves, spec) == out
 
 
-@pytest.mark.parametrize("weight_gradient_pass", [False, True])
-def test_compiled_training_step_equals_eager(weight_gradient_pass, monkeypatch):
+def test_compiled_training_step_equals_eager():
     """`compile_for_training` (what `train --compile` runs on GPUs) changes kernels, not results: loss, argmax and
-    gradients of a tiny drafter match the eager unroll (fp32, CPU inductor), also with the layer's weight gradients
-    merged over the TTT steps (`kernels.WEIGHT_GRADIENT_PASS`)."""
-    import draftsmith.model.kernels
+    gradients of a tiny drafter match the eager unroll (fp32, CPU inductor)."""
     from draftsmith.model.eagle3 import compile_for_training
-
-    monkeypatch.setattr(draftsmith.model.kernels, "WEIGHT_GRADIENT_PASS", weight_gradient_pass)
 
     torch.manual_seed(0)
     eager, compiled = Eagle3Drafter(tiny_config()), Eagle3Drafter(tiny_config())
@@ -601,63 +596,3 @@ def test_engine_walk_equals_a_step_by_step_walk_on_long_packed_rows():
                     t += 1
         assert engine_walk_acceptance(correct, valid, k) == (total, chains)
         assert chains > 500
-
-
-def recording_pass(counts: list, max_rows: int | None = None):
-    """`one_product_per_sum` as a post-grad pass that appends each graph's count of merged products to `counts`."""
-    from torch._inductor.custom_graph_pass import CustomGraphPass
-
-    from draftsmith.model.kernels import one_product_per_sum
-
-    class Recording(CustomGraphPass):
-        def __call__(self, graph):
-            counts.append(one_product_per_sum(graph, max_rows))
-
-        def uuid(self):
-            return None  # not cached: every compile runs the pass
-
-    return Recording()
-
-
-def merged_step_products(steps: int, max_rows: int | None = None):
-    """A weight applied at `steps` steps of a tanh unroll over 32 rows, compiled with `one_product_per_sum` as the
-    post-grad pass: (products merged away, the compiled gradient of the weight, the eager one)."""
-    merged = []
-
-    def unroll(w, x):
-        h = x
-        for _ in range(steps):
-            h = torch.tanh(torch.nn.functional.linear(h, w))
-        return h.square().sum()
-
-    torch.manual_seed(0)
-    w, x = (torch.randn(64, 64) / 8).requires_grad_(), torch.randn(32, 64)
-    compiled = torch.compile(unroll, options={"post_grad_custom_post_pass": recording_pass(merged, max_rows)})
-    g_compiled = torch.autograd.grad(compiled(w, x), w)[0]
-    return sum(merged), g_compiled, torch.autograd.grad(unroll(w, x), w)[0]
-
-
-def test_a_weights_gradients_over_steps_become_one_product_with_the_same_values():
-    """`kernels.one_product_per_sum`, the post-grad pass of `compile_for_training`: a weight applied at three
-    steps gets three products dY_i^T h_i summed in the backward; compiled with the pass they are one GEMM over
-    the three steps' rows (2 products merged away), with the eager gradient. Sums of products with a long
-    inner side (an input's gradient through two weights) stay as they are (`merges_products`)."""
-    merged, g_compiled, g_eager = merged_step_products(3)
-    assert merged == 2
-    assert torch.allclose(g_compiled, g_eager, rtol=1e-4, atol=1e-4)  # fp32, the sum in another order
-
-    counts = []
-    a, b = torch.randn(8, 256), torch.randn(256, 8)
-    two = torch.compile(lambda a, b, c, d: a @ b + c @ d,
-                        options={"post_grad_custom_post_pass": recording_pass(counts)})
-    assert torch.allclose(two(a, b, a * 2, b), a @ b + (a * 2) @ b, rtol=1e-5, atol=1e-5)
-    assert counts == [0]
-
-
-def test_the_weight_gradient_pass_merges_runs_of_at_most_max_rows():
-    """With max_rows, `one_product_per_sum` merges the step products in runs whose inner side fits it (the
-    concatenated operands are live until their product runs): 5 steps of 32 rows at max_rows=64 give runs of 2, 2
-    and 1, so 2 products merged away, and the eager gradient."""
-    merged, g_compiled, g_eager = merged_step_products(5, max_rows=64)
-    assert merged == 2
-    assert torch.allclose(g_compiled, g_eager, rtol=1e-4, atol=1e-4)

@@ -232,8 +232,9 @@ def test_the_converter_writes_the_trained_layers_only_through_the_llamacpp_expor
 @pytest.mark.e2e
 def test_the_normed_recipes_norms_reach_the_gguf_llama_cpp_computes(tmp_path):
     """The normed recipe (train.RECIPES) serves in llama.cpp: its two norms arrive as the header flags and the
-    input-norm tensor that llama.cpp's eagle3 graph reads (benchmarks/results/peer16_parity_normed_chat-eval.json:
-    tau 1.650 there against the reference decoder's 1.661)."""
+    input-norm tensor that llama.cpp's eagle3 graph reads
+    (benchmarks/results/peer_engines_parity_normed_chat-eval.json: tau 1.650 there against the reference decoder's
+    1.661)."""
     from gguf import GGUFReader
 
     from draftsmith.export.formats import export

@@ -42,8 +42,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from draftsmith.model.kernels import (DraftHeadLoss, document_block_mask, document_mask, document_positions, document_spans,
-                                is_block_mask, repeat_kv, soft_ce_rows, SwiGLUDown, ttt_attention, ttt_attention_lse,
-                                weight_gradient_pass)
+                                is_block_mask, repeat_kv, soft_ce_rows, SwiGLUDown, ttt_attention, ttt_attention_lse)
 from draftsmith.target import TargetSpec, target_argmax
 
 
@@ -535,9 +534,6 @@ def compile_for_training(drafter: Eagle3Drafter, cuda_graphs: bool = False) -> N
     step"). Packed rows (`TrainConfig.pack`) keep one shape, so the first step compiles and no later one does;
     unpacked micro-batches recompile once for dynamic shapes (and for a micro-batch of one row, which dynamo
     specialises), not per grouping of the loss's TTT steps when the caller passes `head_rows` (the Trainer does).
-    With `kernels.WEIGHT_GRADIENT_PASS` on (off by default: measured slower on an H100), the backward's per-step weight
-    gradients of the layer become one GEMM per weight over all K steps' tokens (`kernels.one_product_per_sum`, an
-    inductor post-grad pass), as `DraftHeadLoss` does for the head.
 
     cuda_graphs: the forward and backward graphs replay as CUDA graphs (torch.compile's `reduce-overhead` mode,
     CUDA graph trees): one launch each instead of one per kernel. The caller marks each forward's start
@@ -555,14 +551,11 @@ def compile_for_training(drafter: Eagle3Drafter, cuda_graphs: bool = False) -> N
 
     if hasattr(inductor_config.triton, "coalesce_tiling_analysis"):
         inductor_config.triton.coalesce_tiling_analysis = False
-    # The unroll's weight gradients as one GEMM per weight over the K steps, where on (`kernels.weight_gradient_pass`).
     # triton.cudagraphs is what mode="reduce-overhead" sets (torch.compile takes a mode or options, not both).
     # CUDA graphs replay one recorded shape each (packing gives one): static shapes, so that a second shape is
     # compiled as its own static graph rather than dynamic in the row length (inductor cannot split the block
     # mask's 128-token blocks of a symbolic length).
     options = {"triton.cudagraphs": True} if cuda_graphs else {}
-    if (merge := weight_gradient_pass()) is not None:
-        options["post_grad_custom_post_pass"] = merge
     drafter.ttt_unroll = torch.compile(ttt_unroll, options=options, dynamic=False if cuda_graphs else None)
 
 

@@ -11,7 +11,7 @@ conversations whose answers are local text: Python's own documentation topics (`
 prose) and standard-library modules (code). Not the target's own answers, so absolute tau is low; the runs are
 compared with each other only.
 
-    .venv/bin/python benchmarks/head_init_ablation.py --work /tmp/headinit --out benchmarks/results/head_init_ablation.json
+    .venv/bin/python benchmarks/experiments/head_init_ablation.py --work /tmp/headinit --out benchmarks/results/head_init_ablation.json
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ rows of its 8,192 draft tokens, frozen (the normed recipe), so growing its vocab
 changes nothing but which tokens it can propose. This measures tau of the shipped drafter and of grown copies on
 the same prompts with the reference decoder (`draftsmith eval`, greedy, fp32).
 
-    PYTHONPATH=src .venv/bin/python benchmarks/draft_vocab_growth.py --sizes 12288,49152 --counts-store runs/demo/store \
+    PYTHONPATH=src .venv/bin/python benchmarks/experiments/draft_vocab_growth.py --sizes 12288,49152 --counts-store runs/demo/store \
         --limit 32 --out benchmarks/results/draft_vocab_growth.json
 
 --counts-store: the feature store whose supervised-token counts pick the added tokens (any size short of the whole
@@ -78,7 +78,7 @@ def main() -> int:
             d = grown_drafter(start, head, size, counts, Path(tmp) / f"grown{size}")
             rows[f"grown to {size}"] = evaluate(d, args)
     result = {"what": "tau of a drafter and of copies grown to larger draft vocabularies with the target's head "
-                      "rows, no training (benchmarks/draft_vocab_growth.py)",
+                      "rows, no training (benchmarks/experiments/draft_vocab_growth.py)",
               "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"), "drafter": args.drafter,
               "counts_store": args.counts_store, "runs": rows}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

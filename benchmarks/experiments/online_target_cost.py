@@ -4,7 +4,7 @@ Online training (`draftsmith train --conversations`, what scripts/build_embedded
 once per micro-batch over the packed rows' whole conversations, right-padded to the longest of them
 (`OnlineSource.packed_batch`). Session 25's build stepped at a median 186 ms per 32,768-token row, bimodal (about
 138 ms and 215 ms, the slow steps on rows of longer conversations), while the drafter's step alone runs far faster
-(benchmarks/results/profile_whole_forward_h200_s24.json). This benchmark times that forward alone, with the padding
+(benchmarks/results/train_step_profile_smollm2.json). This benchmark times that forward alone, with the padding
 mask (before session 25) and without it (`target_features(..., None, ...)`, what capture and online training pass
 now), on micro-batches planned the way the Trainer plans them (`train.pack_plan`) from lengths drawn from the
 committed self-written SmolLM2 length histogram.
@@ -12,8 +12,8 @@ committed self-written SmolLM2 length histogram.
 The target is SmolLM2-135M-shaped with random bf16 weights (its config below): no GGUF, so one device call suffices.
 Token ids are random; the forward's cost does not depend on them.
 
-    python3 benchmarks/online_target_cost.py --out $OUT/online_target_cost.json            # CUDA, bf16
-    .venv/bin/python benchmarks/online_target_cost.py --device cpu --layers 6 --micro-batches 2 --row-tokens 2048 \\
+    python3 benchmarks/experiments/online_target_cost.py --out $OUT/online_target_cost.json            # CUDA, bf16
+    .venv/bin/python benchmarks/experiments/online_target_cost.py --device cpu --layers 6 --micro-batches 2 --row-tokens 2048 \\
         --out /tmp/x.json                                                                    # a smoke run
 """
 
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_packing import draw_lengths, load_histogram  # noqa: E402
 

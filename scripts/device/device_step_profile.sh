@@ -10,14 +10,14 @@
 #   before-4k   only with BEFORE=DIR (a checkout of the commit to compare with, e.g. a git worktree): graphs-4k
 #               profiled with DIR's own code and benchmark, last, if the call has time left
 #
-#   bash scripts/device_step_profile.sh          # in the repository root; carry .whl where pydantic is missing
+#   bash scripts/device/device_step_profile.sh          # in the repository root; carry .whl where pydantic is missing
 #
 # Every command runs under `timeout`, sized from what is left of BUDGET_S (default 480 s, under the call's 600 s),
 # and everything printed is tee'd to $OUT/device_step_profile.log, so that a call cut short still returns what
 # finished: $OUT/<step>.txt (each command's output), $OUT/profile_<setting>.json (written by the benchmark once
 # its setting is measured).
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/device_step_profile}
 mkdir -p "$OUT"
 BUDGET_S=${BUDGET_S:-480}
@@ -27,7 +27,7 @@ export TORCH_LOGS=${TORCH_LOGS:-graph_breaks,recompiles,perf_hints}
 PROFILE=(--device cuda --host --warmup 6 --steps 16 --profile-steps 2)
 NORMED=recipe=normed
 GRAPHS=recipe=normed,compile=true,cuda_graphs=true
-source scripts/device_steps.sh  # t0, left, step, python_ready
+source scripts/device/device_steps.sh  # t0, left, step, python_ready
 
 main() {
     python_ready || return

