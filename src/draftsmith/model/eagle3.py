@@ -437,7 +437,6 @@ def step_masks(loss_mask: torch.Tensor, steps: int, documents: torch.Tensor | No
     return torch.stack(masks)
 
 
-@torch.no_grad()
 def ttt_forward(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                 last: torch.Tensor, target_head: torch.Tensor, steps: int = TTT_STEPS,
                 decay: float = TTT_STEP_LOSS_DECAY, denominators: torch.Tensor | None = None,
