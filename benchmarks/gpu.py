@@ -1,4 +1,4 @@
-"""The GPU measurements of docs/gpu.md as named suites: one device call runs one or more suites.
+"""The GPU measurements of docs/gpu-results.md as named suites: one device call runs one or more suites.
 
 Each suite is a list of commands (benchmarks/gpu_train.py, benchmarks/gpu_attention.py, tests/test_gpu.py)
 run one after the other with a timeout each; their JSON lines and JSON outputs are gathered into one results

@@ -108,7 +108,7 @@ class Setting:
 SETTINGS = (
     Setting("ttt_steps", "--ttt-steps", 7, 3),
     Setting("step_loss_decay", "--ttt-step-loss-decay", 0.8, 1.0),
-    Setting("lr", "--lr", None, 1e-3, "draftsmith's null: 1e-3 for a new drafter (1e-4 before session 12)"),
+    Setting("lr", "--lr", None, 1e-3, "draftsmith's null: 1e-3 for a new drafter, 2e-4 with --init-from"),
     Setting("weight_decay", "--weight-decay", 0.0, 0.01),
     Setting("batch_tokens", "--total-seq-len", 4096, 8192, "tokens per packed row and optimizer step"),
     Setting("eval_fraction", "--train-data-ratio", 0.05, 0.9, "speculators' value is 1 - draftsmith's"),

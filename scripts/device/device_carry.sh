@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Developer tool for the lent GPU machine (docs/gpu.md, "Running the SmolLM2 target through the device tool"):
+# Developer tool for the lent GPU machine (docs/gpu.md, "Running the SmolLM2 target on a machine without network"):
 # prepares what the device calls carry, so that the embedded target reaches the machine in three calls, the third
 # of which also carries the shipped drafter (for a fine-tune from it), and joins what a build returns.
 #

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Developer tool for the lent GPU machine (issue 21; docs/gpu.md, "Beside SpecForge"): the training-throughput
+# Developer tool for the lent GPU machine (docs/gpu.md, "Beside SpecForge"): the training-throughput
 # measurements still owed, one device call each, at the Llama-3.1-8B drafter's shapes (TTT 7, bf16), every
 # setting in a fresh process. MODE picks the call:
 #

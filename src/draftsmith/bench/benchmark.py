@@ -40,8 +40,8 @@ import numpy as np
 
 from pydantic import model_validator
 
+from draftsmith.client import api_key_from_env, normalize_base, open_client, served_model
 from draftsmith.config import Settings, add_flags, from_flags
-from draftsmith.regenerate.endpoints import api_key_from_env, normalize_base
 from draftsmith.errors import DraftsmithError
 from draftsmith.bench.metrics import (
     Acceptance,
@@ -298,19 +298,6 @@ def summarize_level(kind: str, value: float, results: list[RequestResult], durat
 # One endpoint
 
 
-async def served_model(client, base: str) -> str:
-    try:
-        models = await client.models.list()
-    except Exception as exc:  # unreachable, or not OpenAI-compatible
-        raise DraftsmithError("cannot list the endpoint's models", got=f"{type(exc).__name__}: {exc}",
-                              expected=f"an OpenAI-compatible server answering {base}/v1/models",
-                              fix="check the URL and that the server is up; pass --model if listing is disabled") from exc
-    if not models.data:
-        raise DraftsmithError("the endpoint serves no model", got=f"{base}/v1/models is empty",
-                              expected="one served model", fix="pass --model NAME")
-    return models.data[0].id
-
-
 @dataclass
 class Endpoint:
     """One server open for a measurement: its clients, the model it serves, what each request adds."""
@@ -335,12 +322,11 @@ async def connect(url: str, s: BenchSettings, extra_body: dict | None = None) ->
     import openai
 
     base = normalize_base(url)
-    key = api_key_from_env()
     limits = httpx.Limits(**CONNECTION_LIMITS)
-    async with openai.AsyncOpenAI(base_url=base + "/v1", api_key=key, max_retries=0,
-                                  http_client=openai.DefaultAsyncHttpxClient(limits=limits)) as client, \
-            httpx.AsyncClient(timeout=30, limits=limits, headers={"Authorization": f"Bearer {key}"}) as http:
-        yield Endpoint(base, s.model or await served_model(client, base), client, http, s.num_speculative_tokens,
+    async with open_client(base + "/v1", http_client=openai.DefaultAsyncHttpxClient(limits=limits)) as client, \
+            httpx.AsyncClient(timeout=30, limits=limits,
+                              headers={"Authorization": f"Bearer {api_key_from_env()}"}) as http:
+        yield Endpoint(base, s.model or await served_model(client), client, http, s.num_speculative_tokens,
                        extra_body)
 
 

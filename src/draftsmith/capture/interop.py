@@ -1,6 +1,6 @@
 """`draftsmith export-store STORE OUT --format speculators`: a feature store in a peer trainer's offline layout.
 
-So that a peer trainer and draftsmith learn from the same tokens, masks and states (issue #23). The one
+So that a peer trainer and draftsmith learn from the same tokens, masks and states (docs/peers.md). The one
 peer layout today is vllm-project/speculators 0.9.0's offline data for EAGLE-3, as its trainer reads it
 (`speculators/train/data.py` `ArrowDataset`, `hs_connectors/transfer.py` `FileTransfer`):
 

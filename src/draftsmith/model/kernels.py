@@ -30,7 +30,7 @@ def per_position_product(a: torch.Tensor, b: torch.Tensor, reduce: int) -> torch
     GEMMs, nothing (g x i x hd) per position materialised). Compiled, a broadcast product summed in fp32, which
     inductor fuses into one kernel per direction: as batched GEMMs these are B x nkv x T products of at most
     (4 x 128) by (128 x 7), which cuBLAS runs at a fraction of its rate (4.4 ms of a packed Llama-3.1-8B step on
-    an H100, session 33's profile, against some 0.1 GB of data per step to read). Returns at least fp32."""
+    an H100, 2026-12-06 profile, against some 0.1 GB of data per step to read). Returns at least fp32."""
     acc = torch.promote_types(a.dtype, torch.float32)
     if not torch.compiler.is_compiling():
         eq = "bkgtd,bktjd->bkgtj" if reduce == -1 else "bkgtj,bktjd->bkgtd"

@@ -56,7 +56,6 @@ from draftsmith.client import (
     served_model,
     with_retries,
 )
-from draftsmith.client import api_key_from_env  # noqa: F401  bench.benchmark's import; goes when bench imports client
 from draftsmith.errors import DraftsmithError
 from draftsmith.regenerate.conversations import Conversation, ConversationWriter
 
