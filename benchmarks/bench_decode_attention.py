@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from draftsmith.regenerate.generation import BUCKET, DecodeSettings, decode_all  # noqa: E402
+from draftsmith.regenerate.generation import BUCKET, RowDecodeSettings, decode_all  # noqa: E402
 
 OUT = Path(__file__).parent / "results" / "decode_attention.json"
 
@@ -37,7 +37,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=3072)
     ap.add_argument("--new", type=int, default=256, help="tokens decoded per prompt")
     ap.add_argument("--max-length", type=int, default=1024)
-    ap.add_argument("--sync-every", type=int, default=DecodeSettings.sync_every)
+    ap.add_argument("--sync-every", type=int, default=RowDecodeSettings.sync_every)
     ap.add_argument("--warmup", action="store_true", help="a small run first, not recorded")
     ap.add_argument("--profile", type=int, default=0, metavar="ROWS",
                     help="instead of timed runs: the top CUDA kernels of 16 eager decode steps at ROWS full rows, "
@@ -57,11 +57,11 @@ def main() -> None:
         profile(model, prompts, args)
         return
     if args.warmup:
-        decode_all(model, prompts[:256], DecodeSettings(max_new_tokens=16, rows=256, max_length=args.max_length), [0])
+        decode_all(model, prompts[:256], RowDecodeSettings(max_new_tokens=16, rows=256, max_length=args.max_length), [0])
     runs = []
     for rows in (int(r) for r in args.rows.split(",")):
         for attention in args.attention.split(","):
-            settings = DecodeSettings(max_new_tokens=args.new, rows=rows, max_length=args.max_length,
+            settings = RowDecodeSettings(max_new_tokens=args.new, rows=rows, max_length=args.max_length,
                                       attention=attention, sync_every=args.sync_every)
             torch.manual_seed(0)
             torch.cuda.reset_peak_memory_stats()
@@ -84,7 +84,7 @@ def profile(model, prompts, args) -> None:
     from draftsmith.regenerate.generation import RowDecoder
 
     rows = args.profile
-    dec = RowDecoder(model, DecodeSettings(max_new_tokens=args.new, rows=rows, max_length=args.max_length,
+    dec = RowDecoder(model, RowDecodeSettings(max_new_tokens=args.new, rows=rows, max_length=args.max_length,
                                            cuda_graphs=False, attention=args.attention.split(",")[0]), [0])
     with torch.inference_mode():
         for start in range(0, rows, 256):

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.regenerate.chat import prompt_ids
-from draftsmith.regenerate.generation import DecodeSettings, decode_all
+from draftsmith.regenerate.generation import RowDecodeSettings, decode_all
 from draftsmith.regenerate.prompts import load_prompts
 from draftsmith.regenerate.command import LocalSettings, continue_ids
 from draftsmith.target import load_target, resolve_target
@@ -42,7 +42,7 @@ def timed(fn):
 
 
 def run_rows(model, prefixes, rows, temperature, max_new, stop, max_length):
-    s = DecodeSettings(max_new_tokens=max_new, temperature=temperature, top_p=1.0, rows=rows, max_length=max_length)
+    s = RowDecodeSettings(max_new_tokens=max_new, temperature=temperature, top_p=1.0, rows=rows, max_length=max_length)
     decode_all(model, prefixes[: rows // 4 or 1], s, stop)  # warm-up: graph capture and kernels
     (done, stats), seconds = timed(lambda: decode_all(model, prefixes, s, stop))
     return [c.token_ids for c in done], stats.generated_tokens, seconds

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.regenerate.generation import DecodeSettings, decode_all, sample_next, supports
+from draftsmith.regenerate.generation import RowDecodeSettings, decode_all, sample_next, supports
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def test_the_tiny_llama_is_supported(tiny):
 def test_greedy_rows_equal_transformers_generate_one_prompt_at_a_time(tiny, rows, attention):
     stop = tiny.config.eos_token_id
     prompts = prompts_of(7, tiny.config.vocab_size)
-    settings = DecodeSettings(max_new_tokens=24, rows=rows, max_length=64, sync_every=3, attention=attention)
+    settings = RowDecodeSettings(max_new_tokens=24, rows=rows, max_length=64, sync_every=3, attention=attention)
     got, stats = decode_all(tiny, prompts, settings, [stop])
     for p, c in zip(prompts, got):
         want = hf_greedy(tiny, p, 24, stop)
@@ -54,7 +54,7 @@ def test_greedy_rows_equal_transformers_generate_one_prompt_at_a_time(tiny, rows
 def test_rows_are_refilled_and_a_prompt_too_long_for_a_row_is_refused(tiny):
     from draftsmith.errors import DraftsmithError
 
-    settings = DecodeSettings(max_new_tokens=8, rows=2, max_length=32, sync_every=2)
+    settings = RowDecodeSettings(max_new_tokens=8, rows=2, max_length=32, sync_every=2)
     got, _ = decode_all(tiny, prompts_of(9, tiny.config.vocab_size, seed=3), settings, [tiny.config.eos_token_id])
     assert [c.index for c in got] == list(range(9)) and all(len(c.token_ids) <= 8 for c in got)
     with pytest.raises(DraftsmithError, match="does not fit"):
@@ -62,7 +62,7 @@ def test_rows_are_refilled_and_a_prompt_too_long_for_a_row_is_refused(tiny):
 
 
 def test_sampling_is_seeded_and_a_row_hits_max_length(tiny):
-    settings = DecodeSettings(max_new_tokens=40, temperature=1.0, top_p=0.9, rows=4, max_length=30, sync_every=4)
+    settings = RowDecodeSettings(max_new_tokens=40, temperature=1.0, top_p=0.9, rows=4, max_length=30, sync_every=4)
     prompts = prompts_of(6, tiny.config.vocab_size, seed=5)
     torch.manual_seed(0)
     a, _ = decode_all(tiny, prompts, settings, [tiny.config.eos_token_id])
@@ -74,7 +74,7 @@ def test_sampling_is_seeded_and_a_row_hits_max_length(tiny):
 
 def test_an_unknown_decode_attention_is_refused_with_the_choices():
     with pytest.raises(DraftsmithError, match="auto or triton or matmul or sdpa"):
-        DecodeSettings(attention="flash")
+        RowDecodeSettings(attention="flash")
 
 
 def test_auto_attention_is_matmul_off_cuda_and_triton_there_is_refused(tiny):
@@ -82,9 +82,9 @@ def test_auto_attention_is_matmul_off_cuda_and_triton_there_is_refused(tiny):
 
     assert resolve_attention("auto", torch.device("cpu")) == "matmul"
     assert resolve_attention("sdpa", torch.device("cpu")) == "sdpa"
-    assert RowDecoder(tiny, DecodeSettings(rows=2, max_length=16), [0]).attention == "matmul"
+    assert RowDecoder(tiny, RowDecodeSettings(rows=2, max_length=16), [0]).attention == "matmul"
     with pytest.raises(DraftsmithError, match="CUDA only") as e:
-        RowDecoder(tiny, DecodeSettings(rows=2, max_length=16, attention="triton"), [0])
+        RowDecoder(tiny, RowDecodeSettings(rows=2, max_length=16, attention="triton"), [0])
     assert "matmul" in e.value.fix
 
 

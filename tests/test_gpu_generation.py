@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftsmith.regenerate.generation import DecodeSettings, decode_all
+from draftsmith.regenerate.generation import RowDecodeSettings, decode_all
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -22,7 +22,7 @@ def test_cuda_graph_rows_equal_transformers_generate_in_fp32(tmp_path, attention
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, model.config.vocab_size, (int(n),), generator=g).tolist()
                for n in torch.randint(2, 30, (40,), generator=g)]
-    settings = DecodeSettings(max_new_tokens=32, rows=8, max_length=160, sync_every=4, cuda_graphs=True,
+    settings = RowDecodeSettings(max_new_tokens=32, rows=8, max_length=160, sync_every=4, cuda_graphs=True,
                               attention=attention)
     got, _ = decode_all(model, prompts, settings, [stop])
     for p, c in zip(prompts, got):

@@ -270,7 +270,7 @@ def serve(spec: LlamaServe, log: Path, timeout_s: float = 300.0) -> Iterator[str
 
 
 @dataclass(frozen=True)
-class Timings:
+class ServerTimings:
     """One response's `timings` (tools/server/server-common.cpp `server_slot_stats::to_json`).
 
     `prompt_ms` runs from the slot's start to the last prompt batch; `predicted_ms` from there to the last
@@ -292,14 +292,14 @@ class Timings:
         return self.predicted_n - 1 - self.draft_n_accepted
 
 
-def parse_timings(response: dict[str, Any]) -> Timings:
+def parse_timings(response: dict[str, Any]) -> ServerTimings:
     """The `timings` of a `/completion` response; draft fields are absent when nothing was drafted."""
     t = response.get("timings") or {}
     missing = [f for f in ("cache_n", "prompt_n", "prompt_ms", "predicted_n", "predicted_ms") if f not in t]
     if missing:
         raise DraftsmithError("llama-server's response lacks timings", got=f"timings keys {sorted(t)}",
                               expected=f"also {missing}", fix=f"serve with the llama-server of {LLAMACPP_SPEC}")
-    return Timings(cache_n=int(t["cache_n"]), prompt_n=int(t["prompt_n"]), prompt_ms=float(t["prompt_ms"]),
+    return ServerTimings(cache_n=int(t["cache_n"]), prompt_n=int(t["prompt_n"]), prompt_ms=float(t["prompt_ms"]),
                    predicted_n=int(t["predicted_n"]), predicted_ms=float(t["predicted_ms"]),
                    draft_n=int(t.get("draft_n", 0)), draft_n_accepted=int(t.get("draft_n_accepted", 0)))
 
@@ -309,7 +309,7 @@ class Completion:
     """One greedy `/completion` answer: the token ids and llama.cpp's own timings and draft statistics."""
 
     tokens: list[int]
-    timings: Timings
+    timings: ServerTimings
 
 
 def complete(base: str, prompt_ids: list[int], max_tokens: int, timeout_s: float = 300.0,

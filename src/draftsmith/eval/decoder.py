@@ -80,7 +80,7 @@ class DecodeSettings:
 # --- state ----------------------------------------------------------------------------------------------
 
 @dataclass
-class Timings:
+class ForwardTimes:
     """Seconds inside target and drafter forwards (synchronised on accelerators), for the overhead share."""
 
     target: float = 0.0
@@ -125,7 +125,7 @@ class DecodeState:
     pending: Pending
     accepted: list[list[int]]
     """Per sequence: accepted draft tokens per verification step."""
-    timings: Timings = field(default_factory=Timings)
+    timings: ForwardTimes = field(default_factory=ForwardTimes)
 
     def select(self, keep: list[int]) -> None:
         """Keep only these rows (positions into `rows`)."""
@@ -140,8 +140,8 @@ class DecodeState:
 
 
 @contextmanager
-def timed(timings: Timings, name: str, device: torch.device):
-    """Adds the wall time of a block to a Timings field, synchronising an accelerator first and last."""
+def timed(timings: ForwardTimes, name: str, device: torch.device):
+    """Adds the wall time of a block to a ForwardTimes field, synchronising an accelerator first and last."""
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()  # CPU-GPU sync point: timing only
@@ -233,7 +233,7 @@ def prefill(target, prompts: list[list[int]], aux_ids: tuple[int, ...], settings
     pos = (valid.cumsum(-1) - 1).clamp(min=0)
     eye = torch.eye(P, dtype=torch.bool, device=device)
     allowed = torch.ones_like(eye).tril() & valid[:, None, :] | eye  # causal over real tokens; pads see themselves
-    timings, cache = Timings(), DynamicCache()
+    timings, cache = ForwardTimes(), DynamicCache()
     with timed(timings, "target", device):
         logits, aux = target_forward(target, ids, pos, cache, allowed, aux_ids, last_only=True)
     first = choose(logits[:, -1], settings.temperature, generator)  # (B,)

@@ -81,9 +81,9 @@ def continue_ids(model, tokenizer, prefixes: list[list[int]], settings: LocalSet
     `rows` decodes all prefixes in one continuous batch; `generate` in left-padded batches of batch_size.
     """
     if use_rows(model, settings):
-        from draftsmith.regenerate.generation import DecodeSettings, decode_all
+        from draftsmith.regenerate.generation import RowDecodeSettings, decode_all
 
-        ds = DecodeSettings(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
+        ds = RowDecodeSettings(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
                             top_p=settings.top_p, rows=settings.batch_size, max_length=settings.max_length)
         done, _ = decode_all(model, prefixes, ds, stop_ids, progress)
         return [(c.token_ids, len(c.token_ids) + c.stopped) for c in done]

@@ -41,7 +41,7 @@ BUCKET = 128  # KV-length granularity of the dense paths' CUDA graphs: they read
 
 
 @dataclass(frozen=True)
-class DecodeSettings:
+class RowDecodeSettings:
     """How `RowDecoder` decodes."""
 
     max_new_tokens: int = 256
@@ -151,7 +151,7 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float) -> torch
 class RowDecoder:
     """Continuous-batching decoder over a static KV cache (see the module docstring)."""
 
-    def __init__(self, model, settings: DecodeSettings, stop_ids: list[int]):
+    def __init__(self, model, settings: RowDecodeSettings, stop_ids: list[int]):
         if not supports(model):
             raise DraftsmithError("the fast decoder does not support this model",
                                   got=type(model).__name__, expected=f"attention one of {SUPPORTED_ATTENTION}",
@@ -381,7 +381,7 @@ class RowDecoder:
             start = end
 
 
-def decode_all(model, prompts: list[list[int]], settings: DecodeSettings, stop_ids: list[int],
+def decode_all(model, prompts: list[list[int]], settings: RowDecodeSettings, stop_ids: list[int],
                progress=None) -> tuple[list[Completion], DecodeStats]:
     """Every prompt's Completion, in input order, and the run's throughput (seed with torch.manual_seed first:
     one seed covers prefill and graph replays alike)."""
