@@ -171,7 +171,7 @@ def starting_drafter(init_from: str | None, target: str, formats: tuple[str, ...
     """train.init_from resolved: `auto` is the drafter shipped for the target when there is one and every engine of
     `formats` computes its norm variants (the smollm2 drafter is normed: not for SGLang), else none (from scratch)."""
     from draftsmith.model.checkpoint import shipped_drafter
-    from draftsmith.export.formats import unread_by_format
+    from draftsmith.conventions import unread_by_format
 
     if init_from != "auto":
         return Start(init_from, "null" if not init_from else "set")

@@ -80,7 +80,7 @@ DEFAULT_RECIPE = "normed"
 def recipe_for(recipe: str, formats: tuple[str, ...]) -> str:
     """--recipe as `run` trains a new drafter: auto becomes plain when a format's engine does not compute the
     normed recipe's norms (what export refuses), else normed; an explicit recipe stays."""
-    from draftsmith.export.formats import unread_norms
+    from draftsmith.conventions import unread_norms
 
     if recipe != "auto":
         return recipe
@@ -1061,7 +1061,7 @@ class Trainer:
         norms = [f for f in NORM_VARIANTS if getattr(self.layout, f)]
         if not norms:
             return "no norm variants (every engine serves it)"
-        from draftsmith.export.formats import unread_norms
+        from draftsmith.conventions import unread_norms
 
         source = "the starting drafter's" if self.cfg.init_from else f"recipe {self.cfg.recipe}"
         unserved = [name for fmt, name in (("vllm", "vLLM"), ("llamacpp", "llama.cpp"), ("sglang", "SGLang"))
