@@ -25,10 +25,11 @@ from pathlib import Path
 from draftsmith.capture.local import capture
 from draftsmith.capture.vllm import EngineSettings, capture_server, engine_capture, engine_layer_ids
 from draftsmith.run.settings import RUN_TRAIN_DEFAULTS
-from draftsmith.run.stages import starting_drafter
+from draftsmith.train.settings import starting_drafter
 from draftsmith.capture.store import FeatureStore
 from draftsmith.target import describe_target, read_config, resolve_target
-from draftsmith.train.trainer import TrainConfig, Trainer
+from draftsmith.train.settings import TrainConfig
+from draftsmith.train.trainer import Trainer
 
 
 def train_on(store: Path, out: Path, seed: int, init_from: str | None, epochs: float) -> dict:

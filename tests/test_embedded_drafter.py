@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from draftsmith.model.checkpoint import EMBEDDED_DRAFTERS, drafter_path, load_drafter
-from draftsmith.run.stages import starting_drafter
+from draftsmith.train.settings import starting_drafter
 
 
 def test_the_short_name_resolves_to_the_shipped_drafter_and_other_names_are_unchanged(tmp_path):

@@ -113,7 +113,7 @@ def test_each_engine_is_refused_exactly_the_norm_variants_it_does_not_compute():
     """One table (export.NORMS_READ) decides which norm variants a format's engine computes: the normed recipe
     serves in vLLM and llama.cpp, not in SGLang; speculators' defaults add norm_output, which only vLLM reads."""
     from draftsmith.conventions import unread_norms
-    from draftsmith.train.trainer import RECIPES
+    from draftsmith.train.settings import RECIPES
 
     normed, plain = RECIPES["normed"]._asdict(), RECIPES["plain"]._asdict()
     assert unread_norms(normed, "vllm") == unread_norms(normed, "llamacpp") == []

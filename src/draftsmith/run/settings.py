@@ -25,7 +25,7 @@ from draftsmith.eval.evaluation import EvalSettings
 from draftsmith.export.formats import ExportSettings
 from draftsmith.engines.launch import LaunchSettings
 from draftsmith.regenerate.command import RegenerateSettings
-from draftsmith.train.trainer import TrainSettings, recipe_for
+from draftsmith.train.settings import TrainSettings, recipe_for
 
 STAGES = ("regenerate", "capture", "train", "export", "eval", "check", "launch", "bench")
 ENGINE_STAGES = ("launch", "bench")  # need a vLLM interpreter (bench: or bench.llamacpp_k); skipped, and said so
