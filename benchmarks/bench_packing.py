@@ -168,7 +168,8 @@ def shapes(device: str):
 
 
 def measure(args, lengths: list[int], pack: bool) -> dict:
-    from draftsmith.train.trainer import TrainConfig, Trainer
+    from draftsmith.train.settings import TrainConfig
+    from draftsmith.train.trainer import Trainer
 
     device = torch.device(args.device)
     target, aux_ids, draft_vocab = shapes(device.type)

@@ -105,7 +105,8 @@ def record_one_step(step, warmup: int) -> dict:
 def draftsmith_step(seq: int, compile_step: bool, grad_accum: int):
     from gpu_train import SyntheticSource, llama8b_drafter
 
-    from draftsmith.train.trainer import Trainer, TrainConfig
+    from draftsmith.train.settings import TrainConfig
+    from draftsmith.train.trainer import Trainer
 
     device = torch.device("cuda")
     out = tempfile.mkdtemp(prefix="gpu_memory_")

@@ -241,7 +241,8 @@ def bench_trainer(args) -> None:
     Prints one JSON line (rank 0): per-step losses and tokens/s (median over steps after the warm-up)."""
     import os
 
-    from draftsmith.train.trainer import Trainer, TrainConfig
+    from draftsmith.train.settings import TrainConfig
+    from draftsmith.train.trainer import Trainer
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cuda = args.device == "cuda"

@@ -52,7 +52,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from draftsmith.model.eagle3 import NORM_VARIANTS  # noqa: E402
-from draftsmith.train.trainer import DEFAULT_RECIPE, RECIPES, SCRATCH_LR  # noqa: E402  (the package is light to import: no engine, no GPU)
+from draftsmith.train.settings import DEFAULT_RECIPE, RECIPES, SCRATCH_LR  # noqa: E402  (the package is light to import: no engine, no GPU)
 
 RUNS = ("speculators-defaults", "speculators-matched", "draftsmith-defaults", "draftsmith-matched")
 RESULTS = Path(__file__).resolve().parent / "results" / "speculators_compare.json"
@@ -71,7 +71,7 @@ def run_variant(name: str) -> tuple[str, dict[str, Any]]:
         raise argparse.ArgumentTypeError(f"run {name!r}: {base!r} is not one of {', '.join(RUNS)}")
     if changes and not base.startswith("draftsmith"):
         raise argparse.ArgumentTypeError(f"run {name!r}: only draftsmith runs take +FIELD=VALUE variants")
-    from draftsmith.train.trainer import TrainConfig
+    from draftsmith.train.settings import TrainConfig
 
     overrides: dict[str, Any] = {}
     for change in changes:
@@ -333,7 +333,8 @@ def run_child(spec: dict) -> dict:
         argv = spec["argv"] if cuda else [*spec["argv"], *CPU_SMOKE_ARGV]
         main(SpecConfig.resolve(argv))  # what `speculators train ARGV` runs (cli/train.py)
     else:
-        from draftsmith.train.trainer import TrainConfig, Trainer
+        from draftsmith.train.settings import TrainConfig
+        from draftsmith.train.trainer import Trainer
 
         trainer = Trainer(TrainConfig(**spec["values"]))
         result = trainer.run(progress=False)

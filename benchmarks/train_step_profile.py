@@ -82,7 +82,7 @@ class HostSource(LengthSource):
 
 
 def parse_setting(text: str) -> tuple[str, dict]:
-    from draftsmith.train.trainer import TrainConfig
+    from draftsmith.train.settings import TrainConfig
 
     name, _, rest = text.partition(":")
     fields = {}
@@ -128,7 +128,8 @@ def kernel_summary(prof, steps: int, top: int) -> dict:
 
 
 def measure(args, lengths: list[int], name: str, fields: dict) -> dict:
-    from draftsmith.train.trainer import TrainConfig, Trainer
+    from draftsmith.train.settings import TrainConfig
+    from draftsmith.train.trainer import Trainer
 
     device = torch.device(args.device)
     out = Path(tempfile.mkdtemp(prefix="train_profile_"))

@@ -12,7 +12,7 @@ from draftsmith.config import add_flags, from_flags, from_mapping
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.evaluation import EvalSettings
 from draftsmith.run.settings import RUN_TRAIN_DEFAULTS, RunConfig
-from draftsmith.train.trainer import TrainConfig, TrainSettings
+from draftsmith.train.settings import TrainConfig, TrainSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 

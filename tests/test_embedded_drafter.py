@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from draftsmith.model.checkpoint import EMBEDDED_DRAFTERS, drafter_path, load_drafter
-from draftsmith.run.stages import starting_drafter
+from draftsmith.train.settings import starting_drafter
 
 
 def test_the_short_name_resolves_to_the_shipped_drafter_and_other_names_are_unchanged(tmp_path):
@@ -33,7 +33,7 @@ def test_the_shipped_drafter_loads_in_bf16_with_the_embedded_targets_shapes_and_
 def test_the_shipped_drafter_is_normed_with_trained_norms_and_the_targets_head_rows():
     """The shipped drafter is normed: norm_before_fc and norm_before_residual, served by vLLM and llama.cpp, not SGLang."""
     from draftsmith.model.checkpoint import drafter_block
-    from draftsmith.export.formats import unread_by_format
+    from draftsmith.conventions import unread_by_format
 
     path = drafter_path("smollm2")
     norms = drafter_block(json.loads((path / "config.json").read_text()))

@@ -239,7 +239,7 @@ def test_the_normed_recipes_norms_reach_the_gguf_llama_cpp_computes(tmp_path):
 
     from draftsmith.export.formats import export
     from draftsmith.target import resolve_target
-    from draftsmith.train.trainer import RECIPES
+    from draftsmith.train.settings import RECIPES
 
     target = resolve_target("smollm2")
     normed = RECIPES["normed"]

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import CFG
-from draftsmith.train.trainer import TrainConfig
+from draftsmith.train.settings import TrainConfig
 from public_layouts import write_speculators_trained
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))

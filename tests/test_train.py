@@ -17,7 +17,8 @@ import torch
 from conftest import write_conversations
 from draftsmith.capture.local import capture
 from draftsmith.errors import DraftsmithError
-from draftsmith.train.trainer import TrainConfig, Trainer
+from draftsmith.train.settings import TrainConfig
+from draftsmith.train.trainer import Trainer
 
 CLI = [sys.executable, "-m", "draftsmith.cli"]
 
@@ -142,7 +143,7 @@ def test_every_step_of_every_epoch_gets_its_micro_batches():
     into fewer micro-batches, its last step got none and train_step crashed. Steps now wrap around."""
     import random
 
-    from draftsmith.train.trainer import micro_batches, rank_micro_batches
+    from draftsmith.train.packing import micro_batches, rank_micro_batches
 
     random.seed(0)
     lengths = [random.randint(20, 900) for _ in range(120)]
@@ -161,7 +162,7 @@ def test_every_step_of_every_epoch_gets_its_micro_batches():
 
 
 def test_turn_pieces_end_at_assistant_turn_ends_and_fit_the_row():
-    from draftsmith.train.trainer import turn_pieces
+    from draftsmith.train.packing import turn_pieces
 
     mask = torch.tensor([0, 0, 1, 1, 0, 0, 1, 1, 1, 0, 0, 0])
     assert turn_pieces(mask, 6) == [(0, 4), (4, 9)]  # the tail (9, 12) has no supervised token: dropped
@@ -172,7 +173,7 @@ def test_turn_pieces_end_at_assistant_turn_ends_and_fit_the_row():
 def test_pack_plan_places_every_piece_once_in_full_rows_of_one_shape():
     import random
 
-    from draftsmith.train.trainer import pack_plan
+    from draftsmith.train.packing import pack_plan
 
     random.seed(0)
     pieces = [(k, 0, random.randint(20, 1000)) for k in range(300)]
@@ -192,7 +193,7 @@ def test_pack_plan_steps_do_not_cycle_from_long_to_short_documents():
     out in that order (consecutive steps would cycle from long to short documents every window)."""
     import random
 
-    from draftsmith.train.trainer import PACK_WINDOW, pack_plan
+    from draftsmith.train.packing import PACK_WINDOW, pack_plan
 
     random.seed(1)
     pieces = [(k, 0, random.randint(20, 1000)) for k in range(4 * PACK_WINDOW)]
@@ -407,7 +408,7 @@ def test_a_new_drafter_takes_speculators_norm_variants_and_the_learning_rate_def
                                                                                                       tmp_path):
     """--norm-before-fc / --norm-output / --norm-before-residual build a drafter that has them, trains its input
     norm and writes them where vLLM reads them; an unset lr is 1e-3 for a new drafter and 2e-4 with --init-from."""
-    from draftsmith.train.trainer import FINE_TUNE_LR, SCRATCH_LR
+    from draftsmith.train.settings import FINE_TUNE_LR, SCRATCH_LR
 
     cfg = dict(store=str(store), batch_tokens=256, draft_vocab_size=128, ttt_steps=2, eval_fraction=0.0, max_steps=3,
                eval_every=10**6, save_every=10**6, log_every=10**6)
@@ -537,7 +538,7 @@ def test_the_recipe_sets_a_new_drafters_norms_and_head_and_each_field_set_overri
     """--recipe auto trains the normed layout (the input norm and the normed residual, the target's head rows
     frozen, no normed output state); plain none of it; a
     field set wins over its recipe; --init-from keeps the starting drafter's norms and trains its head."""
-    from draftsmith.train.trainer import RECIPES, Layout
+    from draftsmith.train.settings import RECIPES, Layout
 
     cfg = dict(store=str(store), batch_tokens=256, draft_vocab_size=128, ttt_steps=2, eval_fraction=0.0, max_steps=2,
                eval_every=10**6, save_every=10**6, log_every=10**6)
@@ -579,7 +580,7 @@ def test_cuda_graphs_are_refused_without_a_compiled_step_at_one_shape():
 
 def test_run_trains_the_normed_recipe_only_for_formats_whose_engines_compute_its_norms():
     from draftsmith.run.settings import RunConfig, apply_override
-    from draftsmith.train.trainer import recipe_for
+    from draftsmith.train.settings import recipe_for
 
     assert recipe_for("auto", ("vllm",)) == recipe_for("auto", ("vllm", "speculators")) == "normed"
     assert recipe_for("auto", ("vllm", "llamacpp")) == "normed"  # llama.cpp computes both of its norms

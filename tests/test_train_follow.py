@@ -17,7 +17,8 @@ from conftest import write_conversations
 from draftsmith.capture.local import capture
 from draftsmith.errors import DraftsmithError
 from draftsmith.capture.store import FeatureStore, StoreWriter
-from draftsmith.train.trainer import TrainConfig, Trainer
+from draftsmith.train.settings import TrainConfig
+from draftsmith.train.trainer import Trainer
 
 PER_SHARD = 3
 
@@ -90,11 +91,11 @@ def test_epoch_0_follows_the_writer_and_trains_on_every_sample_once(reference, t
     trainer.run(progress=False)
     writer.join()
     assert not steps[0][2], "the writer finished before training started; the test proves nothing"
-    assert trainer.epoch0_steps == n_train
+    assert trainer.feed.epoch0_steps == n_train
     epoch0 = [k for _, mbs, _ in steps[:n_train] for mb in mbs for k in mb]
-    assert sorted(epoch0) == sorted(trainer.train_idx) and len(set(epoch0)) == n_train, \
+    assert sorted(epoch0) == sorted(trainer.split.train_idx) and len(set(epoch0)) == n_train, \
         f"epoch 0 should hold every training sample exactly once, got {epoch0}"
-    assert sorted(trainer.train_idx + trainer.eval_idx) == list(range(n)), "train and eval split every sample once"
+    assert sorted(trainer.split.train_idx + trainer.split.eval_idx) == list(range(n)), "train and eval split every sample once"
     later = [mbs for _, mbs, _ in steps[n_train:]]
     assert later == [[mb] for mb in trainer.plan(train=True, epoch=1)[:2]], "epoch 1 is the whole-store shuffle"
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -102,19 +103,19 @@ def test_epoch_0_follows_the_writer_and_trains_on_every_sample_once(reference, t
     # the plan depends on the shards, not on when they landed: a run resumed later (or started on the complete
     # store) has the same epoch 0, which is what makes a resume exact
     again = Trainer(follow_config(tmp_path / "store", tmp_path / "again", max_steps=n_train + 2))
-    assert (again.epoch0, again.train_idx, again.eval_idx) == (trainer.epoch0, trainer.train_idx, trainer.eval_idx)
+    assert (again.feed.epoch0, again.split.train_idx, again.split.eval_idx) == (trainer.feed.epoch0, trainer.split.train_idx, trainer.split.eval_idx)
 
 
 def test_packed_epoch_0_places_every_training_piece_once_in_micro_batches_of_one_shape(reference, tmp_path):
     replay(reference, tmp_path / "store", delay_s=0.0).join()
     trainer = Trainer(follow_config(tmp_path / "store", tmp_path / "run", max_steps=1, pack=True, batch_tokens=256,
                                     row_tokens=64))
-    placed = [piece for mb in trainer.epoch0 for row in mb for piece in row]
-    assert sorted(placed) == sorted(trainer.train_pieces) and len(set(placed)) == len(placed), \
+    placed = [piece for mb in trainer.feed.epoch0 for row in mb for piece in row]
+    assert sorted(placed) == sorted(trainer.split.train_pieces) and len(set(placed)) == len(placed), \
         "every training piece of every shard exactly once in epoch 0"
-    assert {k for k, _, _ in placed} == set(trainer.train_idx)
-    assert all(len(mb) == trainer.rows_per_batch == 4 for mb in trainer.epoch0), "one micro-batch shape"
-    assert all(sum(b - a for _, a, b in row) <= 64 for mb in trainer.epoch0 for row in mb)
+    assert {k for k, _, _ in placed} == set(trainer.split.train_idx)
+    assert all(len(mb) == trainer.rows_per_batch == 4 for mb in trainer.feed.epoch0), "one micro-batch shape"
+    assert all(sum(b - a for _, a, b in row) <= 64 for mb in trainer.feed.epoch0 for row in mb)
 
 
 def test_follow_needs_a_step_budget_and_a_store(tmp_path):
@@ -167,20 +168,20 @@ def test_delete_consumed_trains_through_a_disk_of_two_shards_and_leaves_a_valid_
     writer.join()
     n = len(reference)
     n_train = sum(min(PER_SHARD, n - a) - (1 if min(PER_SHARD, n - a) > 1 else 0) for a in range(0, n, PER_SHARD))
-    assert trainer.epoch0_steps == n_train and trainer.step == n_train, "one pass: ends with epoch 0, not --max-steps"
-    assert sorted(trainer.train_idx + trainer.eval_idx) == list(range(n))
+    assert trainer.feed.epoch0_steps == n_train and trainer.step == n_train, "one pass: ends with epoch 0, not --max-steps"
+    assert sorted(trainer.split.train_idx + trainer.split.eval_idx) == list(range(n))
     assert shard_files(store) == [], "every consumed shard is deleted"
     maps = Path("/proc/self/maps").read_text()
     assert f"{store}/shard-" not in maps, "no deleted shard is still memory-mapped (its disk would not be freed)"
-    written = sum(json.loads(manifests[-1])["shards"][i]["num_tokens"] for i in range(len(trainer.shard_ranges)))
+    written = sum(json.loads(manifests[-1])["shards"][i]["num_tokens"] for i in range(len(trainer.feed.shard_ranges)))
     assert max(peak) < written * reference.hidden_size * 8 / 2, "the store never held half of what was written"
     # the manifest is the writer's, byte for byte: complete, every shard listed with its sha256
     assert (store / "manifest.json").read_text() == manifests[-1]
     manifest = json.loads(manifests[-1])
-    assert manifest["complete"] and manifest["num_samples"] == n and len(manifest["shards"]) == len(trainer.shard_ranges)
+    assert manifest["complete"] and manifest["num_samples"] == n and len(manifest["shards"]) == len(trainer.feed.shard_ranges)
     assert [json.loads((tmp_path / "run" / "consumed" / f"shard-{i:05d}.json").read_text())["shard_sha256"]
             for i in range(len(manifest["shards"]))] == [s["sha256"] for s in manifest["shards"]]
-    assert result.tau[1] >= 1.0 and trainer.eval_idx, "evaluation ran on the held-back copies"
+    assert result.tau[1] >= 1.0 and trainer.split.eval_idx, "evaluation ran on the held-back copies"
     deleted = [r for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
                if "deleted_shards" in (r := json.loads(line))]
     assert [r["step"] for r in deleted][:3] == [2, 4, 6], "a shard goes at the first checkpoint after its last step"
@@ -277,7 +278,7 @@ def test_killed_follow_run_resumes_to_the_uninterrupted_result(reference, tmp_pa
         rebuilt = Trainer(TrainConfig(out=str(killed), store=str(store), follow=True, max_steps=50,
                                       delete_consumed=True, **cfg))
         fresh = Trainer(TrainConfig(out=str(tmp_path / "fresh"), store=str(intact), follow=True, max_steps=50, **cfg))
-        assert (rebuilt.epoch0, rebuilt.train_idx, rebuilt.eval_idx) == (fresh.epoch0, fresh.train_idx, fresh.eval_idx)
-        placed = [piece for mb in rebuilt.epoch0 for row in mb for piece in row]
-        assert sorted(placed) == sorted(rebuilt.train_pieces) and len(set(placed)) == len(placed)
+        assert (rebuilt.feed.epoch0, rebuilt.split.train_idx, rebuilt.split.eval_idx) == (fresh.feed.epoch0, fresh.split.train_idx, fresh.split.eval_idx)
+        placed = [piece for mb in rebuilt.feed.epoch0 for row in mb for piece in row]
+        assert sorted(placed) == sorted(rebuilt.split.train_pieces) and len(set(placed)) == len(placed)
         assert any(b - a < reference.sample(k).input_ids.numel() for k, a, b in placed), "no sample was split"

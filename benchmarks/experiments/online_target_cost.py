@@ -35,7 +35,7 @@ from bench_packing import draw_lengths, load_histogram  # noqa: E402
 
 from draftsmith.capture.local import target_features  # noqa: E402
 from draftsmith.conventions import default_aux_ids  # noqa: E402
-from draftsmith.train.trainer import pack_plan  # noqa: E402
+from draftsmith.train.packing import pack_plan  # noqa: E402
 
 HISTOGRAM = ROOT / "benchmarks/results/length_histogram_smollm2_self.json"
 

@@ -20,7 +20,7 @@ VERBS = {
     "regenerate": ("draftsmith.regenerate.command", "answer prompts with the target (local or endpoints) into conversations JSONL"),
     "capture": ("draftsmith.capture.command", "capture target hidden states into a feature store"),
     "export-store": ("draftsmith.capture.interop", "write a feature store in a peer trainer's offline layout (speculators)"),
-    "train": ("draftsmith.train.trainer", "train an EAGLE-3 drafter with training-time test"),
+    "train": ("draftsmith.train.command", "train an EAGLE-3 drafter with training-time test"),
     "export": ("draftsmith.export.formats", "write a drafter in the layout vLLM, SGLang or speculators loads"),
     "convert": ("draftsmith.export.convert", "convert a public EAGLE-3 drafter (EAGLE, SpecForge, ModelOpt, speculators)"),
     "eval": ("draftsmith.eval.evaluation", "reference speculative decoding: acceptance and speed-up"),

@@ -1,4 +1,5 @@
-"""Conventions that must never drift: aux-layer ids as every engine and trainer reads them, model families.
+"""Conventions that must never drift: aux-layer ids as every engine and trainer reads them, which engine computes
+which norm variant, model families.
 
 Every other module asks this one; nothing else spells out a shift, a default or a family list.
 
@@ -30,6 +31,10 @@ traineagle3/modeling_llama_kv.py) and speculators capture boundaries; SpecForge
 (algorithms/model_providers.py) and ModelOpt (plugins/hf_eagle.py) hook layer outputs, with the
 default [1, N//2-1, N-4] (ModelOpt: the sorted set of those), which is EAGLE-3's boundary default
 shifted by one.
+
+Norm variants (`NORMS_READ`, `unread_norms`, `unread_by_format`): the optional norms of an EAGLE-3 drafter and
+which format's engine computes which; export refuses a format that would drop one, `run` picks its recipe and its
+starting drafter by them, train names the engines that serve what it trains.
 
 Model families: `MLA_MODEL_TYPES`, `MLA_DRAFTER_ARCHITECTURES`, `TEXT_CONFIG_PATHS` (multimodal wrappers)
 and `IMAGE_TOKEN_FIELDS`, each with its source below.
@@ -256,6 +261,33 @@ def infer_boundary(ids: list[int], num_layers: int) -> tuple[int, ...] | None:
     if list(ids) == trainer_default("specforge", num_layers):
         return to_boundary(ids, "layer-output")
     return None
+
+
+# ---------------------------------------------------------------- norm variants
+
+NORM_VARIANTS = ("norm_before_fc", "norm_before_residual", "norm_output")
+"""The optional norms of an EAGLE-3 drafter (DrafterConfig's fields of those names): which engine computes which
+is NORMS_READ; which a recipe trains, train.settings.RECIPES."""
+
+# Norm variants each format's engine computes (others it computes as False, silently: a drafter trained with
+# them then drafts from other numbers and accepts little). vLLM's llama_eagle3 reads all three (0.32.0 source);
+# SGLang's llama_eagle3 none (docs/engines.md §2.4); llama.cpp's eagle3 graph norm_before_fc and
+# norm_before_residual (rules/llamacpp.yaml `norm_flags_read`).
+NORMS_READ = {"vllm": NORM_VARIANTS, "speculators": NORM_VARIANTS, "sglang": (),
+              "llamacpp": ("norm_before_fc", "norm_before_residual")}
+
+
+def unread_norms(flags: dict, fmt: str) -> list[str]:
+    """The norm variants set in `flags` (a drafter config, or a training layout) that fmt's engine does not compute."""
+    return [f for f in NORM_VARIANTS if flags.get(f) and f not in NORMS_READ.get(fmt, ())]
+
+
+def unread_by_format(drafter_dir: Path, formats: tuple[str, ...]) -> dict[str, list[str]]:
+    """For each of `formats` whose engine would not compute some of the saved drafter's norm variants, those
+    variants (formats that compute them all are left out): what `run` asks of a starting drafter."""
+    config = json.loads((Path(drafter_dir) / "config.json").read_text())
+    norms = (config.get("draftsmith") or {}).get("drafter") or config  # as model.checkpoint.drafter_block reads it
+    return {fmt: unread for fmt in formats if (unread := unread_norms(norms, fmt))}
 
 
 # ---------------------------------------------------------------- model families

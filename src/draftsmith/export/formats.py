@@ -33,8 +33,8 @@ from pydantic import model_validator
 from draftsmith.engines import llamacpp
 from draftsmith.model.checkpoint import WEIGHTS, hf_config
 from draftsmith.config import Settings, add_flags, check_choices, from_flags
-from draftsmith.conventions import aux_ids_for_format
-from draftsmith.model.eagle3 import NORM_VARIANTS, DrafterConfig
+from draftsmith.conventions import NORMS_READ, aux_ids_for_format, unread_norms
+from draftsmith.model.eagle3 import DrafterConfig
 from draftsmith.errors import DraftsmithError
 from draftsmith.target import resolve_target
 
@@ -129,28 +129,6 @@ vllm serve {target} --speculative-config '{spec}'
 {sglang_serve}
 Check before a long load: `draftsmith check --target {target} --drafter {out} --engine vllm`.
 """
-
-
-# Norm variants each format's engine computes (others it computes as False, silently: a drafter trained with
-# them then drafts from other numbers and accepts little). vLLM's llama_eagle3 reads all three (0.32.0 source);
-# SGLang's llama_eagle3 none (docs/engines.md §2.4); llama.cpp's eagle3 graph norm_before_fc and
-# norm_before_residual (rules/llamacpp.yaml `norm_flags_read`).
-NORMS_READ = {"vllm": NORM_VARIANTS, "speculators": NORM_VARIANTS, "sglang": (),
-              "llamacpp": ("norm_before_fc", "norm_before_residual")}
-
-
-def unread_norms(flags: dict, fmt: str) -> list[str]:
-    """The norm variants set in `flags` (a drafter config, or a training layout) that fmt's engine does not compute."""
-    return [f for f in NORM_VARIANTS if flags.get(f) and f not in NORMS_READ.get(fmt, ())]
-
-
-def unread_by_format(drafter_dir: Path, formats: tuple[str, ...]) -> dict[str, list[str]]:
-    """For each of `formats` whose engine would not compute some of the saved drafter's norm variants, those
-    variants (formats that compute them all are left out): what `run` asks of a starting drafter."""
-    from draftsmith.model.checkpoint import drafter_block
-
-    norms = drafter_block(json.loads((Path(drafter_dir) / "config.json").read_text()))
-    return {fmt: unread for fmt in formats if (unread := unread_norms(norms, fmt))}
 
 
 def refuse_unread_norms(config: dict, fmt: str) -> None:

@@ -79,7 +79,7 @@ def data_summary(run: Path, target: str | None) -> dict | None:
 
 def starting_drafter(cfg: dict) -> str:
     """Where training started: from scratch, or the drafter named by train.init_from (and where that came from)."""
-    from draftsmith.run.stages import starting_drafter as resolve
+    from draftsmith.train.settings import starting_drafter as resolve
 
     start = resolve((cfg.get("train") or {}).get("init_from"), str(cfg.get("target", "")),
                     tuple((cfg.get("export") or {}).get("formats") or ()))

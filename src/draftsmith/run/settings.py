@@ -25,7 +25,7 @@ from draftsmith.eval.evaluation import EvalSettings
 from draftsmith.export.formats import ExportSettings
 from draftsmith.engines.launch import LaunchSettings
 from draftsmith.regenerate.command import RegenerateSettings
-from draftsmith.train.trainer import TrainSettings, recipe_for
+from draftsmith.train.settings import TrainSettings, recipe_for
 
 STAGES = ("regenerate", "capture", "train", "export", "eval", "check", "launch", "bench")
 ENGINE_STAGES = ("launch", "bench")  # need a vLLM interpreter (bench: or bench.llamacpp_k); skipped, and said so
@@ -201,7 +201,7 @@ class RunConfig(Settings):
 def start_problems(init_from: str | None, formats: tuple[str, ...]) -> list[str]:
     """An explicit train.init_from whose norms an engine of export.formats would not compute (auto steps aside)."""
     from draftsmith.model.checkpoint import drafter_path
-    from draftsmith.export.formats import unread_by_format
+    from draftsmith.conventions import unread_by_format
 
     if init_from in (None, "auto") or not (drafter_path(init_from) / "config.json").is_file():
         return []

@@ -147,7 +147,8 @@ def capture_through_engine(ctx: RunContext) -> None:
 
 
 def do_train(ctx: RunContext) -> None:
-    from draftsmith.train.trainer import TrainConfig, Trainer, recipe_for
+    from draftsmith.train.settings import TrainConfig, recipe_for, starting_drafter
+    from draftsmith.train.trainer import Trainer
 
     t, online = ctx.cfg.train, ctx.cfg.train.mode == "online"
     with Trainer(TrainConfig(
@@ -157,32 +158,6 @@ def do_train(ctx: RunContext) -> None:
         conversations=str(ctx.out / "conversations.jsonl") if online else None, target=ctx.cfg.target,
         max_length=ctx.cfg.capture.max_length)) as trainer:  # its loader thread ends here, not at exit
         trainer.run()
-
-
-@dataclass(frozen=True)
-class Start:
-    """train.init_from resolved: the drafter training starts from (None: from scratch), and why."""
-
-    drafter: str | None
-    why: str
-
-
-def starting_drafter(init_from: str | None, target: str, formats: tuple[str, ...] = ()) -> Start:
-    """train.init_from resolved: `auto` is the drafter shipped for the target when there is one and every engine of
-    `formats` computes its norm variants (the smollm2 drafter is normed: not for SGLang), else none (from scratch)."""
-    from draftsmith.model.checkpoint import shipped_drafter
-    from draftsmith.export.formats import unread_by_format
-
-    if init_from != "auto":
-        return Start(init_from, "null" if not init_from else "set")
-    shipped = shipped_drafter(target)
-    if shipped is None:
-        return Start(None, "auto, no drafter is shipped for this target")
-    if unread := unread_by_format(shipped, formats):
-        engines, verb = ", ".join(unread), "does" if len(unread) == 1 else "do"
-        norms = ", ".join(sorted({f for fs in unread.values() for f in fs}))
-        return Start(None, f"auto, the shipped drafter is normed and {engines} {verb} not compute its {norms}")
-    return Start(target, "auto, the drafter shipped for this target")
 
 
 def do_export(ctx: RunContext) -> None:
