@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from draftsmith.model.eagle3 import NORM_VARIANTS  # noqa: E402
+from draftsmith.conventions import NORM_VARIANTS  # noqa: E402
 from draftsmith.train.settings import DEFAULT_RECIPE, RECIPES, SCRATCH_LR  # noqa: E402  (the package is light to import: no engine, no GPU)
 
 RUNS = ("speculators-defaults", "speculators-matched", "draftsmith-defaults", "draftsmith-matched")
@@ -102,7 +102,7 @@ class Setting:
         return self.draftsmith.startswith("("), self.speculators.startswith("(")
 
 
-# Defaults: draftsmith's from `draftsmith.train.trainer.TrainConfig` / `DrafterConfig`; speculators 0.9.0's from
+# Defaults: draftsmith's from `draftsmith.train.settings.TrainConfig` / `DrafterConfig`; speculators 0.9.0's from
 # `speculators/train/config/schema.py` (`_resolve_derived_defaults` for the eagle3-specific ones) and
 # `speculators/train/trainer.py` (the hard-coded clip).
 SETTINGS = (

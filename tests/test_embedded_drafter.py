@@ -72,7 +72,7 @@ def test_launch_replaces_a_shipped_drafters_short_name_in_vllm_and_sglang_comman
 
 def test_a_run_config_refuses_an_explicit_normed_start_for_sglang_and_resolves_auto_to_scratch(tmp_path):
     from draftsmith.errors import DraftsmithError
-    from draftsmith.run.report import starting_drafter as described
+    from draftsmith.run.report import start_description as described
     from draftsmith.run.settings import RunConfig, apply_override
 
     cfg = apply_override(RunConfig(), "export.formats=vllm,sglang")

@@ -110,7 +110,7 @@ def test_vllm_export_is_read_as_trained_by_every_vllm_release_that_reads_ids(ver
 
 
 def test_each_engine_is_refused_exactly_the_norm_variants_it_does_not_compute():
-    """One table (export.NORMS_READ) decides which norm variants a format's engine computes: the normed recipe
+    """One table (conventions.NORMS_READ) decides which norm variants a format's engine computes: the normed recipe
     serves in vLLM and llama.cpp, not in SGLang; speculators' defaults add norm_output, which only vLLM reads."""
     from draftsmith.conventions import unread_norms
     from draftsmith.train.settings import RECIPES

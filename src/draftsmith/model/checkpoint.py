@@ -154,7 +154,7 @@ def shipped_drafter(name: object) -> Path | None:
 
 def drafter_block(config: dict) -> dict[str, Any]:
     """The drafter settings a saved config.json records: draftsmith's own `draftsmith.model.eagle3` block, else the top
-    level (an engine-format config): where export.unread_norms reads a drafter's norm variants."""
+    level (an engine-format config): where conventions.unread_norms reads a drafter's norm variants."""
     return (config.get("draftsmith") or {}).get("drafter") or config
 
 

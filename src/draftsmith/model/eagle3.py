@@ -46,11 +46,6 @@ from draftsmith.model.kernels import (DraftHeadLoss, document_block_mask, docume
 from draftsmith.target import TargetSpec, target_argmax
 
 
-NORM_VARIANTS = ("norm_before_fc", "norm_before_residual", "norm_output")
-"""The optional norms of an EAGLE-3 drafter (DrafterConfig's fields of those names): which engine computes which
-is export.NORMS_READ; which a recipe trains, train.RECIPES."""
-
-
 @dataclass(frozen=True)
 class DrafterConfig:
     """Shapes and flags of a drafter; derived from the target by `from_target`."""

@@ -77,7 +77,7 @@ def data_summary(run: Path, target: str | None) -> dict | None:
     return out
 
 
-def starting_drafter(cfg: dict) -> str:
+def start_description(cfg: dict) -> str:
     """Where training started: from scratch, or the drafter named by train.init_from (and where that came from)."""
     from draftsmith.train.settings import starting_drafter as resolve
 
@@ -225,7 +225,7 @@ def collect(run: Path) -> dict:
     llama = llamacpp_summary(read_json(run / "bench" / "llamacpp.json"))
     doc = {"run": str(run), "target": cfg["target"], "config": cfg,
            "summary": {k: summary.get(k) for k in ("stages", "skipped", "stage_seconds", "failed")},
-           "data": data_summary(run, cfg["target"]), "starting_drafter": starting_drafter(cfg), "training": training_summary(run / "train" / "metrics.jsonl"),
+           "data": data_summary(run, cfg["target"]), "starting_drafter": start_description(cfg), "training": training_summary(run / "train" / "metrics.jsonl"),
            "simulated_tau": (drafter or {}).get("draftsmith", {}).get("eval", {}).get("tau"),
            "selection": (drafter or {}).get("draftsmith", {}).get("selection"),
            "eval": ev, "check": read_json(run / "check.json"), "launch": read_json(run / "launch.json"),
@@ -295,7 +295,7 @@ def blocks(doc: dict, images: list[str]) -> list[tuple]:
         out += [("h2", "Data"), ("table", ["", "value"], rows)]
     tr = doc.get("training")
     if tr:
-        out += [("h2", "Training"), ("p", f"Drafter {starting_drafter(doc['config'])}.")]
+        out += [("h2", "Training"), ("p", f"Drafter {start_description(doc['config'])}.")]
         if doc.get("selection"):
             out.append(("p", kept_line(doc["selection"])))
         out.append(("p", f"{tr['steps']} optimizer steps, loss {tr['first_loss']:.3f} -> "
