@@ -3,7 +3,7 @@
 The plain forward is `model(input_ids)` of the causal LM (logits included), the same batches and
 padding; capture is draftsmith's `target_features` (aux states, final state, argmax of the logits) plus
 the bf16 copy and the shard write of `StoreWriter`, run as `capture` runs it (right-padded rows, no attention mask)
-and, beside it, with the padding mask the target took before session 25 (`capture_masked_tokens_per_s`). Warm-up
+and, beside it, with the padding mask the target took before ed3c50f (`capture_masked_tokens_per_s`). Warm-up
 batch excluded; `--reps` alternating repetitions, medians reported.
 
 Run: .venv/bin/python benchmarks/bench_capture.py [--conversations FILE] [--limit 64]

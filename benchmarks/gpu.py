@@ -5,8 +5,8 @@ run one after the other with a timeout each; their JSON lines and JSON outputs a
 file per suite, `<out>/gpu_<suite>.json` (history is git's, not the file name's). Multicast stays off
 (the device rule: NCCL_NVLS_ENABLE=0 and friends) for every command.
 
-Multi-stage device runs that build something (a drafter, the issue #23 comparison) are developer tools under
-scripts/ (build_embedded_drafter.sh, device/gpu_speculators_compare.sh), not suites.
+Multi-stage device runs that build something (a drafter, the speculators comparison of docs/peers.md) are
+developer tools under scripts/ (build_embedded_drafter.sh, device/gpu_speculators_compare.sh), not suites.
 
 Run (on the GPU machine):
     python3 benchmarks/gpu.py --suite kernels,step            # nvidia-h200

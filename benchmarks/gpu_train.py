@@ -1,13 +1,14 @@
 """GPU throughput of draftsmith's offline TTT training step and of capture, at Llama-3.1-8B shapes.
 
-Randomly initialised models of real shapes, the settings of the SpecForge anchor in issue 12: drafter
-hidden 4096, intermediate 14336, 32 / 8 heads, draft vocab 32,000, target vocab 128,256, TTT 7, batch 1,
-bf16 autocast with fp32 master weights, AdamW, clip 0.5; 3 warm-up steps, then 10 timed steps with the
-device synchronised before each clock read. `--trainer` runs the real Trainer instead and times its steps queued as
-`draftsmith train`'s loop queues them (the next step launched before this one's record is read; `--synced-steps`
-adds steps waited for one by one, `--trace-steps` a profile of where the GPU waits).
+Randomly initialised models of real shapes, the settings of the SpecForge anchor
+(../shared/anchors/specforge-bench): drafter hidden 4096, intermediate 14336, 32 / 8 heads, draft vocab 32,000,
+target vocab 128,256, TTT 7, batch 1, bf16 autocast with fp32 master weights, AdamW, clip 0.5; 3 warm-up steps,
+then 10 timed steps with the device synchronised before each clock read. `--trainer` runs the real Trainer
+instead and times its steps queued as `draftsmith train`'s loop queues them (the next step launched before this
+one's record is read; `--synced-steps` adds steps waited for one by one, `--trace-steps` a profile of where the GPU
+waits).
 
-FLOPs per token (stated, as in the issue): 17.8 GFLOP for the TTT-7 step; MFU against 989 TFLOP/s dense bf16.
+FLOPs per token (counted from the step's shapes): 17.8 GFLOP for the TTT-7 step; MFU against 989 TFLOP/s dense bf16.
 
 Run (on the GPU machine): python benchmarks/gpu_train.py --seq 2048,4096,8192 --capture --out results.json
 """
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from draftsmith.model.eagle3 import DrafterConfig, Eagle3Drafter, compile_for_training, target_argmax, ttt_forward  # noqa: E402
 from kernel_timeline import device_kernels, timeline  # noqa: E402
 
-FLOP_PER_TOKEN = 17.8e9  # issue 12: 7 TTT steps fwd+bwd through the layer and draft head, plus the target head
+FLOP_PER_TOKEN = 17.8e9  # 7 TTT steps fwd+bwd through the layer and draft head, plus the target head
 PEAK_BF16 = 989e12  # H100/H200 dense bf16 datasheet
 
 

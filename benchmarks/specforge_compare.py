@@ -1,4 +1,4 @@
-"""draftsmith's Trainer beside SpecForge's training step on one GPU, in one run (issue 21's side-by-side).
+"""draftsmith's Trainer beside SpecForge's training step on one GPU, in one run (docs/gpu-results.md).
 
 Four measurements, each in a fresh process, at Llama-3.1-8B drafter shapes, TTT 7, bf16:
 1. SpecForge (the anchor driver, ../shared/anchors/specforge-bench, set up under anchors/specforge as its
@@ -97,7 +97,7 @@ def main() -> None:
                          "real-length mode")
     ap.add_argument("--specforge-again", action="store_true",
                     help="run SpecForge at 4096 a second time after draftsmith's fixed runs, so that the ratio is "
-                         "taken against both of the peer's runs (its step moved 9 %% between two sessions)")
+                         "taken against both of the peer's runs (its step moved 9 %% between two device calls)")
     ap.add_argument("--synced-steps", type=int, default=0,
                     help="fixed 4096: also time this many Trainer steps waited for one by one (the timed figure is "
                          "the pipelined loop's, as draftsmith train runs)")

@@ -1,4 +1,4 @@
-"""Same data, two trainers (issue #23): speculators' EAGLE-3 next to draftsmith's, on one GPU.
+"""Same data, two trainers: speculators' EAGLE-3 next to draftsmith's, on one GPU (docs/peers.md).
 
 Four runs over one feature store, each in its own process (so peak GPU memory is its own):
 

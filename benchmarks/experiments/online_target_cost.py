@@ -2,10 +2,11 @@
 
 Online training (`draftsmith train --conversations`, what scripts/build_embedded_drafter.sh runs) calls the target
 once per micro-batch over the packed rows' whole conversations, right-padded to the longest of them
-(`OnlineSource.packed_batch`). Session 25's build stepped at a median 186 ms per 32,768-token row, bimodal (about
-138 ms and 215 ms, the slow steps on rows of longer conversations), while the drafter's step alone runs far faster
+(`OnlineSource.packed_batch`). The 2026-12-04 H200 build (docs/gpu-results.md, "Online training and capture")
+stepped at a median 186 ms per 32,768-token row, bimodal (about 138 ms and 215 ms, the slow steps on rows of
+longer conversations), while the drafter's step alone runs far faster
 (benchmarks/results/train_step_profile_smollm2.json). This benchmark times that forward alone, with the padding
-mask (before session 25) and without it (`target_features(..., None, ...)`, what capture and online training pass
+mask (as before ed3c50f) and without it (`target_features(..., None, ...)`, what capture and online training pass
 now), on micro-batches planned the way the Trainer plans them (`train.pack_plan`) from lengths drawn from the
 committed self-written SmolLM2 length histogram.
 

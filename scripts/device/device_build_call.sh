@@ -8,16 +8,19 @@
 #   call 2: carry [".carry/gguf.xz.part01"]: cp .carry/gguf.xz.part01 /tmp/
 #   call 3: bash scripts/device/device_carry.sh restore here, then at once carry [".carry/gguf.sha256"]:
 #           BUILD='WAVES="96:0 97:0" SELF_COUNT=30000 ROWS=2048 INIT_FROM=smollm2 EPOCHS=2 LR=3e-4 DRAFT_VOCAB=12288 TRAIN_ARGS="--compile --cuda-graphs" TRAIN_TIMEOUT=600' POLL=560 bash scripts/device/device_build_call.sh
-#           (sessions 30 and 32 used seeds 92/93 and 94/95; their call-3 wrappers set ROWS from nvidia-smi
-#           --query-gpu=memory.total; session 32 also passed STAGES_2=pack, no eval on the device, and TRAIN_TIMEOUT=720)
+#           (drafters 7 and 8 of docs/eval.md used seeds 92/93 and 94/95; their call-3 wrappers set ROWS from
+#           nvidia-smi --query-gpu=memory.total; drafter 8's also passed STAGES_2=pack, no eval on the device, and
+#           TRAIN_TIMEOUT=720)
 #           (ROWS=2048 holds about 95 GiB during regeneration: an H200 only; the device tool may lend an H100, 80 GB,
-#           so check nvidia-smi in call 1 and pass ROWS=1024 there. Session 30's H100 build at ROWS=1024: data 521 s
+#           so check nvidia-smi in call 1 and pass ROWS=1024 there. Drafter 7's H100 build at ROWS=1024: data 521 s
 #           (about 79,000 answer tok/s), training 449 s, export and the chat-eval sweep 116 s.)
 #   call 4+: POLL=560 bash scripts/device/device_build_call.sh   (returns the pack under $OUT once the job is done)
 #
-# Safe against the ways session 22 lost its job: the GGUF is joined under a temporary name and moved into place
-# only when its sha256 matches; a running job is recognised by its pid, not by an input file; a call on a fresh
-# machine (the last one went back while this side was away) fails at once instead of polling nothing.
+# Safe against the ways a build has lost its job
+# (docs/gpu.md, "Running the SmolLM2 target on a machine without network"): the GGUF is joined under a temporary
+# name and moved into place only when its sha256 matches; a running job is recognised by its pid, not by an input
+# file; a call on a fresh machine (the last one went back while this side was away) fails at once instead of
+# polling nothing.
 # BUILD: the build's knobs as shell assignments (build_embedded_drafter.sh lists them); STAGES_1 / STAGES_2: the
 # two build passes (default 'setup data train export pack', then 'eval pack', so the weights come back first).
 # AFTER (given with BUILD): more work for the same job once the build is done, run from the build's copy of the tree

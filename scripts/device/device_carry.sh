@@ -11,7 +11,7 @@
 #   bash scripts/device/device_carry.sh join DIR DEST  # a build's returned parts (PACK=$OUT) -> DEST/model.safetensors,
 #                                          # checked against their sha256, with config.json, README.md, build.tgz
 #
-# A call carries 64 MiB (67.1 MB), tracked files included, counted as disk usage (4 KiB blocks: session 25's call
+# A call carries 64 MiB (67.1 MB), tracked files included, counted as disk usage (4 KiB blocks: a call on 2026-12-04
 # of 66.7 MB by file sizes, 67.9 MB in blocks, was refused). The GGUF is 98.4 MB, 90.4 MB as xz -9e (Q4_1 blocks
 # compress little); the tree takes 31.2 MB of blocks with the embedded drafter (24.5 MB) and 6.7 MB without, so the
 # drafter and half the GGUF no longer fit one call. Call 1: the tree without the drafter + wheels (7.5 MB) + the

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Developer tool for the lent GPU machine (docs/gpu.md, "CUDA graphs over the compiled step"): one device call that
 # checks the compiled training forward on CUDA (tests/test_gpu.py) and profiles the step at the embedded target's
-# shapes (issue 23: SmolLM2-135M drafter, normed recipe, TTT 7), each setting in a fresh process, so that no
+# shapes (SmolLM2-135M drafter, normed recipe, TTT 7), each setting in a fresh process, so that no
 # setting inherits another's compiled graphs or dynamo's dynamic-shape recompiles:
 #
-#   graphs-4k   --compile --cuda-graphs, 4096-token rows (the headline: session 18 waited 28.7 ms, looped 19 ms)
+#   graphs-4k   --compile --cuda-graphs, 4096-token rows (the headline: 28.7 ms waited, 19 ms looped;
+#               one H200, 2026-12-03)
 #   eager-4k    eager, 4096-token rows (the reference: 52.6 ms)
 #   graphs-8k   --compile --cuda-graphs, 8192-token rows (32.2 ms)
 #   before-4k   only with BEFORE=DIR (a checkout of the commit to compare with, e.g. a git worktree): graphs-4k

@@ -3,19 +3,20 @@
 # measurements still owed, one device call each, at the Llama-3.1-8B drafter's shapes (TTT 7, bf16), every
 # setting in a fresh process. MODE picks the call:
 #
-#   MODE=real  (355 s, session 37) real lengths in one call: SpecForge's batch-1 grid (512-4096), then draftsmith
+#   MODE=real  (355 s on one H100) real lengths in one call: SpecForge's batch-1 grid (512-4096), then draftsmith
 #              packed, then unpacked (one step of each micro-batch shape compiled before the timed steps): packed over
-#              SpecForge and over unpacked (session 37: 2.13x and 1.00x).
+#              SpecForge and over unpacked (2026-12-07, one H100: 2.13x and 1.00x).
 #   MODE=before with BEFORE=DIR (a checkout of the commit to compare with, e.g. `git worktree add /tmp/before
-#              edb2da0` for session 33's diagonal change; 114 s): DIR's gpu_train.py, then this tree's, same
-#              arguments.
+#              edb2da0` for the TTT diagonal as fused products, 7777b93; 114 s): DIR's gpu_train.py, then this
+#              tree's, same arguments.
 #
 #   bash scripts/device/device_throughput_ab.sh      # in the repository root on the GPU machine
 #
 # Carry `anchors` (SpecForge under anchors/specforge, as ../shared/anchors/specforge-bench/RUN.md sets it up) for
 # MODE=real, and `.whl` where the machine lacks pydantic (`bash scripts/device/device_carry.sh prepare`
 # downloads it). For MODE=before, only this checkout travels: copy the other commit's src and benchmarks into an
-# ignored folder here (session 37: `.before`, its drafter weights left out) and carry that.
+# ignored folder here (`.before` in the 2026-12-07 A/B of docs/gpu-results.md, its drafter weights left out) and
+# carry that.
 # Every command runs under `timeout`, sized from what is left of BUDGET_S (default 570 s, under the call's 600 s);
 # all output is tee'd to $OUT/device_throughput_ab.log and each command's to $OUT/<name>.txt, so a call cut short
 # still returns what finished.

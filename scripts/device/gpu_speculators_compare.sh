@@ -3,8 +3,9 @@
 # package, capture, then the four trainings of benchmarks/speculators_compare.py, whose numbers it records) with
 # the return-limit packaging of its drafters.
 #
-# issue #23 on one H200, in one command: capture a feature store from conversations, check speculators'
-# requirements, then train the four runs of benchmarks/speculators_compare.py and put the results under $OUT.
+# The speculators comparison of docs/peers.md on one H200, in one command: capture a feature store from
+# conversations, check speculators' requirements, then train the four runs of benchmarks/speculators_compare.py
+# and put the results under $OUT.
 #
 # Carried: .whl (benchmarks/speculators_wheels.txt, docs/peers.md "Running it on the H200") and the conversations; the
 # embedded GGUF as in scripts/device/device_build_call.sh (two carried halves, rejoined on the machine) unless
