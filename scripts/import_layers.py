@@ -129,13 +129,15 @@ def main() -> None:
         for d in deps:
             if stage_of(m) != stage_of(d):
                 stage_edges[(stage_of(m), stage_of(d))] += 1
-    stage_cycles = strongly_connected({s: {b for (a, b) in stage_edges if a == s} for s in {stage_of(m) for m in g}})
+    stage_graph = {s: {b for (a, b) in stage_edges if a == s} for s in {stage_of(m) for m in g}}
+    stage_cycles = strongly_connected(stage_graph)
     summary = {
         "modules": len(g),
         "edges": sum(len(d) for d in g.values()),
         "module_layers": 1 + max(lay.values()),
         "cycles": cycles,
         "package_cycles": stage_cycles,
+        "package_layers": 1 + max(layers(stage_graph).values()),
         "largest": sorted(((sum(1 for _ in open(ROOT.parent / (m.replace(".", "/") + ".py"))) if (ROOT.parent / (m.replace(".", "/") + ".py")).exists() else 0, m) for m in g), reverse=True)[:10],
     }
     if args.json:
@@ -143,7 +145,8 @@ def main() -> None:
         return
     print(f"modules {summary['modules']}, import edges {summary['edges']}, layers {summary['module_layers']}")
     print(f"module cycles: {cycles or 'none'}")
-    print(f"package cycles: {stage_cycles or 'none'}")
+    print(f"package cycles: {stage_cycles or 'none'}; package layers {summary['package_layers']} "
+          "(the ground floor's modules count as one package)")
     by_layer: dict[int, list[str]] = defaultdict(list)
     for m, n in lay.items():
         by_layer[n].append(m.removeprefix(PKG + "."))

@@ -295,7 +295,7 @@ def unroll_and_grads(drafter, args, kwargs, grad: bool = True):
 @pytest.mark.parametrize("packed", [False, True])
 def test_the_compiled_forward_is_one_graph_that_equals_the_eager_unroll(packed):
     """`compile_for_training` compiles the whole forward, target softmax, masks and loss included, so that no
-    eager kernel runs around it (issue 23): it must trace as one graph (fullgraph: a graph break raises) and
+    eager kernel runs around it: it must trace as one graph (fullgraph: a graph break raises) and
     compute what the eager unroll does, loss, statistics and every gradient (float64; the aot_eager backend runs
     the traced graph's own ops, so this checks the capture, not inductor's kernels: tests/test_drafter.py and
     tests/test_gpu.py run those)."""
