@@ -1,0 +1,113 @@
+"""Output folders and files draftsmith owns: what it may replace, and writes that leave the old content whole.
+
+draftsmith deletes or replaces only what it wrote itself and can prove it: a folder that holds its marker
+(`MARKER`, written into every output folder a verb makes) or the verb's own manifest. A folder holding anything
+else is refused, with `--overwrite` as the fix. Writes go to a temporary sibling that is renamed into place, so a
+failure leaves the old content as it was. Files are written readable as the umask says (a temporary file is
+created 0600, which an engine running as another user cannot read).
+
+    check_output(out, "export")                   # refuse a folder of the user's, before any work
+    with replace_dir(out, "export") as tmp:       # write into tmp; out is swapped in whole at the end
+        save_file(tensors, tmp / "model.safetensors")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from draftsmith.errors import DraftsmithError
+
+MARKER = ".draftsmith.json"
+"""Written into every output folder a verb makes: {"verb": ...}. Its presence is draftsmith's proof of ownership."""
+
+SHOWN = 3  # entries named in a refusal
+
+
+def umask_mode(executable: bool = False) -> int:
+    """The mode a new file (0666) or folder (0777) gets under this process's umask."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return (0o777 if executable else 0o666) & ~mask
+
+
+def written_by(folder: Path) -> str | None:
+    """The verb that wrote `folder` (from its marker), or None when draftsmith cannot prove it wrote it."""
+    try:
+        return json.loads((folder / MARKER).read_text()).get("verb") or "draftsmith"
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def mark(folder: Path, verb: str) -> None:
+    """Record that `verb` wrote `folder`."""
+    (folder / MARKER).write_text(json.dumps({"verb": verb}) + "\n")
+    os.chmod(folder / MARKER, umask_mode())
+
+
+def foreign_entries(folder: Path) -> list[str]:
+    """The names in `folder` other than the marker, sorted."""
+    return sorted(p.name for p in folder.iterdir() if p.name != MARKER)
+
+
+def check_output(out: Path, verb: str, overwrite: bool = False, flag: str = "--out",
+                 owns: Callable[[Path], bool] | None = None) -> None:
+    """Refuse `out` when it is a folder of the user's: it exists, holds entries, and neither carries draftsmith's
+    marker nor passes `owns` (a verb's own test, e.g. its manifest). A file in the way is refused too.
+
+    Raises:
+        DraftsmithError: exit 2, before any work.
+    """
+    out = Path(out)
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise DraftsmithError(f"{verb}: {flag} names a file, not a folder", got=str(out),
+                              expected="a new folder, or one draftsmith wrote", fix=f"pass another {flag}")
+    entries = foreign_entries(out)
+    if not entries or overwrite or written_by(out) or (owns is not None and owns(out)):
+        return
+    shown = ", ".join(entries[:SHOWN]) + (f" and {len(entries) - SHOWN} more" if len(entries) > SHOWN else "")
+    raise DraftsmithError(f"{verb}: {flag} {out} holds files draftsmith did not write", got=shown,
+                          expected="a new or empty folder, or one this verb wrote",
+                          fix=f"pass another {flag}, or add --overwrite to replace what is in {out}")
+
+
+def check_not_inside(out: Path, src: Path, verb: str, flag: str = "OUT") -> None:
+    """Refuse an output that is its own source, holds it, or lies inside it."""
+    o, s = Path(out).resolve(), Path(src).resolve()
+    if o == s or o in s.parents or s in o.parents:
+        raise DraftsmithError(f"{verb}: {flag} overlaps the source", got=f"{flag} {out}, source {src}",
+                              expected="an output folder apart from the source",
+                              fix=f"pass a new folder as {flag}, e.g. {s.parent / (s.name + '-' + verb)}")
+
+
+@contextlib.contextmanager
+def replace_dir(out: Path, verb: str, overwrite: bool = False, flag: str = "--out",
+                owns: Callable[[Path], bool] | None = None) -> Iterator[Path]:
+    """A temporary sibling of `out` to write into; when the block ends without error, it is marked and renamed to
+    `out` (the old folder, which `check_output` allowed, is swapped out and removed). On an error the temporary
+    folder goes and `out` is left as it was."""
+    out = Path(out)
+    check_output(out, verb, overwrite, flag, owns)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        os.chmod(tmp, umask_mode(executable=True))
+        yield tmp
+        mark(tmp, verb)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
+        os.rename(out, old / out.name)
+        os.rename(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, out)
