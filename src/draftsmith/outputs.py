@@ -57,8 +57,8 @@ def foreign_entries(folder: Path) -> list[str]:
 
 def check_output(out: Path, verb: str, overwrite: bool = False, flag: str = "--out",
                  owns: Callable[[Path], bool] | None = None) -> None:
-    """Refuse `out` when it is a folder of the user's: it exists, holds entries, and neither carries draftsmith's
-    marker nor passes `owns` (a verb's own test, e.g. its manifest). A file in the way is refused too.
+    """Refuse `out` when it is not this verb's to replace: it exists, holds entries, and neither carries the marker
+    of `verb` nor passes `owns` (a verb's own test, e.g. its manifest). A file in the way is refused too.
 
     Raises:
         DraftsmithError: exit 2, before any work.
@@ -70,7 +70,7 @@ def check_output(out: Path, verb: str, overwrite: bool = False, flag: str = "--o
         raise DraftsmithError(f"{verb}: {flag} names a file, not a folder", got=str(out),
                               expected="a new folder, or one draftsmith wrote", fix=f"pass another {flag}")
     entries = foreign_entries(out)
-    if not entries or overwrite or written_by(out) or (owns is not None and owns(out)):
+    if not entries or overwrite or written_by(out) == verb or (owns is not None and owns(out)):
         return
     shown = ", ".join(entries[:SHOWN]) + (f" and {len(entries) - SHOWN} more" if len(entries) > SHOWN else "")
     raise DraftsmithError(f"{verb}: {flag} {out} holds files draftsmith did not write", got=shown,
@@ -95,6 +95,11 @@ def replace_dir(out: Path, verb: str, overwrite: bool = False, flag: str = "--ou
     folder goes and `out` is left as it was."""
     out = Path(out)
     check_output(out, verb, overwrite, flag, owns)
+    here = Path.cwd().resolve()
+    if out.exists() and (out.resolve() == here or out.resolve() in here.parents):
+        raise DraftsmithError(f"{verb}: {flag} is the working directory or holds it", got=str(out),
+                              expected="a folder apart from the one this command runs in",
+                              fix=f"pass a new folder as {flag}, e.g. {flag} ./{verb}-out")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
