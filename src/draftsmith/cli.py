@@ -3,6 +3,7 @@
 Each verb lives in its own module, which exposes `add_parser(subparsers)` (registering the verb with a
 worked example in its help) and sets `func` on the parsed namespace to a function `(args) -> int`.
 Exit codes (docs/design.md, "Pipeline and verbs"): 0 success, 1 ran and found a problem, 2 bad usage or bad input.
+An error is printed through `client.redact`: a URL, header or flag it quotes keeps no credential.
 """
 
 from __future__ import annotations
@@ -60,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except DraftsmithError as err:
-        print(f"error: {err.render()}", file=sys.stderr)
+        from draftsmith.client import redact
+
+        print(f"error: {redact(err.render())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

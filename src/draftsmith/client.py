@@ -3,9 +3,13 @@
 One home for what every caller of such a server needs:
 
 - base URLs: `parse_endpoint` reads an `--endpoint URL[#N]` spec, `normalize_base` gives the server root
-  (no trailing `/v1`), `display_url` drops user:password for logs and meta;
+  (no trailing `/v1`);
 - the API key: `api_key_from_env` reads $DRAFTSMITH_API_KEY or $OPENAI_API_KEY, never a flag, never printed;
-- the client: `open_client` builds an `openai.AsyncOpenAI` with that key and no retries of its own;
+- secrets: `redact` blanks every credential (URL user:password, key query parameters, `Authorization`
+  values, `--api-key` flags, the API key's value) in a string, a URL or a whole config, for whatever
+  draftsmith writes or prints; the requests themselves keep their credentials;
+- the client: `open_client` builds an `openai.AsyncOpenAI` with that key (and a URL's query as default query
+  parameters) and no retries of its own;
 - retries: `classify` turns a failed request into a `Failure` (retry or not, connection lost or not,
   `Retry-After`), `backoff_delay` spaces retries, `with_retries` runs one request under that policy;
 - the served model: `served_model` asks `GET /models` which model a server serves.
@@ -25,7 +29,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 try:
     import openai
@@ -39,6 +43,17 @@ API_KEY_ENV_VARS = ("DRAFTSMITH_API_KEY", "OPENAI_API_KEY")
 NO_API_KEY = "EMPTY"
 # Statuses worth retrying: timeouts, conflicts, rate limits and server-side failures (RFC 9110 §15.6).
 RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
+
+REDACTED = "***"
+# Query parameters that carry a credential: OpenAI-compatible gateways (`api_key`, `api-key`), Google (`key`),
+# OAuth (`access_token`), signed URLs (`sig`, `signature`).
+SECRET_QUERY_PARAMS = ("api_key", "api-key", "apikey", "key", "token", "access_token", "auth", "password", "secret",
+                       "sig", "signature")
+# Command-line flags whose value is a credential: vLLM, SGLang and llama-server `--api-key`, hub tokens.
+SECRET_FLAGS = ("--api-key", "--api-key-file", "--hf-token", "--token")
+# An API-key variable shorter than this is blanked only where a key is expected (flags, headers, queries), not
+# in free text: a value like `EMPTY` or `x` would blank ordinary words.
+MIN_LITERAL_SECRET_CHARS = 6
 
 T = TypeVar("T")
 
@@ -61,12 +76,6 @@ def parse_endpoint(spec: str, default_concurrency: int) -> tuple[str, int]:
     return urlunsplit((parts.scheme, parts.netloc, path, parts.query, "")), int(conc) if conc else default_concurrency
 
 
-def display_url(url: str) -> str:
-    """The URL without user:password, for logs and meta."""
-    parts = urlsplit(url)
-    return urlunsplit((parts.scheme, parts.hostname + (f":{parts.port}" if parts.port else ""), parts.path, "", ""))
-
-
 def normalize_base(url: str) -> str:
     """`http://host:port` (and any path before `/v1`) from a URL that may end in `/` or `/v1`."""
     base = url.rstrip("/")
@@ -81,6 +90,47 @@ def normalize_base(url: str) -> str:
 def api_key_from_env() -> str:
     """The API key from the environment (never a flag); servers without auth accept any value."""
     return next((os.environ[v] for v in API_KEY_ENV_VARS if os.environ.get(v)), NO_API_KEY)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Secrets
+
+_USERINFO = re.compile(r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/?#\s'\"<>@]*(?:@[^/?#\s'\"<>@]*)*@")
+_QUERY = re.compile(r"(?P<name>[?&;](?:%s)=)[^&#\s'\"<>]*" % "|".join(map(re.escape, SECRET_QUERY_PARAMS)),
+                    re.IGNORECASE)
+_FLAG = re.compile(r"(?P<name>(?:%s)(?:=|\s+))(?!-)[^\s'\"]+" % "|".join(map(re.escape, SECRET_FLAGS)))
+_HEADER = re.compile(r"(?P<name>\b(?:authorization|x-api-key|api-key)[\"']?\s*[:=]\s*[\"']?"
+                     r"(?:(?:bearer|basic|token)\s+)?)[^\s\"',}]+", re.IGNORECASE)
+_BEARER = re.compile(r"(?P<name>\bbearer\s+)[A-Za-z0-9._~+/=-]+", re.IGNORECASE)
+
+
+def redact(value: T) -> T:
+    """`value` with every credential in it replaced by `***`, for anything draftsmith writes or prints.
+
+    Blanks a URL's user:password (`http://***@host`), secret query parameters (`?api_key=***`, `&key=***`,
+    SECRET_QUERY_PARAMS), `Authorization: Bearer ***` and `x-api-key` header values, secret flags'
+    values (`--api-key ***`, SECRET_FLAGS), and the API key from $DRAFTSMITH_API_KEY / $OPENAI_API_KEY wherever
+    it appears. A string, a URL, or a config: dicts, lists and tuples are redacted item by item (keys too);
+    anything else is returned as is.
+    """
+    if isinstance(value, str):
+        return _redact_text(value)
+    if isinstance(value, dict):
+        return {redact(k): redact(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(redact(v) for v in value)
+    return value
+
+
+def _redact_text(text: str) -> str:
+    for var in API_KEY_ENV_VARS:
+        secret = os.environ.get(var, "")
+        if len(secret) >= MIN_LITERAL_SECRET_CHARS:
+            text = text.replace(secret, REDACTED)
+    text = _USERINFO.sub(rf"\g<scheme>{REDACTED}@", text)
+    for pattern in (_QUERY, _FLAG, _HEADER, _BEARER):
+        text = pattern.sub(rf"\g<name>{REDACTED}", text)
+    return text
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -102,6 +152,10 @@ def open_client(base_url: str, **options) -> openai.AsyncOpenAI:
     client as they are (`timeout`, `http_client`); one left out keeps the openai default.
     """
     require_openai()
+    parts = urlsplit(base_url)  # a key in the query (`?api_key=...`) rides along on every request
+    if parts.query:
+        options = {"default_query": dict(parse_qsl(parts.query)), **options}
+        base_url = urlunsplit(parts._replace(query=""))
     return openai.AsyncOpenAI(base_url=base_url, api_key=api_key_from_env(), max_retries=0, **options)
 
 
@@ -210,7 +264,7 @@ async def served_model(client: openai.AsyncOpenAI, wanted: str | None = None, ti
     Raises:
         NoServedModel: the listing failed, is empty, or lacks `wanted`; `got` is a one-line reason.
     """
-    listing_url = display_url(str(client.base_url).rstrip("/")) + "/models"
+    listing_url = redact(str(client.base_url).rstrip("/")) + "/models"
     expected = f"an OpenAI-compatible server answering {listing_url}"
     try:
         listing = await client.models.list(**({} if timeout_s is None else {"timeout": timeout_s}))

@@ -40,7 +40,7 @@ import numpy as np
 
 from pydantic import model_validator
 
-from draftsmith.client import api_key_from_env, normalize_base, open_client, served_model
+from draftsmith.client import api_key_from_env, normalize_base, open_client, redact, served_model
 from draftsmith.config import Settings, add_flags, from_flags
 from draftsmith.errors import DraftsmithError
 from draftsmith.bench.metrics import (
@@ -357,7 +357,7 @@ async def bench_endpoints(urls: list[str], settings: list[BenchSettings], warm, 
         eps = [await stack.enter_async_context(connect(u, st, extra_body)) for u, st in zip(urls, settings)]
         for ep, st in zip(eps, settings):
             if warm:
-                say(f"{ep.base}: warm-up, {len(warm)} requests (not measured)")
+                say(f"{redact(ep.base)}: warm-up, {len(warm)} requests (not measured)")
                 await closed_loop(ep.client, ep.model, warm, st, len(warm), extra_body)
         first = [await settled_scrape(ep.http, ep.base, ep.k) for ep in eps]
         before, levels, last = list(first), [[] for _ in eps], len(eps) - 1
@@ -378,11 +378,11 @@ async def bench_endpoints(urls: list[str], settings: list[BenchSettings], warm, 
                 after = await settled_scrape(ep.http, ep.base, ep.k)
                 level = summarize_level(kind, value, results[i], seconds[i], window_acceptance(before[i], after),
                                         tuple(rates[i]))
-                say(f"{ep.base}: {level.label()}  {level.output_tokens_per_s:.1f} tok/s"
+                say(f"{redact(ep.base)}: {level.label()}  {level.output_tokens_per_s:.1f} tok/s"
                     + (f"  tau {level.acceptance.tau:.2f}" if level.acceptance and level.acceptance.tau else ""))
                 levels[i].append(level)
                 before[i] = after
-        return [EndpointResult(ep.base, ep.model, lv, window_acceptance(f, b))
+        return [EndpointResult(redact(ep.base), ep.model, lv, window_acceptance(f, b))
                 for ep, lv, f, b in zip(eps, levels, first, before)]
 
 
@@ -421,9 +421,10 @@ def apply_baseline(levels: list[LevelResult], baseline: dict[tuple[str, float], 
 
 def build_report(s: BenchSettings, run: EndpointResult, baseline: dict[str, Any] | None,
                  verdict: Verdict) -> dict[str, Any]:
-    """The JSON document: headline acceptance, one row per level, the baseline, the verdict."""
+    """The JSON document: headline acceptance, one row per level, the baseline, the verdict; credentials redacted
+    (a failed request's error may quote its URL)."""
     acc = run.acceptance
-    return {
+    return redact({
         "endpoint": run.endpoint,
         "model": run.model,
         "settings": s.model_dump(mode="json"),
@@ -434,7 +435,7 @@ def build_report(s: BenchSettings, run: EndpointResult, baseline: dict[str, Any]
         "levels": [lv.to_dict() for lv in run.levels],
         "baseline": baseline,
         "verdict": asdict(verdict),
-    }
+    })
 
 
 # ----------------------------------------------------------------------------------------------

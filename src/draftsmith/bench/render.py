@@ -2,7 +2,8 @@
 number formatting of those tables and of the run report.
 
 print_report and write_plots read bench's JSON document (benchmark.build_report), so `run` renders the report of
-each k of its sweep with them too.
+each k of its sweep with them too; print_report shows it through `client.redact`, so an endpoint's credentials
+never reach the terminal.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 from typing import Any
+
+from draftsmith.client import redact
 
 
 def fmt(x: Any, spec: str = ".2f") -> str:
@@ -28,6 +31,7 @@ def print_report(report: dict[str, Any], console=None) -> None:
 
     # a pipe or a CI log is not 80 columns wide: give the tables room when not on a terminal
     console = console or Console(width=None if sys.stdout.isatty() else 120)
+    report = redact(report)
     acc = report["acceptance"]
     t = Table(title=f"acceptance  {report['endpoint']}  ({acc['source'] if acc else 'no data'})")
     for col in ("tau", "acceptance rate", "per position", "drafts", "window"):

@@ -35,6 +35,7 @@ from typing import Literal
 
 from pydantic import model_validator
 
+from draftsmith.client import redact
 from draftsmith.config import Settings, add_flags, from_flags
 from draftsmith.engines.process import probe_ready, release, spawn, stop_tree
 from draftsmith.errors import DraftsmithError
@@ -298,16 +299,17 @@ def run_launch(args) -> int:
             for sig, handler in ((signal.SIGTERM, _interrupt), (signal.SIGINT, signal.default_int_handler)):
                 with contextlib.suppress(ValueError):  # not the main thread
                     previous[sig] = signal.signal(sig, handler)
+            print(f"launch: {redact(shlex.join(cmd))} (log {log})", file=sys.stderr, flush=True)
             proc = spawn(cmd, log)
         with live:
             res = supervise(log, url, proc, s.timeout_s, s.stall_timeout_s, hook)
-        print(json.dumps(asdict(res), indent=2, default=str) if args.json else report(res), flush=True)
+        print(redact(json.dumps(asdict(res), indent=2, default=str) if args.json else report(res)), flush=True)
         if res.status == "ready" and args.then:
             return subprocess.run(shlex.split(args.then)).returncode
         if res.status == "ready" and proc and not args.detach:
-            print(f"serving at {url} (engine pid {proc.pid}); Ctrl-C stops it", file=sys.stderr)
+            print(f"serving at {redact(url)} (engine pid {proc.pid}); Ctrl-C stops it", file=sys.stderr)
             proc.wait()  # the engine died while serving
-            print(render(analyze(read_log(log)), log))
+            print(redact(render(analyze(read_log(log)), log)))
             return EXIT_CODES["crashed"]
         return res.exit_code
     finally:

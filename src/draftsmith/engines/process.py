@@ -116,7 +116,9 @@ def wait_ready(base_url: str, proc: subprocess.Popen, timeout_s: float, log: Pat
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+            from draftsmith.client import redact  # here, not at the top: the orphan guard runs this module, light
+
+            tail = redact(log.read_text(errors="replace"))[-3000:] if log.exists() else ""
             raise DraftsmithError("engine exited during start-up", got=f"exit code {proc.returncode}",
                                   expected="a server answering /health and /v1/models",
                                   fix=f"read {log}; `draftsmith diagnose {log}`" + ("\n" + tail if tail else ""))
@@ -152,7 +154,9 @@ def spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subpr
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env, start_new_session=True)
     except OSError as err:
-        raise DraftsmithError("could not start the engine command", got=f"{shlex.join(cmd)}: {err}",
+        from draftsmith.client import redact
+
+        raise DraftsmithError("could not start the engine command", got=f"{redact(shlex.join(cmd))}: {err}",
                               expected="an executable argument list after `--`",
                               fix="check the program name and PATH, e.g. `-- python -m vllm.entrypoints...`") from err
     _GUARDS[proc.pid] = start_guard(proc.pid, log)

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from pydantic import model_validator
 
+from draftsmith.client import redact
 from draftsmith.config import Settings, add_flags, check_choices, doc_of, from_flags
 from draftsmith.regenerate.conversations import Conversation, ConversationWriter
 from draftsmith.regenerate.endpoints import EndpointSettings, RegenerateSummary, parse_reply, regenerate_endpoints_sync
@@ -450,12 +451,12 @@ def run_self(args, s: RegenerateSettings) -> int:
         complete, backend = LocalCompleter(model, tokenizer, settings, end_of_turn_stops(tokenizer)[0]), "local"
     if args.prompts_only:
         counts = write_self_prompts(complete, tokenizer, args.out, sp)
-        print(json.dumps(counts.to_dict()) if args.json else f"regenerate --prompts self --prompts-only: "
-              f"{counts.render()}\n-> {args.out}")
+        print(redact(json.dumps(counts.to_dict()) if args.json else f"regenerate --prompts self --prompts-only: "
+                     f"{counts.render()}\n-> {args.out}"))
         return 0
     with ConversationWriter(args.out) as writer:
         summary = regenerate_self(complete, tokenizer, writer, sp, settings, s.reasoning, args.target, backend=backend)
-    print(json.dumps(asdict(summary), indent=2) if args.json else f"{summary.render()}\n-> {args.out}")
+    print(redact(json.dumps(asdict(summary), indent=2) if args.json else f"{summary.render()}\n-> {args.out}"))
     return 0
 
 

@@ -20,8 +20,10 @@ conversation to a `ConversationWriter` exactly once. How it works:
 - Reasoning comes from the message field `reasoning_content` or `reasoning` (servers run with a
   reasoning parser) or from an inline `<think>...</think>` block; `meta` records which.
 
-URLs, the API key ($DRAFTSMITH_API_KEY or $OPENAI_API_KEY, never a flag, never printed), failure classes,
-backoff and the served-model lookup live in `draftsmith.client`.
+URLs, the API key ($DRAFTSMITH_API_KEY or $OPENAI_API_KEY, never a flag, never printed), the redaction of
+credentials, failure classes, backoff and the served-model lookup live in `draftsmith.client`: an endpoint's
+name, its progress lines, the summary (printed and regenerate.json) and each record's `meta` go through
+`redact`, the requests keep the URL's credentials.
 Run it with `draftsmith regenerate --endpoint URL [--endpoint URL ...]`; docs/regenerate.md has more.
 """
 
@@ -49,10 +51,10 @@ from draftsmith.client import (
     RequestFailed,
     backoff_delay,
     classify,
-    display_url,
     normalize_base,
     open_client,
     parse_endpoint,
+    redact,
     served_model,
     with_retries,
 )
@@ -173,7 +175,7 @@ class RegenerateSummary:
         return not self.failed and not self.pending and self.aborted is None
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "ok": self.ok}
+        return redact({**asdict(self), "ok": self.ok})
 
     def render(self) -> str:
         rate = self.output_tokens / max(self.seconds, 1e-9)
@@ -187,7 +189,7 @@ class RegenerateSummary:
             lines.append(f"  {ep.url}: {ep.state}, {ep.done} answered, {errors}")
         for f in self.failed:
             lines.append(f"  failed {f.id} after {f.attempts} attempt(s): {f.reason}")
-        return "\n".join(lines)
+        return redact("\n".join(lines))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -273,7 +275,7 @@ class _Endpoint:
 
     @property
     def name(self) -> str:
-        return display_url(self.url)
+        return redact(self.url)
 
     def usable(self, now: float) -> bool:
         return self.up and now >= self.paused_until
@@ -559,7 +561,7 @@ class LiveStatus:
         for ep in run.endpoints:
             errors = ", ".join(f"{k} {v}" for k, v in sorted(ep.errors.items()))
             table.add_row(ep.name, ep.state(now), f"{ep.in_flight}/{ep.concurrency}", str(ep.done), errors,
-                          ep.last_error[:60])
+                          redact(ep.last_error)[:60])
         return table
 
 
@@ -701,7 +703,7 @@ class EndpointCompleter:
                         model=model, prompt=prefix, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                         stop=list(self.stop) or None, seed=seed), self.max_retries, rng)
                 except RequestFailed as exc:
-                    raise DraftsmithError(f"a completion request to {display_url(str(client.base_url))} failed",
+                    raise DraftsmithError(f"a completion request to {redact(str(client.base_url))} failed",
                                           got=str(exc), expected="a completion",
                                           fix="check the server (its log, --model) and rerun") from exc
             choice = r.choices[0]

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import yaml
 
+from draftsmith.client import redact
 from draftsmith.errors import DraftsmithError
 from draftsmith.run.settings import STAGES, RunConfig, plain, resolve_config
 from draftsmith.run.state import RunState, skip_reason, stage_hash, stage_outputs, stage_settings
@@ -35,9 +36,10 @@ def run_pipeline(cfg: RunConfig) -> dict:
     check_llamacpp_built(cfg)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "run_config.json").write_text(json.dumps(plain(cfg), indent=2) + "\n")
-    (out / "run_config.yaml").write_text(yaml.safe_dump(plain(cfg), sort_keys=False))
-    print("run: resolved config\n" + yaml.safe_dump(plain(cfg), sort_keys=False))
+    shown = redact(plain(cfg))  # the endpoints' credentials stay in cfg for the stages, never in a file
+    (out / "run_config.json").write_text(json.dumps(shown, indent=2) + "\n")
+    (out / "run_config.yaml").write_text(yaml.safe_dump(shown, sort_keys=False))
+    print("run: resolved config\n" + yaml.safe_dump(shown, sort_keys=False))
     state = RunState.load(out)
     summary: dict = {"stages": {}, "skipped": {}, "stage_seconds": {}}
     python = engine_interpreter(cfg)
@@ -102,14 +104,14 @@ def write_summary(out: Path, summary: dict) -> None:
         if (out / name).exists():
             summary[key] = json.loads((out / name).read_text())
     summary["drafter"] = str(out / "export-vllm")
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out / "summary.json").write_text(json.dumps(redact(summary), indent=2) + "\n")
     from draftsmith.run.report import write_report
 
     summary["report"] = str(write_report(out))
     verdict = json.loads((out / "report.json").read_text())["verdict"]
     if verdict["source"].startswith("bench:"):  # every engine bench measured (verdict.decide_run): run's exit code
         summary["bench_verdict"] = {k: verdict.get(k, []) for k in ("decision", "reasons", "next_steps")}
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (out / "summary.json").write_text(json.dumps(redact(summary), indent=2) + "\n")
 
 
 def add_parser(sub) -> None:

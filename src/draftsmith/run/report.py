@@ -27,6 +27,7 @@ from typing import Any
 
 from draftsmith.bench.render import fmt
 from draftsmith.bench.verdict import decide_run
+from draftsmith.client import redact
 from draftsmith.config import JSON_FLAG, Settings, add_flags, from_flags
 from draftsmith.errors import DraftsmithError
 from draftsmith.run.plots import PLOTS, plot_all
@@ -212,7 +213,7 @@ def parity(ev: dict | None, bench: dict | None) -> dict | None:
 
 
 def collect(run: Path) -> dict:
-    """Everything the page shows, as one JSON document."""
+    """Everything the page shows, as one JSON document, credentials redacted."""
     run = Path(run)
     cfg = read_json(run / "run_config.json")
     if cfg is None:
@@ -231,7 +232,7 @@ def collect(run: Path) -> dict:
            "eval": ev, "check": read_json(run / "check.json"), "launch": read_json(run / "launch.json"),
            "bench": bench, "llamacpp": llama, "parity": parity(ev, bench), "k_choice": k_choices(ev, bench, llama)}
     doc["verdict"] = decide_run(doc)
-    return doc
+    return redact(doc)  # every page and file is drawn from doc: a credential a stage recorded goes no further
 
 
 def headline(doc: dict) -> str:
