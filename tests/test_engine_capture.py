@@ -43,11 +43,11 @@ class FakeCaptureServer:
         self.lock, self.most_files = threading.Lock(), 0
         hs_dir.mkdir(parents=True, exist_ok=True)
 
-    def complete(self, ids: list[int]) -> dict:
+    def complete(self, ids: list[int], request_id: str | None = None) -> dict:
         with self.lock:  # one forward at a time: the hook below is shared state
-            return self._complete(ids)
+            return self._complete(ids, request_id)
 
-    def _complete(self, ids: list[int]) -> dict:
+    def _complete(self, ids: list[int], request_id: str | None) -> dict:
         self.requests += 1
         pre_norm = []
         hook = self.model.model.layers[-1].register_forward_hook(
@@ -61,7 +61,8 @@ class FakeCaptureServer:
             return reply
         n = len(self.model.model.layers)
         states = torch.stack([pre_norm[0][0] if k == n else out.hidden_states[k][0] for k in self.layer_ids], 1)
-        path = self.hs_dir / f"req-{self.requests}.safetensors"
+        # vLLM's name: the request id from X-Request-Id, "cmpl-" before it and the prompt index after
+        path = self.hs_dir / f"cmpl-{request_id or self.requests}-0.safetensors"
         save_file({"hidden_states": states.contiguous(), "token_ids": torch.tensor(ids)}, str(path))
         self.most_files = max(self.most_files, len(list(self.hs_dir.glob("*.safetensors"))))
         return {**reply, "kv_transfer_params": {"hidden_states_path": str(path)}}
@@ -79,7 +80,8 @@ def fake_server(tiny_target, tmp_path, request):
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_POST(self):  # noqa: N802 (http.server's name)
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            reply = fake.complete(body["prompt"]) if self.path == "/v1/completions" else fake.tokenize(body["prompt"])
+            reply = (fake.complete(body["prompt"], self.headers.get("X-Request-Id")) if self.path == "/v1/completions"
+                     else fake.tokenize(body["prompt"]))
             data = json.dumps(reply).encode()
             self.send_response(200)
             self.send_header("Content-Length", str(len(data)))

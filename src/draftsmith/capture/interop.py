@@ -20,6 +20,10 @@ hidden-state extraction writes it. draftsmith's store keeps the state after the 
 The export writes y / w: its rms is 1 (to within the norm's eps), so the target's norm maps it back to
 y, to within bf16 rounding. Tokens, masks and aux states are copied bit for bit.
 
+OUT is draftsmith's (`draftsmith.outputs`): one that holds files draftsmith did not write is refused before the
+store is read (`--overwrite` replaces it), and so is one that overlaps the store; the export is written into a
+temporary sibling and swapped in whole, so a failure leaves an earlier export as it was.
+
 The export streams: one sample is read from the memory-mapped store and written at a time. The Arrow
 index needs the `datasets` package (speculators depends on it); without it the hidden-state files are
 still written and the command says how to add the index (`--index-only`, where `datasets` is installed).
@@ -43,6 +47,7 @@ from safetensors.torch import save_file
 
 from draftsmith.config import JSON_FLAG, Settings, add_flags, check_choices, from_flags
 from draftsmith.errors import DraftsmithError
+from draftsmith.outputs import check_not_inside, check_output, replace_dir
 from draftsmith.progress import progress_bar
 from draftsmith.capture.store import SHARD_TENSORS, FeatureStore, Sample
 from draftsmith.target import read_config, resolve_target, text_config_of
@@ -131,31 +136,43 @@ def samples_by_shard(store: FeatureStore) -> Iterator[Sample]:
                 yield Sample(*(f.get_slice(name)[a:b] for name in SHARD_TENSORS))
 
 
-def export_speculators(store_dir: Path, out: Path, target: str | None = None, index: bool = True) -> dict:
+def is_export(out: Path) -> bool:
+    """`out` holds this verb's own manifest (an export from before the marker counts as draftsmith's)."""
+    return (Path(out) / EXPORT_INFO).is_file()
+
+
+def export_speculators(store_dir: Path, out: Path, target: str | None = None, index: bool = True,
+                       overwrite: bool = False) -> dict:
     """Write the store in speculators' offline layout; returns the summary written to draftsmith_export.json.
 
     Args:
         target: the target's name or directory (default: the one recorded in the store).
         index: also write the Arrow index (needs `datasets`); False writes only the per-sample files.
+        overwrite: replace an `out` that draftsmith did not write.
+    Raises:
+        DraftsmithError: an `out` of the user's (without `overwrite`) or one overlapping the store, before
+            the store is read.
     """
+    check_not_inside(out, store_dir, "export-store")
+    check_output(out, "export-store", overwrite, flag="OUT", owns=is_export)
     store = FeatureStore(Path(store_dir))
     target = target or store.identity["target"]["name"]
     norm = final_norm(resolve_target(target))
-    out = Path(out)
-    (out / HS_DIR).mkdir(parents=True, exist_ok=True)
-    tokens = 0
-    with progress_bar("export-store", total=len(store), unit="samples") as bar:
-        for k, s in enumerate(samples_by_shard(store)):
-            write_sample(hs_path(out, k), s.input_ids, s.loss_mask, s.aux, norm.undo(s.last))
-            tokens += len(s.input_ids)
-            bar.advance(1, tokens=tokens)
-    torch.save(token_frequencies(store.token_counts()), out / TOKEN_FREQ)
-    info = {"format": "speculators", "speculators_version": "0.9.0", "store": str(Path(store_dir).resolve()),
-            "target": target, "aux_layer_ids": store.identity["aux_layer_ids"], "aux_id_convention": "boundary",
-            "hidden_size": store.hidden_size, "num_samples": len(store), "num_tokens": tokens,
-            "final_state": "pre-norm: store's post-norm state / final norm weight"}
-    (out / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n")
-    info["index"] = write_index(out) if index else "skipped"
+    with replace_dir(Path(out).resolve(), "export-store", overwrite, flag="OUT", owns=is_export) as tmp:
+        (tmp / HS_DIR).mkdir()
+        tokens = 0
+        with progress_bar("export-store", total=len(store), unit="samples") as bar:
+            for k, s in enumerate(samples_by_shard(store)):
+                write_sample(hs_path(tmp, k), s.input_ids, s.loss_mask, s.aux, norm.undo(s.last))
+                tokens += len(s.input_ids)
+                bar.advance(1, tokens=tokens)
+        torch.save(token_frequencies(store.token_counts()), tmp / TOKEN_FREQ)
+        info = {"format": "speculators", "speculators_version": "0.9.0", "store": str(Path(store_dir).resolve()),
+                "target": target, "aux_layer_ids": store.identity["aux_layer_ids"], "aux_id_convention": "boundary",
+                "hidden_size": store.hidden_size, "num_samples": len(store), "num_tokens": tokens,
+                "final_state": "pre-norm: store's post-norm state / final norm weight"}
+        (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n")
+        info["index"] = write_index(tmp, Path(out)) if index else "skipped"
     return info
 
 
@@ -169,13 +186,14 @@ def index_rows(out: Path) -> Iterator[dict]:
         yield {"input_ids": ids.tolist(), "loss_mask": mask.tolist(), "seq_len": len(ids)}
 
 
-def write_index(out: Path) -> str:
-    """The `datasets` index speculators loads; 'written', or why not (the package is absent)."""
+def write_index(out: Path, shown: Path | None = None) -> str:
+    """The `datasets` index speculators loads, written into `out`; 'written', or why not (the package is
+    absent; the fix names `shown`, the export's final place, default `out`)."""
     try:
         import datasets
     except ImportError:
         return ("not written: `datasets` is not installed (speculators needs it anyway); install it "
-                f"and run `draftsmith export-store STORE {out} --format speculators --index-only`")
+                f"and run `draftsmith export-store STORE {shown or out} --format speculators --index-only`")
     features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int64")),
                                   "loss_mask": datasets.Sequence(datasets.Value("int64")),
                                   "seq_len": datasets.Value("int64")})
@@ -242,6 +260,8 @@ class ExportStoreSettings(Settings):
     """Target name or directory (default: the store's)."""
     index_only: bool = False
     """Only (re)write the Arrow index of an existing export."""
+    overwrite: bool = False
+    """Replace an OUT that draftsmith did not write (its content is lost)."""
     as_json: bool = False
     """Print the summary as JSON."""
 
@@ -267,6 +287,15 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run_export_store)
 
 
+def require_export(out: Path) -> Path:
+    """`out`, when it is an export this verb wrote (`--index-only` adds to it in place)."""
+    if not is_export(out):
+        raise DraftsmithError("--index-only adds the index to an existing export", got=f"no {EXPORT_INFO} in {out}",
+                              expected="a folder written by `draftsmith export-store`",
+                              fix="run `draftsmith export-store STORE OUT --format speculators` first")
+    return Path(out)
+
+
 def run_export_store(args) -> int:
     import contextlib
     import sys
@@ -275,9 +304,9 @@ def run_export_store(args) -> int:
     # with --json, stdout carries the JSON alone: progress lines go to stderr
     with contextlib.redirect_stdout(sys.stderr) if s.as_json else contextlib.nullcontext():
         if s.index_only:
-            info = {"index": write_index(s.out)}
+            info = {"index": write_index(require_export(s.out))}
         else:
-            info = export_speculators(s.store, s.out, s.target)
+            info = export_speculators(s.store, s.out, s.target, overwrite=s.overwrite)
     if s.as_json:
         print(json.dumps(info, indent=2))
     else:

@@ -14,6 +14,12 @@ to a folder of bounded size. This module is the client:
    state *before* the norm, docs/engines.md §9), check it (`draftsmith.capture.sanity`), append the
    sample to the feature store and delete the file.
 
+The connector folder (`--hs-dir`) may be shared (`/dev/shm`): draftsmith deletes only the files of the
+requests this run sent. Each request carries an id with this run's random token (`X-Request-Id`); vLLM
+names the request after it and the connector names its files after the request
+(`<hs-dir>/cmpl-<id>-0.safetensors`, `.lock`, `.tmp`, `.error`). Each file goes once it is read, and
+whatever this run's requests left (a failure mid-way) goes when the capture ends; nothing else is touched.
+
 vLLM ids: the aux ids are boundary indices and vLLM reads explicit ids as boundary indices
 (`conventions.aux_ids_for_format(..., "vllm")`); the last id, N, gives the state the final norm turns
 into the store's `last`. Resume is the store's: a rerun skips the samples in complete shards.
@@ -26,16 +32,19 @@ into the store's `last`. Resume is the store's: a rerun skips the samples in com
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
+import itertools
 import json
 import shutil
 import time
+import uuid
 import urllib.error
 import urllib.request
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -56,6 +65,7 @@ from draftsmith.target import cache_dir, describe_target, read_config, resolve_t
 CONNECTOR_MODULE = "draftsmith_hs_connector"
 CONNECTOR_CLASS = "DraftsmithHiddenStatesConnector"
 ERROR_SUFFIX = ".error"  # connector.ERROR_SUFFIX: the connector cannot import draftsmith
+CONNECTOR_SUFFIXES = (".safetensors", ".lock", ".tmp", ERROR_SUFFIX)  # a request's files (connector._save, stock lock)
 REQUEST_TIMEOUT_S = 600.0
 
 
@@ -110,6 +120,37 @@ def server_args(layer_ids: list[int], s: EngineSettings) -> list[str]:
 # ---------------------------------------------------------------- one request
 
 @dataclass(frozen=True)
+class RequestIds:
+    """The request ids one capture sends: `draftsmith-<token>-<n>`, the token random per run. vLLM takes a
+    request's id from its `X-Request-Id` header (`_base_request_id`) and the connector names the request's
+    files after it, so a file in the connector folder is this run's exactly when its name holds the token."""
+
+    token: str = field(default_factory=lambda: f"draftsmith-{uuid.uuid4().hex[:16]}")
+    counter: itertools.count = field(default_factory=itertools.count, compare=False)
+
+    def next(self) -> str:
+        return f"{self.token}-{next(self.counter)}"  # next() on a count is atomic: threads may share it
+
+    def owns(self, path: Path) -> bool:
+        return self.token in Path(path).name and Path(path).name.endswith(CONNECTOR_SUFFIXES)
+
+
+def run_files(folder: Path, ids: RequestIds) -> list[Path]:
+    """The connector's files in `folder` that belong to this run's requests, sorted."""
+    if not Path(folder).is_dir():
+        return []
+    return sorted(p for p in Path(folder).iterdir() if p.is_file() and ids.owns(p))
+
+
+def discard_run_files(folder: Path, ids: RequestIds) -> list[Path]:
+    """Delete what this run's requests left in the connector folder (nothing else); returns what went."""
+    gone = run_files(folder, ids)
+    for p in gone:
+        p.unlink(missing_ok=True)
+    return gone
+
+
+@dataclass(frozen=True)
 class EngineReply:
     """What the server answered for one prompt: its token ids, the greedy next token, the states' file."""
 
@@ -118,8 +159,9 @@ class EngineReply:
     states_path: Path
 
 
-def post_json(url: str, body: dict, timeout_s: float = REQUEST_TIMEOUT_S) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+def post_json(url: str, body: dict, timeout_s: float = REQUEST_TIMEOUT_S, request_id: str | None = None) -> dict:
+    headers = {"Content-Type": "application/json", **({"X-Request-Id": request_id} if request_id else {})}
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
             return json.loads(r.read())
@@ -133,10 +175,17 @@ def post_json(url: str, body: dict, timeout_s: float = REQUEST_TIMEOUT_S) -> dic
                               "command to resume after the last complete shard") from exc
 
 
-def request_states(base_url: str, ids: list[int]) -> EngineReply:
-    """Prefill `ids` once (one greedy token) and return where the connector writes their states."""
+def request_states(base_url: str, ids: list[int], request_ids: RequestIds | None = None) -> EngineReply:
+    """Prefill `ids` once (one greedy token) and return where the connector writes their states.
+
+    Raises:
+        DraftsmithError: a server without the capture flags, or a states file not named for this request
+            (draftsmith would not know it may delete it).
+    """
+    request_ids = request_ids or RequestIds()
     body = {"model": "target", "prompt": ids, "max_tokens": 1, "temperature": 0.0, "return_token_ids": True}
-    reply = post_json(base_url + "/v1/completions", body)
+    request_id = request_ids.next()
+    reply = post_json(base_url + "/v1/completions", body, request_id=request_id)
     params = reply.get("kv_transfer_params") or {}
     if "hidden_states_path" not in params:
         raise DraftsmithError(
@@ -145,9 +194,15 @@ def request_states(base_url: str, ids: list[int]) -> EngineReply:
             expected="a vLLM server started with --speculative-config '{\"method\": \"extract_hidden_states\", ...}' "
             "and --kv-transfer-config naming a hidden-states connector",
             fix="restart it with the flags `draftsmith capture --print-server-args` prints, or drop --endpoint")
+    path = Path(params["hidden_states_path"])
+    if request_id not in path.name:
+        raise DraftsmithError("the server's hidden-states file is not named for draftsmith's request",
+                              got=f"{path} for request {request_id}",
+                              expected=f"a file named after the X-Request-Id header, e.g. cmpl-{request_id}-0.safetensors",
+                              fix="serve with the flags `draftsmith capture --print-server-args` prints (draftsmith's "
+                                  "connector, no custom hidden_states_path); draftsmith deletes only its own files")
     choice = reply["choices"][0]
-    return EngineReply(list(choice.get("prompt_token_ids") or []), int((choice.get("token_ids") or [-1])[0]),
-                       Path(params["hidden_states_path"]))
+    return EngineReply(list(choice.get("prompt_token_ids") or []), int((choice.get("token_ids") or [-1])[0]), path)
 
 
 def check_prompt_ids(ours: list[int], theirs: list[int], tokenizer) -> None:
@@ -263,14 +318,15 @@ def in_order(pool: ThreadPoolExecutor, fn, items: list, window: int) -> Iterator
 
 
 def capture_from_engine(base_url: str, todo: list[TokenizedSample], writer: StoreWriter, head: TargetHead,
-                        tokenizer, concurrency: int) -> int:
+                        tokenizer, concurrency: int, request_ids: RequestIds | None = None) -> int:
     """Send `todo` with `concurrency` requests in flight, store the samples in order; returns tokens stored."""
     tokens = 0
+    request_ids = request_ids or RequestIds()
     if todo:
         check_server_tokenizer(base_url, todo[0], tokenizer)
     with ThreadPoolExecutor(concurrency) as pool, progress_bar("capture", total=len(todo), unit="samples") as bar:
-        for sample, reply in zip(todo, in_order(pool, lambda s: request_states(base_url, s.input_ids), todo,
-                                                 concurrency)):
+        for sample, reply in zip(todo, in_order(pool, lambda s: request_states(base_url, s.input_ids, request_ids),
+                                                 todo, concurrency)):
             try:
                 check_prompt_ids(sample.input_ids, reply.prompt_token_ids, tokenizer)
                 stored = to_sample(read_states(reply.states_path), sample, head)
@@ -301,21 +357,20 @@ def capture_server(model_dir: Path, layer_ids: list[int], s: EngineSettings, log
         yield base
 
 
-def clear_folder(folder: Path) -> None:
-    """Drop what a killed run left in the connector folder (its samples are recaptured on resume)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    for p in folder.iterdir():
-        if p.is_file() and p.name.endswith((".safetensors", ".lock", ".tmp", ERROR_SUFFIX)):
-            p.unlink(missing_ok=True)
-
-
 def engine_capture(conversations: Path, out: Path, settings: EngineSettings, target: str = "smollm2",
                    aux_ids: tuple[int, ...] | None = None, max_length: int = 2048, shard_tokens: int = 1 << 16,
                    endpoint: str | None = None, dtype: str = "float32", max_store_bytes: int | None = None,
                    store_wait_timeout_s: float = 3600.0) -> CaptureSummary:
-    """Capture a feature store through vLLM (resumes an interrupted capture, like the in-process one)."""
+    """Capture a feature store through vLLM (resumes an interrupted capture, like the in-process one).
+
+    The engine is found (a server to start needs vLLM's interpreter) before anything is read or written; in
+    `settings.hs_dir` only this run's requests' files are deleted."""
     from transformers import AutoTokenizer
 
+    from draftsmith.engines.process import engine_python
+
+    if endpoint is None:
+        settings = dataclasses.replace(settings, python=settings.python or engine_python("vllm"))
     require_conversations(conversations)
     model_dir = resolve_target(target)
     spec = describe_target(read_config(model_dir))
@@ -333,14 +388,16 @@ def engine_capture(conversations: Path, out: Path, settings: EngineSettings, tar
     head = load_target_head(model_dir)
     counts = supervised_counts(samples, spec.vocab_size)
     writer.publish(counts, head_tensors(head.embed, head.head))  # a follower can start now (train --follow)
-    if endpoint is None:
-        clear_folder(settings.hs_dir)
     start = time.perf_counter()
     layer_ids = engine_layer_ids(aux_ids, spec.num_layers)
-    with (contextlib.nullcontext(endpoint.rstrip("/")) if endpoint else
-          capture_server(model_dir, layer_ids, settings, Path(out) / "engine" / "vllm.log",
-                         max(len(s.input_ids) for s in samples) + 8, dtype)) as base:
-        tokens = capture_from_engine(base, todo, writer, head, tokenizer, settings.concurrency)
+    request_ids = RequestIds()
+    try:
+        with (contextlib.nullcontext(endpoint.rstrip("/")) if endpoint else
+              capture_server(model_dir, layer_ids, settings, Path(out) / "engine" / "vllm.log",
+                             max(len(s.input_ids) for s in samples) + 8, dtype)) as base:
+            tokens = capture_from_engine(base, todo, writer, head, tokenizer, settings.concurrency, request_ids)
+    finally:  # a failure mid-way leaves the files of requests in flight; the server has stopped (or answered them)
+        discard_run_files(settings.hs_dir, request_ids)
     finish_store(writer, counts, head.embed, head.head, spec.hidden_size)
     return CaptureSummary(len(todo), skip, tokens, time.perf_counter() - start, bytes_per_token(spec.hidden_size))
 

@@ -22,7 +22,9 @@ speculators: vLLM's `update_eagle3` defaults `norm_before_residual` to True when
 Refused, with the reason: MLA drafters (no faithful Llama layout), more than one decoder layer, norm
 variants or biases draftsmith's drafter lacks, unknown tensors (listed), an `embed_tokens` copy (unless
 `--drop-embeddings`), aux ids whose target depth is unknown. Output: a draftsmith checkpoint
-(`--to draftsmith`, readable by `draftsmith eval`) or any `draftsmith export` format.
+(`--to draftsmith`, readable by `draftsmith eval`) or any `draftsmith export` format, owned as `export`'s is:
+an OUT of the user's (`--overwrite` replaces it) or one overlapping SRC is refused before SRC is read, and OUT
+is swapped in whole, so a failure leaves the old one as it was.
 
     draftsmith convert ./EAGLE3-LLaMA3.1-Instruct-8B ./eagle3-vllm --to vllm --target meta-llama/Llama-3.1-8B-Instruct
 """
@@ -30,7 +32,6 @@ variants or biases draftsmith's drafter lacks, unknown tensors (listed), an `emb
 from __future__ import annotations
 
 import json
-import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,7 +55,9 @@ from draftsmith.conventions import (
 )
 from draftsmith.model.eagle3 import DrafterConfig, Eagle3Drafter
 from draftsmith.errors import DraftsmithError
-from draftsmith.export.formats import DEFAULT_K, DTYPES, FORMATS
+from draftsmith.export.formats import (DEFAULT_K, DTYPES, FORMATS, check_export_out, refuse_unread_norms,
+                                       write_layout)
+from draftsmith.outputs import replace_dir
 
 LAYOUTS = ("draftsmith", "eagle", "specforge", "modelopt", "speculators")
 MLA_KEY_PARTS = ("q_a_proj", "kv_a_proj_with_mqa", "kv_b_proj", "q_b_proj")
@@ -332,8 +335,9 @@ def check_shapes(cfg: DrafterConfig, tensors: dict[str, torch.Tensor]) -> dict[s
 
 # --- writing ----------------------------------------------------------------------------------------
 
-def write_draftsmith(source: SourceDrafter, out: Path, src: Path, dtype: str | None = None) -> Path:
-    """A draftsmith checkpoint (what `draftsmith eval` and `export` read); tensors keep their dtype."""
+def write_draftsmith(source: SourceDrafter, folder: Path, src: Path, dtype: str | None = None) -> Path:
+    """A draftsmith checkpoint (what `draftsmith eval` and `export` read) written into `folder`; tensors keep
+    their dtype."""
     cast = getattr(torch, dtype) if dtype else None
     tensors = {k: (t.to(cast) if cast is not None and t.is_floating_point() else t).contiguous()
                for k, t in source.tensors.items()}
@@ -341,14 +345,9 @@ def write_draftsmith(source: SourceDrafter, out: Path, src: Path, dtype: str | N
     origin = {"layout": source.layout, "path": str(src), "aux_ids_as_written": source.aux_ids_read,
               "aux_convention_read": source.aux_convention, "notes": source.notes}
     extra = {**source.meta, "converted_from": origin} if source.layout != "draftsmith" else source.meta
-    tmp = Path(str(out) + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(hf_config(source.config, "vllm", stored, extra), indent=2) + "\n")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.replace(out)
-    return Path(out)
+    save_file(tensors, str(folder / WEIGHTS), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(hf_config(source.config, "vllm", stored, extra), indent=2) + "\n")
+    return Path(folder)
 
 
 def target_facts(target: str | None) -> tuple[int | None, int | None, Any]:
@@ -373,25 +372,33 @@ def check_target_fit(cfg: DrafterConfig, spec) -> None:
 
 def convert(src: Path, out: Path, to: str, target: str | None = None, target_layers: int | None = None,
             aux_convention: str | None = None, drop_embeddings: bool = False, dtype: str | None = None,
-            k: int = DEFAULT_K) -> ConvertResult:
-    """Read SRC in any supported layout and write it as `to` (draftsmith or an export format)."""
-    from draftsmith.export.formats import export
+            k: int = DEFAULT_K, overwrite: bool = False) -> ConvertResult:
+    """Read SRC in any supported layout and write it as `to` (draftsmith or an export format) into `out`.
 
+    Raises:
+        DraftsmithError: an `out` of the user's (without `overwrite`) or one overlapping SRC, before SRC is
+            read; a layout or setting that cannot be converted faithfully.
+    """
     if to not in ("draftsmith", *FORMATS):
         raise DraftsmithError("unknown --to", got=to, expected=" | ".join(("draftsmith", *FORMATS)), fix="pick one")
+    check_export_out(Path(src), Path(out), overwrite, "convert")
     layers, max_pos, spec = target_facts(target)
     source = read_drafter(Path(src), target_layers or layers, aux_convention, drop_embeddings, max_pos)
     if spec is not None:
         check_target_fit(source.config, spec)
     if target:
         source.meta.setdefault("target", target)
-    if to == "draftsmith":
-        write_draftsmith(source, Path(out), Path(src), dtype)
-    else:
-        with tempfile.TemporaryDirectory() as tmp:
-            ckpt = write_draftsmith(source, Path(tmp) / "ckpt", Path(src), dtype)
-            stored = str(source.tensors["fc.weight"].dtype).removeprefix("torch.")
-            export(ckpt, Path(out), to, dtype or stored, k, target)
+    if to != "draftsmith":
+        refuse_unread_norms({"draftsmith": {"drafter": source.config.to_dict()}}, to)
+    with replace_dir(Path(out).resolve(), "convert", overwrite, flag="OUT") as folder:  # resolved: OUT may be "."
+        if to == "draftsmith":
+            write_draftsmith(source, folder, Path(src), dtype)
+        else:
+            with tempfile.TemporaryDirectory() as tmp:
+                ckpt = write_draftsmith(source, Path(tmp), Path(src), dtype)
+                stored = str(source.tensors["fc.weight"].dtype).removeprefix("torch.")
+                write_layout(ckpt, json.loads((ckpt / "config.json").read_text()), folder, to, dtype or stored, k,
+                             target, Path(out))
     return ConvertResult(Path(out), source.layout, to, source.config.aux_layer_ids, source.notes)
 
 
@@ -417,6 +424,8 @@ class ConvertSettings(Settings):
     """Weights' dtype: bfloat16 | float16 | float32 (default: keep SRC's)."""
     k: int = DEFAULT_K
     """Draft tokens named in the card / speculators config."""
+    overwrite: bool = False
+    """Replace an OUT that draftsmith did not write (its content is lost)."""
 
     @model_validator(mode="after")
     def check_choices(self) -> ConvertSettings:
@@ -443,7 +452,8 @@ def add_parser(sub) -> None:
 
 def run_convert(args) -> int:
     s = from_flags(ConvertSettings, args)
-    r = convert(s.src, s.out, s.to, s.target, s.target_layers, s.aux_convention, s.drop_embeddings, s.dtype, s.k)
+    r = convert(s.src, s.out, s.to, s.target, s.target_layers, s.aux_convention, s.drop_embeddings, s.dtype, s.k,
+                s.overwrite)
     print(f"convert: {r.layout} -> {r.to} {r.out}; aux ids as boundary indices {list(r.aux_layer_ids_boundary)}")
     for note in r.notes:
         print(f"  note: {note}")

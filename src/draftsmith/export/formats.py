@@ -16,12 +16,15 @@ Formats and their key maps (each checked against the consumer's loader source, s
   src/draftsmith/engines/llamacpp.py).
 
 Every export writes every norm flag explicitly and a model card (README.md) with the serve commands.
+
+Ownership (`draftsmith.outputs`): OUT is written whole into a temporary sibling and swapped in, so a failure
+leaves the old OUT as it was; an OUT that holds files draftsmith did not write is refused before anything is
+read (`--overwrite` replaces it), and so is an OUT that is, holds or lies inside the checkpoint.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import asdict
 from pathlib import Path
 
@@ -36,6 +39,7 @@ from draftsmith.config import Settings, add_flags, check_choices, from_flags
 from draftsmith.conventions import NORMS_READ, aux_ids_for_format, unread_norms
 from draftsmith.model.eagle3 import DrafterConfig
 from draftsmith.errors import DraftsmithError
+from draftsmith.outputs import check_not_inside, check_output, replace_dir
 from draftsmith.target import resolve_target
 
 FORMATS = ("vllm", "sglang", "speculators")
@@ -160,20 +164,47 @@ def drop_identity_vocab_map(state: dict[str, torch.Tensor]) -> None:
     del state["d2t"], state["t2d"]
 
 
-def export(src: Path, out: Path, fmt: str, dtype: str = "bfloat16", k: int = DEFAULT_K, target_path: str | None = None,
-           target_gguf: str | None = None) -> Path:
-    """Export a draftsmith checkpoint directory to `fmt` in `out` (`target_gguf`: llamacpp only)."""
-    if fmt not in FORMATS + GGUF_FORMATS:
-        raise DraftsmithError("unknown export format", got=fmt, expected=" | ".join(FORMATS + GGUF_FORMATS),
-                              fix="pick one")
-    config = json.loads((Path(src) / "config.json").read_text())
-    refuse_unread_norms(config, fmt)
-    if fmt == "llamacpp":
-        return export_llamacpp(src, out, dtype, k, target_path, target_gguf)
+OVERWRITE_HELP = "replace an OUT that draftsmith did not write (its content is lost)"
+
+
+def check_export_out(src: Path, out: Path, overwrite: bool = False, verb: str = "export") -> None:
+    """Refuse, before anything is read, an OUT that overlaps the checkpoint or holds files of the user's."""
+    check_not_inside(out, src, verb)
+    check_output(out, verb, overwrite, flag="OUT")
+
+
+def require_draftsmith_block(config: dict, src: Path) -> None:
     if "draftsmith" not in config:
         raise DraftsmithError("export reads draftsmith checkpoints", got=f"{src} has no draftsmith block",
                               expected="a directory written by `draftsmith train`",
                               fix=f"convert it first: draftsmith convert {src} OUT --to draftsmith")
+
+
+def export(src: Path, out: Path, fmt: str, dtype: str = "bfloat16", k: int = DEFAULT_K, target_path: str | None = None,
+           target_gguf: str | None = None, overwrite: bool = False) -> Path:
+    """Export a draftsmith checkpoint directory to `fmt` in `out` (`target_gguf`: llamacpp only).
+
+    Raises:
+        DraftsmithError: an unknown format, an `out` of the user's (without `overwrite`) or one overlapping
+            `src`, a checkpoint that is not draftsmith's, or norms the format's engine does not compute.
+    """
+    if fmt not in FORMATS + GGUF_FORMATS:
+        raise DraftsmithError("unknown export format", got=fmt, expected=" | ".join(FORMATS + GGUF_FORMATS),
+                              fix="pick one")
+    check_export_out(src, out, overwrite)
+    config = json.loads((Path(src) / "config.json").read_text())
+    refuse_unread_norms(config, fmt)
+    if fmt == "llamacpp":
+        return export_llamacpp(src, out, dtype, k, target_path, target_gguf, overwrite)
+    require_draftsmith_block(config, src)
+    with replace_dir(Path(out).resolve(), "export", overwrite, flag="OUT") as tmp:  # resolved: OUT may be "."
+        write_layout(src, config, tmp, fmt, dtype, k, target_path, Path(out))
+    return Path(out)
+
+
+def write_layout(src: Path, config: dict, folder: Path, fmt: str, dtype: str, k: int, target_path: str | None,
+                 card_out: Path) -> None:
+    """Write the weights, config.json and model card of `fmt` into `folder` (the card names `card_out`)."""
     cfg = DrafterConfig.from_dict(config["draftsmith"]["drafter"])
     meta = {k2: v for k2, v in config["draftsmith"].items() if k2 not in ("drafter", "aux_layer_ids_boundary",
                                                                         "aux_id_convention")}
@@ -184,23 +215,17 @@ def export(src: Path, out: Path, fmt: str, dtype: str = "bfloat16", k: int = DEF
         drop_identity_vocab_map(state)
     tensors = {rename_for(fmt, n): (t.to(getattr(torch, dtype)) if t.is_floating_point() else t).contiguous()
                for n, t in state.items()}
-    tmp = Path(str(out) + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+    save_file(tensors, str(folder / WEIGHTS), metadata={"format": "pt"})
     if fmt == "speculators":
         new_config = speculators_config(cfg, dtype, target_path or meta.get("target", ""), k, meta)
     else:
         new_config = hf_config(cfg, fmt, dtype, meta)
-    (tmp / "config.json").write_text(json.dumps(new_config, indent=2) + "\n")
-    (tmp / "README.md").write_text(model_card(fmt, Path(out), cfg, meta, k))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.replace(out)
-    return Path(out)
+    (folder / "config.json").write_text(json.dumps(new_config, indent=2) + "\n")
+    (folder / "README.md").write_text(model_card(fmt, card_out, cfg, meta, k))
 
 
 def export_llamacpp(src: Path, out: Path, dtype: str, k: int, target_path: str | None,
-                    target_gguf_path: str | None = None) -> Path:
+                    target_gguf_path: str | None = None, overwrite: bool = False) -> Path:
     """Write `out/`: the vLLM-layout files, `drafter-<type>.gguf`, `llamacpp.json` and a model card.
 
     Args:
@@ -208,37 +233,39 @@ def export_llamacpp(src: Path, out: Path, dtype: str, k: int, target_path: str |
         target_path: the target (directory, `.gguf`, hub id or `smollm2`); default: the one recorded
             in the checkpoint. The converter takes its tokenizer and layer count from it.
         target_gguf_path: the user's own GGUF of the target; without it the target is converted (cached).
+        overwrite: replace an `out` that draftsmith did not write.
     Raises:
-        DraftsmithError: not three aux ids, a converter failure, or a GGUF whose target layers differ
-            from the trained ones.
+        DraftsmithError: an `out` of the user's or one overlapping `src`, not three aux ids, a converter
+            failure, or a GGUF whose target layers differ from the trained ones.
     """
+    check_export_out(src, out, overwrite)
     if target_gguf_path and not Path(target_gguf_path).is_file():
         raise DraftsmithError("--target-gguf is not a file", got=str(target_gguf_path), expected="a .gguf of the target",
                               fix="pass the GGUF you serve, or leave the flag out to convert the target")
     config = json.loads((Path(src) / "config.json").read_text())
+    require_draftsmith_block(config, src)
     target_dir = resolve_target(target_path or (config.get("draftsmith") or {}).get("target") or "smollm2")
     outtype = llamacpp.OUTTYPES[dtype]
-    tmp = Path(str(out) + ".llamacpp-tmp")
-    export(src, tmp, "vllm", dtype, k, str(target_dir))
-    hf = llamacpp.llamacpp_config(json.loads((tmp / "config.json").read_text()))
-    (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-    name = f"drafter-{outtype}.gguf"
-    meta = llamacpp.read_gguf(llamacpp.convert(tmp, tmp / name, outtype, target_dir))
-    want = tuple(hf["eagle_aux_hidden_state_layer_ids"])
-    if meta.arch != llamacpp.EAGLE3_ARCH or meta.target_layers != want:
-        raise DraftsmithError("the converted GGUF does not read the layers the drafter was trained on",
-                              got=f"arch {meta.arch}, target_layers {meta.target_layers}",
-                              expected=f"arch {llamacpp.EAGLE3_ARCH}, target_layers {want}",
-                              fix="report this with the converter version; llama.cpp changed how it reads aux ids")
-    converted = target_gguf_path is None
-    tgt = str(Path(target_gguf_path).resolve()) if target_gguf_path else str(llamacpp.target_gguf(target_dir))
-    manifest = {"drafter_gguf": name, "target_gguf": tgt, "target_gguf_converted": converted,
-                "target_dir": str(target_dir), "target_layers": list(want), "k": k, "outtype": outtype,
-                "converter": llamacpp.LLAMACPP_SPEC, "serve": llamacpp.serve_command(tgt, Path(out).resolve() / name, k)}
-    (tmp / llamacpp.MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    (tmp / "README.md").write_text(llamacpp.model_card(Path(out).resolve(), name, tgt, list(want), k, converted))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.replace(out)
+    with replace_dir(Path(out).resolve(), "export", overwrite, flag="OUT") as tmp:  # resolved: OUT may be "."
+        write_layout(src, config, tmp, "vllm", dtype, k, str(target_dir), tmp)
+        hf = llamacpp.llamacpp_config(json.loads((tmp / "config.json").read_text()))
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        name = f"drafter-{outtype}.gguf"
+        meta = llamacpp.read_gguf(llamacpp.convert(tmp, tmp / name, outtype, target_dir))
+        want = tuple(hf["eagle_aux_hidden_state_layer_ids"])
+        if meta.arch != llamacpp.EAGLE3_ARCH or meta.target_layers != want:
+            raise DraftsmithError("the converted GGUF does not read the layers the drafter was trained on",
+                                  got=f"arch {meta.arch}, target_layers {meta.target_layers}",
+                                  expected=f"arch {llamacpp.EAGLE3_ARCH}, target_layers {want}",
+                                  fix="report this with the converter version; llama.cpp changed how it reads aux ids")
+        converted = target_gguf_path is None
+        tgt = str(Path(target_gguf_path).resolve()) if target_gguf_path else str(llamacpp.target_gguf(target_dir))
+        manifest = {"drafter_gguf": name, "target_gguf": tgt, "target_gguf_converted": converted,
+                    "target_dir": str(target_dir), "target_layers": list(want), "k": k, "outtype": outtype,
+                    "converter": llamacpp.LLAMACPP_SPEC,
+                    "serve": llamacpp.serve_command(tgt, Path(out).resolve() / name, k)}
+        (tmp / llamacpp.MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        (tmp / "README.md").write_text(llamacpp.model_card(Path(out).resolve(), name, tgt, list(want), k, converted))
     return Path(out)
 
 
@@ -281,6 +308,7 @@ def add_parser(sub) -> None:
     add_flags(p, ExportSettings, flags={"formats": "--format"})
     p.add_argument("--target-path", default=None, help="target path or hub id to name in the card")
     p.add_argument("--target-gguf", default=None, help="llamacpp: your GGUF of the target (default: convert it)")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.set_defaults(func=run_export)
 
 
@@ -288,8 +316,11 @@ def run_export(args) -> int:
     from draftsmith.model.checkpoint import drafter_path
 
     s = from_flags(ExportSettings, args)
-    for fmt in s.formats:
-        out = args.out if len(s.formats) == 1 else args.out / fmt
-        out = export(drafter_path(args.src), out, fmt, s.dtype, s.k or DEFAULT_K, args.target_path, args.target_gguf)
+    src = drafter_path(args.src)
+    outs = {fmt: args.out if len(s.formats) == 1 else args.out / fmt for fmt in s.formats}
+    for out in outs.values():  # every OUT refused before the first is written
+        check_export_out(src, out, args.overwrite)
+    for fmt, out in outs.items():
+        out = export(src, out, fmt, s.dtype, s.k or DEFAULT_K, args.target_path, args.target_gguf, args.overwrite)
         print(f"export: {fmt} drafter -> {out}")
     return 0

@@ -10,6 +10,11 @@ skips a stage whose hash is unchanged and that finished, and redoes it (and ever
 otherwise. Stages are resumable inside too: regenerate by id, capture by shard, train from its last
 checkpoint. At the end a one-page report (`report.md`, `report.html`, `report.json`) is written.
 
+Ownership (`draftsmith.outputs`): the run marks its directory. An existing `--out` that is not a run directory
+(no marker, no `stages.json`) and holds anything is refused before any stage, and so is a stage output the run
+never wrote (a `train/` of the user's in a run directory); `--overwrite` takes such a folder, replacing the
+run's own outputs in it (conversations.jsonl, store/, train/, export-*/, ...) and leaving the rest.
+
 Run: draftsmith run                                   # the embedded default into runs/demo
      draftsmith run configs/llama-8b.yaml train.lr=3e-4 skip=bench
      draftsmith run --out runs/x train.epochs=3 regenerate.limit=64
@@ -26,23 +31,33 @@ import yaml
 
 from draftsmith.client import redact
 from draftsmith.errors import DraftsmithError
+from draftsmith.outputs import check_output, mark
 from draftsmith.run.settings import STAGES, RunConfig, plain, resolve_config
-from draftsmith.run.state import RunState, skip_reason, stage_hash, stage_outputs, stage_settings
+from draftsmith.run.state import (RunState, is_run_dir, remove, skip_reason, stage_hash, stage_outputs,
+                                  stage_settings, unrecorded_outputs)
 from draftsmith.run.stages import RUNNERS, RunContext, engine_interpreter
 
+OVERWRITE_HELP = ("take a --out that draftsmith did not write: the run's own outputs in it (conversations.jsonl, "
+                  "store/, train/, export-*/, ...) are replaced, other files stay")
 
-def run_pipeline(cfg: RunConfig) -> dict:
-    """Every stage in order; returns the summary (also written to `<run>/summary.json`)."""
+
+def run_pipeline(cfg: RunConfig, overwrite: bool = False) -> dict:
+    """Every stage in order; returns the summary (also written to `<run>/summary.json`).
+
+    Raises:
+        DraftsmithError: before the first stage, a `--out` of the user's or a stage output the run did not
+            write (without `overwrite`); llama.cpp asked for and not built.
+    """
     check_llamacpp_built(cfg)
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+    python = engine_interpreter(cfg)
+    claim_run_dir(out, cfg, python, overwrite)
     shown = redact(plain(cfg))  # the endpoints' credentials stay in cfg for the stages, never in a file
     (out / "run_config.json").write_text(json.dumps(shown, indent=2) + "\n")
     (out / "run_config.yaml").write_text(yaml.safe_dump(shown, sort_keys=False))
     print("run: resolved config\n" + yaml.safe_dump(shown, sort_keys=False))
     state = RunState.load(out)
     summary: dict = {"stages": {}, "skipped": {}, "stage_seconds": {}}
-    python = engine_interpreter(cfg)
     upstream = ""
     with contextlib.ExitStack() as stack:
         ctx = RunContext(cfg, out, python, stack)
@@ -72,6 +87,22 @@ def run_pipeline(cfg: RunConfig) -> dict:
         finally:
             write_summary(out, summary)
     return summary
+
+
+def claim_run_dir(out: Path, cfg: RunConfig, python: Path | None, overwrite: bool) -> None:
+    """Make `out` this run's directory: refuse a folder of the user's and any output of a stage the run will
+    start but never started before (with `overwrite`: remove those outputs), then mark it."""
+    check_output(out, "run", overwrite, owns=is_run_dir)
+    stages = [stage for stage in STAGES if not skip_reason(cfg, stage, python)]
+    strays = unrecorded_outputs(out, RunState.load(out), stages, cfg) if out.is_dir() else []
+    if strays and not overwrite:
+        raise DraftsmithError(f"run: --out {out} holds stage outputs this run did not write",
+                              got=", ".join(p.name for p in strays),
+                              expected=f"no output of a stage that {out / 'stages.json'} does not record",
+                              fix=f"move them out of {out}, pass another --out, or add --overwrite to replace them")
+    remove(strays)
+    out.mkdir(parents=True, exist_ok=True)
+    mark(out, "run")
 
 
 def check_llamacpp_built(cfg: RunConfig) -> None:
@@ -128,13 +159,14 @@ def add_parser(sub) -> None:
     p.add_argument("overrides", nargs="*", metavar="[CONFIG.yaml] key=value",
                    help="a YAML config (optional, first), then section.field=value overrides")
     p.add_argument("--out", default=None, help="run directory (default: the config's out, runs/demo)")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.set_defaults(func=run_cli)
 
 
 def run_cli(args) -> int:
     cfg = resolve_config(list(args.overrides), args.out)
     t = time.perf_counter()
-    s = run_pipeline(cfg)
+    s = run_pipeline(cfg, args.overwrite)
     from draftsmith.run.report import headline
 
     print(f"\nrun: drafter -> {s['drafter']}")

@@ -165,9 +165,9 @@ def do_export(ctx: RunContext) -> None:
     from draftsmith.target import resolve_target
 
     target_path = str(resolve_target(ctx.cfg.target))
-    for fmt in ctx.cfg.export.formats:
+    for fmt in ctx.cfg.export.formats:  # overwrite: the run owns its stage folders (pipeline.claim_run_dir)
         export(ctx.drafter, ctx.export_dir(fmt), fmt, dtype=ctx.cfg.export.dtype, k=ctx.cfg.export.k or DEFAULT_K,
-               target_path=target_path)
+               target_path=target_path, overwrite=True)
 
 
 def do_eval(ctx: RunContext) -> None:
@@ -369,7 +369,8 @@ def llamacpp_gguf(ctx: RunContext) -> GgufPair:
         print(f"run: bench: exporting the drafter for llama.cpp into {out}")
         target_dir = resolve_target(ctx.cfg.target)
         export(ctx.drafter, out, "llamacpp", LLAMACPP_DRAFTER_DTYPE, max(ctx.cfg.bench.llamacpp_k), str(target_dir),
-               str(llamacpp.target_gguf(target_dir, LLAMACPP_TARGET_OUTTYPE)))
+               str(llamacpp.target_gguf(target_dir, LLAMACPP_TARGET_OUTTYPE)),
+               overwrite=True)  # the run owns its stage folders (pipeline.claim_run_dir)
     manifest = json.loads((out / llamacpp.MANIFEST).read_text())
     return GgufPair(Path(manifest["target_gguf"]), out / manifest["drafter_gguf"])
 

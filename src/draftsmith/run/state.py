@@ -1,7 +1,9 @@
 """`draftsmith run`'s state: `<run>/stages.json`, each stage's settings hash, its outputs and why it is skipped.
 
 A stage's hash covers its settings and everything upstream; a rerun skips a finished stage with an unchanged
-hash and wipes the outputs of one whose settings changed.
+hash and wipes the outputs of one whose settings changed. Only what the run wrote is wiped: a stage's outputs
+go only when `stages.json` records that the run started that stage; an output of a stage it never started is
+not the run's (`unrecorded_outputs`, refused before the first stage).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.run.settings import ENGINE_STAGES, EXPORT_FORMATS, RunConfig
+
+STATE_FILE = "stages.json"
 
 
 def stage_hash(*parts) -> str:
@@ -29,20 +33,24 @@ class RunState:
 
     @classmethod
     def load(cls, out: Path) -> RunState:
-        path = out / "stages.json"
+        path = out / STATE_FILE
         return cls(path, json.loads(path.read_text()) if path.exists() else {})
+
+    def started(self, stage: str) -> bool:
+        """The run started `stage` before (so what lies at its outputs is the run's)."""
+        return stage in self.done
 
     def finished(self, stage: str, h: str) -> bool:
         entry = self.done.get(stage) or {}
         return entry.get("hash") == h and bool(entry.get("complete"))
 
     def start(self, stage: str, h: str, outputs: list[Path]) -> bool:
-        """Record a start; True when it resumes an interrupted run of the same settings. Started with
-        other settings: wipe the stage's outputs first."""
+        """Record a start; True when it resumes an interrupted run of the same settings. Started before with
+        other settings: wipe the outputs that run wrote first."""
         if (self.done.get(stage) or {}).get("hash") == h:
             return True
-        for target in outputs:
-            shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
+        if self.started(stage):
+            remove(outputs)
         self.done[stage] = {"hash": h, "complete": False}
         self.save()
         return False
@@ -53,6 +61,21 @@ class RunState:
 
     def save(self) -> None:
         self.path.write_text(json.dumps(self.done, indent=2) + "\n")
+
+
+def remove(paths: list[Path]) -> None:
+    for target in paths:
+        shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
+
+
+def is_run_dir(out: Path) -> bool:
+    """`out` holds a run's own record (a run directory from before the marker counts as the run's)."""
+    return (Path(out) / STATE_FILE).is_file()
+
+
+def unrecorded_outputs(out: Path, state: RunState, stages: list[str], cfg: RunConfig) -> list[Path]:
+    """The outputs present for `stages` that the run never started: files of someone else's, in the way."""
+    return [p for stage in stages if not state.started(stage) for p in stage_outputs(out, stage, cfg) if p.exists()]
 
 
 def stage_outputs(out: Path, stage: str, cfg: RunConfig) -> list[Path]:
