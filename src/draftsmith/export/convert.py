@@ -38,9 +38,9 @@ from typing import Any
 
 import torch
 from pydantic import model_validator
-from safetensors.torch import load_file, save_file
 
-from draftsmith.model.checkpoint import NOT_EXPORTED, WEIGHTS, hf_config
+from draftsmith.model.checkpoint import (NOT_EXPORTED, WEIGHTS, hf_config, read_drafter_config, read_drafter_weights,
+                                         save_weights)
 from draftsmith.config import Settings, add_flags, check_choices, from_flags
 from draftsmith.conventions import (
     AUX_CONVENTIONS,
@@ -89,21 +89,6 @@ class ConvertResult:
 
 
 # --- reading ----------------------------------------------------------------------------------------
-
-def read_weights(src: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint dir: model.safetensors, a sharded index, or pytorch_model.bin."""
-    if (src / WEIGHTS).is_file():
-        return load_file(str(src / WEIGHTS))
-    index = src / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return {k: v for shard in shards for k, v in load_file(str(src / shard)).items()}
-    if (src / "pytorch_model.bin").is_file():
-        # The original EAGLE release ships a pickle; weights_only refuses anything but tensors (docs/design.md).
-        return torch.load(src / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise DraftsmithError("no drafter weights found", got=f"{src} has no {WEIGHTS}, sharded index or pytorch_model.bin",
-                          expected="a Hugging Face style drafter directory", fix="point SRC at the drafter's folder")
-
 
 def detect_layout(config: dict, keys: set[str]) -> str:
     """Which public layout a (config.json, tensor names) pair is; refuses MLA drafters and unknown ones."""
@@ -262,8 +247,7 @@ def read_drafter(src: Path, target_layers: int | None = None, aux_convention: st
     if not (src / "config.json").is_file():
         raise DraftsmithError("not a drafter directory", got=f"no config.json in {src}",
                               expected="config.json beside the weights", fix="point SRC at the drafter folder")
-    config = json.loads((src / "config.json").read_text())
-    raw = read_weights(src)
+    config, raw = read_drafter_config(src), read_drafter_weights(src)
     layout = detect_layout(config, set(raw))
     tensors, notes = rename_tensors(raw, drop_embeddings)
     if layout == "draftsmith":
@@ -344,7 +328,7 @@ def write_draftsmith(source: SourceDrafter, out: Path, src: Path, dtype: str | N
     tmp = Path(str(out) + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+    save_weights(tensors, tmp / WEIGHTS)
     (tmp / "config.json").write_text(json.dumps(hf_config(source.config, "vllm", stored, extra), indent=2) + "\n")
     shutil.rmtree(out, ignore_errors=True)
     tmp.replace(out)

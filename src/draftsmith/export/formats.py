@@ -26,12 +26,11 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
-
 from pydantic import model_validator
 
 from draftsmith.engines import llamacpp
-from draftsmith.model.checkpoint import WEIGHTS, hf_config
+from draftsmith.model.checkpoint import (WEIGHTS, draftsmith_drafter_config, hf_config, read_drafter_config,
+                                         read_drafter_weights, save_weights)
 from draftsmith.config import Settings, add_flags, check_choices, from_flags
 from draftsmith.conventions import NORMS_READ, aux_ids_for_format, unread_norms
 from draftsmith.model.eagle3 import DrafterConfig
@@ -166,7 +165,7 @@ def export(src: Path, out: Path, fmt: str, dtype: str = "bfloat16", k: int = DEF
     if fmt not in FORMATS + GGUF_FORMATS:
         raise DraftsmithError("unknown export format", got=fmt, expected=" | ".join(FORMATS + GGUF_FORMATS),
                               fix="pick one")
-    config = json.loads((Path(src) / "config.json").read_text())
+    config = read_drafter_config(Path(src))
     refuse_unread_norms(config, fmt)
     if fmt == "llamacpp":
         return export_llamacpp(src, out, dtype, k, target_path, target_gguf)
@@ -174,12 +173,12 @@ def export(src: Path, out: Path, fmt: str, dtype: str = "bfloat16", k: int = DEF
         raise DraftsmithError("export reads draftsmith checkpoints", got=f"{src} has no draftsmith block",
                               expected="a directory written by `draftsmith train`",
                               fix=f"convert it first: draftsmith convert {src} OUT --to draftsmith")
-    cfg = DrafterConfig.from_dict(config["draftsmith"]["drafter"])
+    cfg = draftsmith_drafter_config(config, Path(src))
     meta = {k2: v for k2, v in config["draftsmith"].items() if k2 not in ("drafter", "aux_layer_ids_boundary",
                                                                         "aux_id_convention")}
     if target_path:
         meta["target_path"] = target_path
-    state = load_file(str(Path(src) / WEIGHTS))
+    state = read_drafter_weights(Path(src))
     if fmt in VLLM_READ and cfg.draft_vocab_size == cfg.vocab_size:
         drop_identity_vocab_map(state)
     tensors = {rename_for(fmt, n): (t.to(getattr(torch, dtype)) if t.is_floating_point() else t).contiguous()
@@ -187,7 +186,7 @@ def export(src: Path, out: Path, fmt: str, dtype: str = "bfloat16", k: int = DEF
     tmp = Path(str(out) + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+    save_weights(tensors, tmp / WEIGHTS)
     if fmt == "speculators":
         new_config = speculators_config(cfg, dtype, target_path or meta.get("target", ""), k, meta)
     else:
