@@ -69,6 +69,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     """
     tmp = path.with_name(path.name + ".tmp")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
@@ -86,6 +87,7 @@ def atomic_save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     group cannot read)."""
     tmp = path.with_name(path.name + ".tmp")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
@@ -209,8 +211,7 @@ class StoreWriter:
 
     def __init__(self, root: Path, identity: dict[str, Any], shard_tokens: int = 1 << 18,
                  max_store_bytes: int | None = None, room_timeout_s: float = 3600.0):
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root = Path(root)  # made by the first write: a capture refused before its first shard leaves nothing
         self.shard_tokens = shard_tokens
         self.max_store_bytes, self.room_timeout_s = max_store_bytes, room_timeout_s
         identity = json.loads(json.dumps(identity))  # compare as stored: tuples become lists

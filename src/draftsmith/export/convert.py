@@ -39,8 +39,8 @@ from typing import Any
 import torch
 from pydantic import model_validator
 
-from draftsmith.model.checkpoint import (NOT_EXPORTED, WEIGHTS, hf_config, read_drafter_config, read_drafter_weights,
-                                         save_weights)
+from draftsmith.model.checkpoint import (NOT_EXPORTED, WEIGHTS, draftsmith_drafter_config, hf_config,
+                                         read_drafter_config, read_drafter_weights, save_weights)
 from draftsmith.config import Settings, add_flags, check_choices, from_flags
 from draftsmith.conventions import (
     AUX_CONVENTIONS,
@@ -252,7 +252,7 @@ def read_drafter(src: Path, target_layers: int | None = None, aux_convention: st
     tensors, notes = rename_tensors(raw, drop_embeddings)
     if layout == "draftsmith":
         block = config["draftsmith"]
-        cfg = DrafterConfig.from_dict(block["drafter"])
+        cfg = draftsmith_drafter_config(config, src)
         meta = {k: v for k, v in block.items() if k not in ("drafter", "aux_layer_ids_boundary", "aux_id_convention")}
         vocab_maps(tensors, cfg.vocab_size, cfg.draft_vocab_size, notes)
         return SourceDrafter(layout, cfg, check_shapes(cfg, tensors), find_aux_ids(config)[0],
