@@ -43,6 +43,14 @@ def test_a_cut_json_file_is_named_with_its_line_and_column(tmp_path):
     assert str(path) in e.value.what and "line 3, column" in e.value.what and e.value.expected and e.value.fix
 
 
+@pytest.mark.parametrize("text", ["", "{\n", '{"a": 1,\n\n'])
+def test_an_empty_or_cut_json_file_is_named_too(text, tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    with pytest.raises(DraftsmithError, match="is not valid JSON at line"):
+        read_json(path, "drafter config")
+
+
 def test_invalid_utf8_is_named_by_line_and_column(tmp_path):
     path = jsonl(tmp_path / "c.jsonl", json.dumps(GOOD), b'{"id": "x", "messages": "caf\xe9"}')
     with pytest.raises(DraftsmithError) as e:

@@ -80,7 +80,8 @@ def read_json(path: Path, what: str, fix: str | None = None) -> dict[str, Any]:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        line = text.splitlines()[exc.lineno - 1] if text.strip() else ""
+        lines = text.splitlines()
+        line = lines[exc.lineno - 1] if exc.lineno <= len(lines) else ""
         raise DraftsmithError(f"{what} {path} is not valid JSON at line {exc.lineno}, column {exc.colno}",
                               got=f"{exc.msg}" + (f": {line.strip()[:SHOWN]}" if line.strip() else
                                                   " (the file is empty or cut short)"),
