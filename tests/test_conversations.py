@@ -27,7 +27,7 @@ def test_writer_skips_done_ids_and_drops_a_torn_last_line(tmp_path):
 
 def test_malformed_line_is_named(tmp_path):
     path = tmp_path / "c.jsonl"
-    path.write_text('{"id": "a", "messages": []}\nnot json\n')
+    path.write_text('{"id": "a", "messages": [{"role": "user", "content": "x"}]}\nnot json\n')
     with pytest.raises(DraftsmithError, match="line 2"):
         list(read_conversations(path))
 

@@ -6,29 +6,22 @@ aliases, and SGLang's own reading of a context length.
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 from typing import Any
 
 from draftsmith.conventions import TEXT_CONFIG_PATHS
 from draftsmith.errors import DraftsmithError
+from draftsmith.files import read_json
+
 
 def read_dir_config(path: Path) -> dict[str, Any]:
+    """The config.json of a model folder (a target or a drafter), a JSON object."""
     cfg = path / "config.json"
     if not cfg.is_file():
         raise DraftsmithError("no config.json", got=str(path), expected="a Hugging Face model directory",
                               fix="point the flag at the folder that holds config.json")
-    try:
-        config = json.loads(cfg.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DraftsmithError("config.json is not JSON", got=f"{cfg}: {exc}",
-                              expected="the JSON object a Hugging Face model directory holds",
-                              fix="re-download config.json (a Git LFS pointer or an HTML error page is not a config)"
-                              ) from exc
-    if not isinstance(config, dict):
-        raise DraftsmithError("config.json is not a JSON object", got=f"{cfg}: {type(config).__name__}",
-                              expected="{...} with model_type, hidden_size, ...", fix="re-download config.json")
-    return config
+    return read_json(cfg, "model config", fix="re-download config.json (a Git LFS pointer or an HTML error page is "
+                     "not a config)")
 
 
 # Hugging Face configs that name the common fields through `attribute_map` aliases (transformers

@@ -14,7 +14,9 @@ distribution (over any draft vocabulary chosen later) at a quarter of the aux co
 V logits per token.
 
 Writes are atomic: a shard goes to `*.tmp`, is fsynced and renamed, then the manifest is rewritten the
-same way. A writer resumes after the last shard the manifest lists. The token counts and the target
+same way. A writer resumes after the last shard the manifest lists, once it has checked every listed shard
+against its sha256 (a shard that does not match is written again, with every shard after it). The token counts and
+the target
 head are published before the first shard, and each shard's entry lists its samples' lengths and
 supervised counts, so a trainer can plan from the manifest while the store is written (`train --follow`). A reader checks each shard's
 size on open and its sha256 on `verify()` or on first read (`verify_on_read`).
@@ -26,6 +28,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,6 +40,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.files import read_json
+from draftsmith.outputs import umask_mode
 
 STORE_VERSION = 2  # 2: shards hold target_argmax
 MANIFEST = "manifest.json"
@@ -64,10 +69,12 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     """
     tmp = path.with_name(path.name + ".tmp")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, umask_mode())
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
@@ -75,12 +82,16 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 
 def atomic_save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """`safetensors.save_file` through `*.tmp`, fsync and rename; a full disk raises `disk_error`."""
+    """`safetensors.save_file` through `*.tmp`, fsync and rename; a full disk raises `disk_error`. The file is
+    readable as the umask says (safetensors writes 0600, which an engine or trainer running as another user of the
+    group cannot read)."""
     tmp = path.with_name(path.name + ".tmp")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp, umask_mode())
         os.replace(tmp, path)
     except (OSError, SafetensorError) as exc:  # safetensors reports ENOSPC / EFBIG as SafetensorError
         tmp.unlink(missing_ok=True)
@@ -95,6 +106,63 @@ def disk_error(path: Path, exc: Exception, nbytes: int) -> DraftsmithError:
                            expected=f"about {nbytes:,} bytes free for {path.name}",
                            fix="free space (or pick another --out) and rerun the same command: it resumes after "
                            "the last complete shard")
+
+
+def plain_name(name: object) -> bool:
+    """Whether `name` is a file name inside the store's folder: no folder part, no `..`, not absolute."""
+    return isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
+
+
+def load_manifest(root: Path) -> dict[str, Any]:
+    """A store's manifest.json, checked: a JSON object whose shard entries each name a file inside the store.
+
+    Raises:
+        DraftsmithError: a cut or malformed manifest (file, line, column), or a shard file name that would
+            reach outside the store (`..`, an absolute path, a folder).
+    """
+    path = Path(root) / MANIFEST
+    manifest = read_json(path, "feature-store manifest", fix=f"copy the store {root} again whole, or recapture "
+                         "into a new --out")
+    shards = manifest.get("shards")
+    problems = [] if isinstance(shards, list) else [f"shards is {json.dumps(shards)[:60]}, not a list"]
+    for i, entry in enumerate(shards if isinstance(shards, list) else []):
+        if not (isinstance(entry, dict) and isinstance(entry.get("sha256"), str)
+                and isinstance(entry.get("num_samples"), int) and "file" in entry):
+            problems.append(f"shard entry {i} lacks file, sha256 or num_samples")
+        elif not plain_name(entry["file"]):
+            problems.append(f"shard entry {i} names {entry['file']!r}, outside the store")
+    if problems:
+        raise DraftsmithError(f"feature-store manifest {path} is malformed", got="; ".join(problems[:3]),
+                              expected="shard entries {file, sha256, num_samples, ...}, each file a name inside the "
+                              "store (no folder, no ..)", fix=f"the manifest was edited or comes from elsewhere: copy "
+                              f"the store {root} again whole, or recapture into a new --out")
+    return manifest
+
+
+def corrupt_shard(root: Path, entry: dict) -> DraftsmithError:
+    """The error for a shard whose bytes do not match its manifest entry, with the fix that works: the writer
+    checks every shard when it resumes and recaptures from the first that does not match (`StoreWriter`)."""
+    return DraftsmithError(f"corrupt feature-store shard {Path(root) / entry['file']}", got="sha256 mismatch",
+                           expected=f"sha256 {entry['sha256'][:16]}... as {MANIFEST} records",
+                           fix=f"rerun the `draftsmith capture` command that wrote {root} (same --target, "
+                           f"--conversations and --out): it checks every shard and recaptures from {entry['file']} on")
+
+
+def holds(path: Path, tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether the safetensors file `path` holds exactly `tensors` (read back and compared bit for bit)."""
+    if not path.is_file():
+        return False
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            if set(f.keys()) != set(tensors):
+                return False
+            for name, want in tensors.items():
+                got = f.get_tensor(name)
+                if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want.cpu()):
+                    return False
+    except (OSError, SafetensorError):
+        return False
+    return True
 
 
 def bytes_per_token(hidden_size: int) -> int:
@@ -143,14 +211,13 @@ class StoreWriter:
 
     def __init__(self, root: Path, identity: dict[str, Any], shard_tokens: int = 1 << 18,
                  max_store_bytes: int | None = None, room_timeout_s: float = 3600.0):
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root = Path(root)  # made by the first write: a capture refused before its first shard leaves nothing
         self.shard_tokens = shard_tokens
         self.max_store_bytes, self.room_timeout_s = max_store_bytes, room_timeout_s
         identity = json.loads(json.dumps(identity))  # compare as stored: tuples become lists
         path = self.root / MANIFEST
         if path.exists():
-            self.manifest = json.loads(path.read_text())
+            self.manifest = load_manifest(self.root)
             if self.manifest.get("identity") != identity:
                 raise DraftsmithError(
                     f"{self.root} holds a store made with other settings",
@@ -162,6 +229,29 @@ class StoreWriter:
                              "num_samples": 0, "num_tokens": 0, "num_supervised_tokens": 0}
         self.pending: list[Sample] = []
         self.pending_tokens = 0
+        self.drop_corrupt_shards()
+
+    def drop_corrupt_shards(self) -> None:
+        """Resume: the first listed shard whose file no longer matches its sha256 (a flipped bit, a cut copy) and
+        every shard after it leave the manifest and the disk, so that this capture writes them again. A missing
+        file stays listed: a trainer following the store (`--delete-consumed`) deletes the shards it trained on."""
+        shards = self.manifest["shards"]
+        for i, entry in enumerate(shards):
+            try:
+                if sha256_file(self.root / entry["file"]) == entry["sha256"]:
+                    continue
+            except FileNotFoundError:
+                continue
+            kept = shards[:i]
+            print(f"capture: {entry['file']} does not match its sha256: recapturing it and the "
+                  f"{len(shards) - i - 1} shards after it", file=sys.stderr, flush=True)
+            self.manifest.update(shards=kept, complete=False, num_samples=sum(e["num_samples"] for e in kept),
+                                 num_tokens=sum(e["num_tokens"] for e in kept),
+                                 num_supervised_tokens=sum(e["num_supervised_tokens"] for e in kept))
+            self.save_manifest()  # first, so that no manifest lists a shard file that is gone
+            for dropped in shards[i:]:
+                (self.root / dropped["file"]).unlink(missing_ok=True)
+            return
 
     @property
     def samples_done(self) -> int:
@@ -229,10 +319,21 @@ class StoreWriter:
 
     def publish(self, token_counts: torch.Tensor, target_tensors: dict[str, torch.Tensor]) -> None:
         """Write the token counts and the target head now, before the shards, so that a trainer can follow
-        the store while it is written (`train --follow`); both captures know them before capturing."""
+        the store while it is written (`train --follow`); both captures know them before capturing.
+
+        Each is written once: a file that already holds the same tensors (a resumed capture, `finish`) is kept, and
+        one that holds others is unpublished and deleted before the new one is written, so that a resume after a
+        full disk never needs room for the target head twice."""
         for name, tensors in ((TOKEN_COUNTS, {"counts": token_counts.to(torch.int64)}), (TARGET_HEAD, target_tensors)):
-            atomic_save_tensors(self.root / name, tensors)
-            self.manifest[name.split(".")[0] + "_sha256"] = sha256_file(self.root / name)
+            path, key = self.root / name, name.split(".")[0] + "_sha256"
+            if holds(path, tensors) and key in self.manifest:
+                continue
+            if path.exists():
+                self.manifest.pop(key, None)
+                self.save_manifest()
+                path.unlink()
+            atomic_save_tensors(path, tensors)
+            self.manifest[key] = sha256_file(path)
         self.save_manifest()
 
     def finish(self, token_counts: torch.Tensor, target_tensors: dict[str, torch.Tensor], extra: dict) -> None:
@@ -259,7 +360,7 @@ class FeatureStore:
             raise DraftsmithError("not a feature store", got=f"no {MANIFEST} in {self.root}",
                                   expected="a directory written by `draftsmith capture`",
                                   fix="run `draftsmith capture --out DIR` first, or point at the right directory")
-        self.manifest = json.loads(path.read_text())
+        self.manifest = load_manifest(self.root)
         if self.manifest.get("version") != STORE_VERSION:
             raise DraftsmithError("feature store written by another draftsmith version",
                                   got=f"store version {self.manifest.get('version')}", expected=f"version {STORE_VERSION}",
@@ -282,7 +383,7 @@ class FeatureStore:
         """Follow mode: re-read the manifest; returns the entries of the shards that landed since."""
         assert self.follow, "refresh() is for a store opened with follow=True"
         old = len(self.manifest["shards"])
-        self.manifest = json.loads((self.root / MANIFEST).read_text())
+        self.manifest = load_manifest(self.root)
         new = self.manifest["shards"][old:]
         self.index += [(old + i, j) for i, s in enumerate(new) for j in range(s["num_samples"])]
         return new
@@ -317,10 +418,7 @@ class FeatureStore:
                                   fix="a `train --follow --delete-consumed` deletes the shards it trained on: resume "
                                   "that run (same --out), or recapture into a new store")
         if sha256_file(path) != entry["sha256"]:
-            raise DraftsmithError(f"corrupt feature-store shard {entry['file']}", got="sha256 mismatch",
-                                  expected=f"sha256 {entry['sha256'][:16]}...",
-                                  fix="delete the shard and its manifest entry's successors, or recapture: "
-                                  "`draftsmith capture` with the same settings resumes")
+            raise corrupt_shard(self.root, entry)
         self._verified.add(entry["file"])
 
     def verify(self) -> int:

@@ -157,7 +157,7 @@ def run_eval(target_name: str, drafter_dir: Path, s: EvalSettings) -> list[KResu
     (`cpu_gemm.pack_linears`; CPU float32 only).
     """
     from draftsmith.regenerate.chat import prompt_ids
-    from draftsmith.model.checkpoint import load_drafter
+    from draftsmith.model.checkpoint import load_drafter, read_drafter_config
     from draftsmith.conventions import engine_aux_ids
     from draftsmith.eval.cpu_gemm import pack_linears
     from draftsmith.eval.decoder import DecodeSettings, decode_batch, masked_gqa, target_decode
@@ -173,7 +173,7 @@ def run_eval(target_name: str, drafter_dir: Path, s: EvalSettings) -> list[KResu
     target, tokenizer = load_target(model_dir, dtype=dtype, device=device)
     drafter = load_drafter(drafter_dir, target.get_input_embeddings().weight.detach().float().cpu())
     drafter = drafter.to(device=target.device, dtype=getattr(torch, dtype)).eval()
-    drafter_config = json.loads((Path(drafter_dir) / "config.json").read_text())
+    drafter_config = read_drafter_config(Path(drafter_dir))
     aux_ids = engine_aux_ids(drafter_config, spec.num_layers, engine)
     if max(aux_ids) >= spec.num_layers:
         raise DraftsmithError(f"{engine} would read aux ids {list(aux_ids)}, past the target's {spec.num_layers} layers",

@@ -39,9 +39,9 @@ from typing import Any
 
 import torch
 from pydantic import model_validator
-from safetensors.torch import load_file, save_file
 
-from draftsmith.model.checkpoint import NOT_EXPORTED, WEIGHTS, hf_config
+from draftsmith.model.checkpoint import (NOT_EXPORTED, WEIGHTS, draftsmith_drafter_config, hf_config,
+                                         read_drafter_config, read_drafter_weights, save_weights)
 from draftsmith.config import Settings, add_flags, check_choices, from_flags
 from draftsmith.conventions import (
     AUX_CONVENTIONS,
@@ -92,21 +92,6 @@ class ConvertResult:
 
 
 # --- reading ----------------------------------------------------------------------------------------
-
-def read_weights(src: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint dir: model.safetensors, a sharded index, or pytorch_model.bin."""
-    if (src / WEIGHTS).is_file():
-        return load_file(str(src / WEIGHTS))
-    index = src / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return {k: v for shard in shards for k, v in load_file(str(src / shard)).items()}
-    if (src / "pytorch_model.bin").is_file():
-        # The original EAGLE release ships a pickle; weights_only refuses anything but tensors (docs/design.md).
-        return torch.load(src / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise DraftsmithError("no drafter weights found", got=f"{src} has no {WEIGHTS}, sharded index or pytorch_model.bin",
-                          expected="a Hugging Face style drafter directory", fix="point SRC at the drafter's folder")
-
 
 def detect_layout(config: dict, keys: set[str]) -> str:
     """Which public layout a (config.json, tensor names) pair is; refuses MLA drafters and unknown ones."""
@@ -265,13 +250,12 @@ def read_drafter(src: Path, target_layers: int | None = None, aux_convention: st
     if not (src / "config.json").is_file():
         raise DraftsmithError("not a drafter directory", got=f"no config.json in {src}",
                               expected="config.json beside the weights", fix="point SRC at the drafter folder")
-    config = json.loads((src / "config.json").read_text())
-    raw = read_weights(src)
+    config, raw = read_drafter_config(src), read_drafter_weights(src)
     layout = detect_layout(config, set(raw))
     tensors, notes = rename_tensors(raw, drop_embeddings)
     if layout == "draftsmith":
         block = config["draftsmith"]
-        cfg = DrafterConfig.from_dict(block["drafter"])
+        cfg = draftsmith_drafter_config(config, src)
         meta = {k: v for k, v in block.items() if k not in ("drafter", "aux_layer_ids_boundary", "aux_id_convention")}
         vocab_maps(tensors, cfg.vocab_size, cfg.draft_vocab_size, notes)
         return SourceDrafter(layout, cfg, check_shapes(cfg, tensors), find_aux_ids(config)[0],
@@ -345,7 +329,7 @@ def write_draftsmith(source: SourceDrafter, folder: Path, src: Path, dtype: str 
     origin = {"layout": source.layout, "path": str(src), "aux_ids_as_written": source.aux_ids_read,
               "aux_convention_read": source.aux_convention, "notes": source.notes}
     extra = {**source.meta, "converted_from": origin} if source.layout != "draftsmith" else source.meta
-    save_file(tensors, str(folder / WEIGHTS), metadata={"format": "pt"})
+    save_weights(tensors, folder / WEIGHTS)
     (folder / "config.json").write_text(json.dumps(hf_config(source.config, "vllm", stored, extra), indent=2) + "\n")
     return Path(folder)
 

@@ -29,12 +29,11 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
-
 from pydantic import model_validator
 
 from draftsmith.engines import llamacpp
-from draftsmith.model.checkpoint import WEIGHTS, hf_config
+from draftsmith.model.checkpoint import (WEIGHTS, draftsmith_drafter_config, hf_config, read_drafter_config,
+                                         read_drafter_weights, save_weights)
 from draftsmith.config import Settings, add_flags, check_choices, from_flags
 from draftsmith.conventions import NORMS_READ, aux_ids_for_format, unread_norms
 from draftsmith.model.eagle3 import DrafterConfig
@@ -192,7 +191,7 @@ def export(src: Path, out: Path, fmt: str, dtype: str = "bfloat16", k: int = DEF
         raise DraftsmithError("unknown export format", got=fmt, expected=" | ".join(FORMATS + GGUF_FORMATS),
                               fix="pick one")
     check_export_out(src, out, overwrite)
-    config = json.loads((Path(src) / "config.json").read_text())
+    config = read_drafter_config(Path(src))
     refuse_unread_norms(config, fmt)
     if fmt == "llamacpp":
         return export_llamacpp(src, out, dtype, k, target_path, target_gguf, overwrite)
@@ -205,17 +204,17 @@ def export(src: Path, out: Path, fmt: str, dtype: str = "bfloat16", k: int = DEF
 def write_layout(src: Path, config: dict, folder: Path, fmt: str, dtype: str, k: int, target_path: str | None,
                  card_out: Path) -> None:
     """Write the weights, config.json and model card of `fmt` into `folder` (the card names `card_out`)."""
-    cfg = DrafterConfig.from_dict(config["draftsmith"]["drafter"])
+    cfg = draftsmith_drafter_config(config, Path(src))
     meta = {k2: v for k2, v in config["draftsmith"].items() if k2 not in ("drafter", "aux_layer_ids_boundary",
                                                                         "aux_id_convention")}
     if target_path:
         meta["target_path"] = target_path
-    state = load_file(str(Path(src) / WEIGHTS))
+    state = read_drafter_weights(Path(src))
     if fmt in VLLM_READ and cfg.draft_vocab_size == cfg.vocab_size:
         drop_identity_vocab_map(state)
     tensors = {rename_for(fmt, n): (t.to(getattr(torch, dtype)) if t.is_floating_point() else t).contiguous()
                for n, t in state.items()}
-    save_file(tensors, str(folder / WEIGHTS), metadata={"format": "pt"})
+    save_weights(tensors, folder / WEIGHTS)
     if fmt == "speculators":
         new_config = speculators_config(cfg, dtype, target_path or meta.get("target", ""), k, meta)
     else:
@@ -242,7 +241,7 @@ def export_llamacpp(src: Path, out: Path, dtype: str, k: int, target_path: str |
     if target_gguf_path and not Path(target_gguf_path).is_file():
         raise DraftsmithError("--target-gguf is not a file", got=str(target_gguf_path), expected="a .gguf of the target",
                               fix="pass the GGUF you serve, or leave the flag out to convert the target")
-    config = json.loads((Path(src) / "config.json").read_text())
+    config = read_drafter_config(Path(src))
     require_draftsmith_block(config, src)
     target_dir = resolve_target(target_path or (config.get("draftsmith") or {}).get("target") or "smollm2")
     outtype = llamacpp.OUTTYPES[dtype]

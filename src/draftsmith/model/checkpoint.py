@@ -14,15 +14,19 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from draftsmith.conventions import aux_ids_for_format
-from draftsmith.model.eagle3 import DrafterConfig, Eagle3Drafter
 from draftsmith.errors import DraftsmithError
+from draftsmith.files import read_json
+from draftsmith.model.eagle3 import DrafterConfig, Eagle3Drafter
+from draftsmith.outputs import umask_mode
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS = "model.safetensors"
@@ -99,7 +103,7 @@ def save_drafter(drafter: Eagle3Drafter, path: Path, engine: str = "vllm", dtype
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state = drafter_state(drafter, getattr(torch, dtype), state)
-    save_file(state, str(path / (WEIGHTS + ".tmp")), metadata={"format": "pt"})
+    save_weights(state, path / (WEIGHTS + ".tmp"))
     os.replace(path / (WEIGHTS + ".tmp"), path / WEIGHTS)
     config = hf_config(drafter.config, engine, dtype, extra)
     (path / "config.json.tmp").write_text(json.dumps(config, indent=2) + "\n")
@@ -107,37 +111,116 @@ def save_drafter(drafter: Eagle3Drafter, path: Path, engine: str = "vllm", dtype
     return path
 
 
-def load_drafter(path: Path, embed_tokens: torch.Tensor | None = None) -> Eagle3Drafter:
-    """Load a draftsmith-written checkpoint; the frozen embedding comes from the target.
+REWRITE_DRAFTER = "write the drafter again (`draftsmith export`, `draftsmith convert`, or a copy of the original)"
+
+
+def read_drafter_config(path: Path) -> dict[str, Any]:
+    """The config.json of a drafter folder (any layout), a JSON object.
 
     Raises:
-        DraftsmithError: no draftsmith block (use `draftsmith convert` for foreign layouts), or
-            tensors that do not match the config.
+        DraftsmithError: no config.json, or one that is not UTF-8 JSON holding an object (file, line, column).
     """
     path = Path(path)
-    config_path = path / "config.json"
-    if not config_path.is_file():
+    if not (path / "config.json").is_file():
         raise DraftsmithError("not a drafter checkpoint", got=f"no config.json in {path}",
                               expected="a directory written by `draftsmith train` or `draftsmith export`",
                               fix="point at the checkpoint directory")
-    config = json.loads(config_path.read_text())
+    return read_json(path / "config.json", "drafter config", fix=REWRITE_DRAFTER)
+
+
+def read_tensor_file(file: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of one weights file (safetensors, or a pickle of tensors only: `pytorch_model.bin`).
+
+    Raises:
+        DraftsmithError: a cut or corrupt file, named (safetensors' or torch's own words as got).
+    """
+    try:
+        if file.suffix == ".bin":
+            # The original EAGLE release ships a pickle; weights_only refuses anything but tensors (docs/design.md).
+            return torch.load(file, map_location="cpu", weights_only=True)
+        return load_file(str(file))
+    except (SafetensorError, OSError, RuntimeError, pickle.UnpicklingError, EOFError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DraftsmithError(f"corrupt drafter weights {file}", got=reason[:300],
+                              expected="a whole weights file: safetensors (header length, JSON header, every "
+                              "tensor's bytes) or a pickle of tensors", fix=REWRITE_DRAFTER) from exc
+
+
+def read_drafter_weights(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a drafter folder: model.safetensors, a sharded index, or pytorch_model.bin.
+
+    Raises:
+        DraftsmithError: no weights, a corrupt index, or a cut or corrupt weights file.
+    """
+    path = Path(path)
+    if (path / WEIGHTS).is_file():
+        return read_tensor_file(path / WEIGHTS)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index, "drafter weights index", fix=REWRITE_DRAFTER).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise DraftsmithError(f"drafter weights index {index} has no weight_map", got=str(weight_map)[:120],
+                                  expected='"weight_map": {tensor name: shard file}', fix=REWRITE_DRAFTER)
+        return {k: v for shard in sorted(set(weight_map.values())) for k, v in read_tensor_file(path / shard).items()}
+    if (path / "pytorch_model.bin").is_file():
+        return read_tensor_file(path / "pytorch_model.bin")
+    raise DraftsmithError("no drafter weights found", got=f"{path} has no {WEIGHTS}, sharded index or pytorch_model.bin",
+                          expected="a Hugging Face style drafter directory", fix="point at the drafter's folder")
+
+
+def draftsmith_drafter_config(config: dict[str, Any], path: Path) -> DrafterConfig:
+    """The drafter settings of a draftsmith checkpoint's config.json (its `draftsmith.drafter` block).
+
+    Raises:
+        DraftsmithError: no draftsmith block (`draftsmith convert` reads foreign layouts), or a block that is not a
+            drafter config.
+    """
     if "draftsmith" not in config:
         raise DraftsmithError("checkpoint was not written by draftsmith", got=f"{path}/config.json has no "
                               "'draftsmith' block", expected="a draftsmith checkpoint",
                               fix=f"convert it first: draftsmith convert {path} OUT --to draftsmith")
-    cfg = DrafterConfig.from_dict(config["draftsmith"]["drafter"])
+    try:
+        return DrafterConfig.from_dict(config["draftsmith"]["drafter"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DraftsmithError(f"the drafter block of {path}/config.json is not a drafter config",
+                              got=f"{type(exc).__name__}: {exc}"[:300],
+                              expected="draftsmith.drafter with the fields `draftsmith train` writes",
+                              fix=REWRITE_DRAFTER) from exc
+
+
+def load_drafter(path: Path, embed_tokens: torch.Tensor | None = None) -> Eagle3Drafter:
+    """Load a draftsmith-written checkpoint; the frozen embedding comes from the target.
+
+    Raises:
+        DraftsmithError: no draftsmith block (use `draftsmith convert` for foreign layouts), a corrupt config or
+            weights file, or tensors that do not match the config.
+    """
+    path = Path(path)
+    cfg = draftsmith_drafter_config(read_drafter_config(path), path)
     drafter = Eagle3Drafter(cfg)
-    state = load_file(str(path / WEIGHTS))
+    state = read_drafter_weights(path)
     if embed_tokens is not None:
         state["embed_tokens.weight"] = embed_tokens
-    missing, unexpected = drafter.load_state_dict({k: v.float() if v.is_floating_point() else v
-                                                   for k, v in state.items()}, strict=False)
+    try:
+        missing, unexpected = drafter.load_state_dict({k: v.float() if v.is_floating_point() else v
+                                                       for k, v in state.items()}, strict=False)
+    except RuntimeError as exc:  # a tensor whose shape differs from the config's
+        raise DraftsmithError(f"checkpoint tensors do not match its config in {path}",
+                              got=str(exc).strip().splitlines()[-1][:300], expected="the shapes config.json implies",
+                              fix="re-export the drafter") from exc
     missing = [m for m in missing if m not in NOT_EXPORTED]
     if missing or unexpected:
         raise DraftsmithError(f"checkpoint tensors do not match its config in {path}",
                               got=f"missing {missing[:5]}, unexpected {unexpected[:5]}",
                               expected="exactly the LlamaForCausalLMEagle3 keys", fix="re-export the drafter")
     return drafter
+
+
+def save_weights(tensors: dict[str, torch.Tensor], file: Path) -> None:
+    """A safetensors file readable as the umask says (safetensors writes 0600, which an engine running as another
+    user cannot read)."""
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    os.chmod(file, umask_mode())
 
 
 EMBEDDED_DRAFTERS = Path(__file__).parents[1] / "data" / "drafters"

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.files import read_jsonl
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -39,29 +40,23 @@ def parse_conversation(obj: Any, where: str) -> Conversation:
                               got=json.dumps(obj)[:120],
                               expected='{"id": str, "messages": [{"role": ..., "content": ...}], "meta": {...}}',
                               fix="regenerate the file with `draftsmith regenerate`, or fix that line")
-    for m in obj["messages"]:
+    if not obj["messages"]:
+        raise DraftsmithError(f"a conversation without messages at {where}", got=json.dumps(obj)[:120],
+                              expected="at least one message", fix="delete that line, or regenerate the file")
+    if not isinstance(obj.get("meta", {}), (dict, type(None))):
+        raise DraftsmithError(f"bad meta at {where}", got=json.dumps(obj["meta"])[:120], expected="an object {...}",
+                              fix="fix that line")
+    for n, m in enumerate(obj["messages"]):
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            raise DraftsmithError(f"bad message at {where}", got=json.dumps(m)[:120],
-                                  expected=f"role in {ROLES} and a string content", fix="fix that line")
+            raise DraftsmithError(f"bad message {n} at {where}", got=json.dumps(m)[:120],
+                                  expected=f'{{"role": one of {", ".join(ROLES)}, "content": a string}}',
+                                  fix="fix that line")
     return Conversation(obj["id"], obj["messages"], obj.get("meta") or {})
 
 
-def read_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
-    """Yield (1-based line number, decoded object) for every non-blank line; name a malformed one."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield lineno, json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DraftsmithError(f"malformed JSONL in {path} at line {lineno}",
-                                      got=line.strip()[:120], expected="one JSON object per line",
-                                      fix=f"fix or delete line {lineno} ({exc.msg})") from exc
-
-
 def read_conversations(path: Path) -> Iterator[Conversation]:
-    for lineno, obj in read_jsonl(path):
+    """Every conversation of a conversations file, each line checked (`files.read_jsonl`, `parse_conversation`)."""
+    for lineno, obj in read_jsonl(path, "conversations file"):
         yield parse_conversation(obj, f"{path}:{lineno}")
 
 

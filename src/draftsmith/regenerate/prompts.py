@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from draftsmith.regenerate.conversations import read_jsonl
 from draftsmith.errors import DraftsmithError
+from draftsmith.files import read_jsonl
 
 BUILTIN_SETS = ("train", "eval", "humaneval", "chat-eval")
 EVAL_SETS = ("eval", "chat-eval")
@@ -122,14 +122,16 @@ def prompt_from_record(obj: Any, default_id: str, where: str) -> Prompt:
     if isinstance(obj.get("prompt"), str):
         return Prompt(pid, [{"role": "user", "content": obj["prompt"]}])
     if isinstance(obj.get("turns"), list):
-        return Prompt(pid, [{"role": "user", "content": str(t)} for t in obj["turns"]])
+        if not obj["turns"] or not all(isinstance(t, str) for t in obj["turns"]):
+            raise DraftsmithError(f"prompt record at {where}: turns is not a list of user turns",
+                                  got=json.dumps(obj["turns"])[:120], expected='"turns": ["first user turn", ...]',
+                                  fix="fix or remove that record")
+        return Prompt(pid, [{"role": "user", "content": t} for t in obj["turns"]])
     if isinstance(obj.get("messages"), list):
-        msgs = [{"role": m["role"], "content": m["content"]} for m in obj["messages"]
-                if isinstance(m, dict) and m.get("role") in ("system", "user")]
+        msgs = turns(obj["messages"], "role", "content", {"system": "system", "user": "user"}, where)
     elif isinstance(obj.get("conversations"), list):
-        role_of = {"human": "user", "user": "user", "system": "system"}
-        msgs = [{"role": role_of[m["from"]], "content": m["value"]} for m in obj["conversations"]
-                if isinstance(m, dict) and m.get("from") in role_of]
+        msgs = turns(obj["conversations"], "from", "value", {"human": "user", "user": "user", "system": "system"},
+                     where)
     else:
         msgs = []
     if not any(m["role"] == "user" for m in msgs):
@@ -139,6 +141,21 @@ def prompt_from_record(obj: Any, default_id: str, where: str) -> Prompt:
     return Prompt(pid, msgs)
 
 
+def turns(items: list, role_key: str, text_key: str, role_of: dict[str, str], where: str) -> list[dict[str, str]]:
+    """The system and user turns of a record's message list (`role_key` / `text_key`: OpenAI's role / content,
+    ShareGPT's from / value); a system or user turn without a string text is refused."""
+    msgs = []
+    for n, m in enumerate(items):
+        if not isinstance(m, dict) or m.get(role_key) not in role_of:
+            continue
+        if not isinstance(m.get(text_key), str):
+            raise DraftsmithError(f"prompt record at {where}: turn {n} ({m[role_key]}) has no {text_key!r} text",
+                                  got=json.dumps(m)[:120], expected=f'{{"{role_key}": ..., "{text_key}": a string}}',
+                                  fix=f"add the {text_key!r} text to that turn, or remove the record")
+        msgs.append({"role": role_of[m[role_key]], "content": m[text_key]})
+    return msgs
+
+
 def load_prompts(source: str, limit: int | None = None) -> list[Prompt]:
     """Load a prompt set by name (`train`, `eval`, `humaneval`) or from a JSONL path."""
     if source == "train":
@@ -146,7 +163,7 @@ def load_prompts(source: str, limit: int | None = None) -> list[Prompt]:
     elif source in ("eval", "humaneval"):
         prompts = humaneval_prompts()
     elif source == "chat-eval":
-        prompts = [prompt_from_record(obj, f"chat-eval-{n}", f"{CHAT_EVAL_FILE}:{n}") for n, obj in read_jsonl(CHAT_EVAL_FILE)]
+        prompts = [prompt_from_record(obj, f"chat-eval-{n}", f"{CHAT_EVAL_FILE}:{n}") for n, obj in read_jsonl(CHAT_EVAL_FILE, "prompt file")]
     elif source == SELF:
         raise DraftsmithError("--prompts self is written by the target at regeneration time", got="load_prompts('self')",
                               expected="a prompt set name or file", fix="use it with `draftsmith regenerate --prompts self`")
@@ -156,7 +173,7 @@ def load_prompts(source: str, limit: int | None = None) -> list[Prompt]:
             raise DraftsmithError("unknown prompt source", got=repr(source),
                                   expected=f"one of {BUILTIN_SETS} or a JSONL file",
                                   fix="pass --prompts train|eval|chat-eval or the path to a .jsonl file")
-        prompts = [prompt_from_record(obj, f"{path.stem}-{n}", f"{path}:{n}") for n, obj in read_jsonl(path)]
+        prompts = [prompt_from_record(obj, f"{path.stem}-{n}", f"{path}:{n}") for n, obj in read_jsonl(path, "prompt file")]
         seen: set[str] = set()
         dupes = [p.id for p in prompts if p.id in seen or seen.add(p.id)]
         if dupes:

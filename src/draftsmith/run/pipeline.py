@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -127,22 +128,31 @@ def check_llamacpp_built(cfg: RunConfig) -> None:
 
 
 def write_summary(out: Path, summary: dict) -> None:
-    """summary.json (headline numbers, stage timings) and the report, also after a failed stage."""
-    drafter_cfg = out / "train" / "drafter" / "config.json"
-    if drafter_cfg.exists():
-        summary["simulated_tau"] = json.loads(drafter_cfg.read_text())["draftsmith"].get("eval", {}).get("tau", {})
-    for name, key in (("eval.json", "eval"), ("check.json", "check")):
-        if (out / name).exists():
-            summary[key] = json.loads((out / name).read_text())
-    summary["drafter"] = str(out / "export-vllm")
-    (out / "summary.json").write_text(json.dumps(redact(summary), indent=2) + "\n")
-    from draftsmith.run.report import write_report
-
-    summary["report"] = str(write_report(out))
-    verdict = json.loads((out / "report.json").read_text())["verdict"]
-    if verdict["source"].startswith("bench:"):  # every engine bench measured (verdict.decide_run): run's exit code
-        summary["bench_verdict"] = {k: verdict.get(k, []) for k in ("decision", "reasons", "next_steps")}
+    """summary.json (headline numbers, stage timings) and the report, also after a failed stage. When a stage
+    failed, an error in the report does not hide the stage's own: it is printed as a note and the stage's error
+    is what the run raises."""
+    try:
+        drafter_cfg = out / "train" / "drafter" / "config.json"
+        if drafter_cfg.exists():
+            summary["simulated_tau"] = json.loads(drafter_cfg.read_text())["draftsmith"].get("eval", {}).get("tau", {})
+        for name, key in (("eval.json", "eval"), ("check.json", "check")):
+            if (out / name).exists():
+                summary[key] = json.loads((out / name).read_text())
+        summary["drafter"] = str(out / "export-vllm")
         (out / "summary.json").write_text(json.dumps(redact(summary), indent=2) + "\n")
+        from draftsmith.run.report import write_report
+
+        summary["report"] = str(write_report(out))
+        verdict = json.loads((out / "report.json").read_text())["verdict"]
+        if verdict["source"].startswith("bench:"):  # every engine bench measured (verdict.decide_run): exit code
+            summary["bench_verdict"] = {k: verdict.get(k, []) for k in ("decision", "reasons", "next_steps")}
+            (out / "summary.json").write_text(json.dumps(redact(summary), indent=2) + "\n")
+    except Exception as err:
+        if "failed" not in summary:
+            raise
+        text = err.render() if isinstance(err, DraftsmithError) else f"{type(err).__name__}: {err}"
+        print(f"run: note: the report of this failed run could not be written ({redact(text.splitlines()[0])}); the "
+              f"{summary['failed']['stage']} stage's error follows", file=sys.stderr, flush=True)
 
 
 def add_parser(sub) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
 from pydantic import model_validator
 
 from draftsmith.bench.benchmark import BenchSettings
@@ -23,6 +22,7 @@ from draftsmith.config import Settings, from_mapping, override, with_defaults
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.evaluation import EvalSettings
 from draftsmith.export.formats import ExportSettings
+from draftsmith.files import read_yaml
 from draftsmith.engines.launch import LaunchSettings
 from draftsmith.regenerate.command import RegenerateSettings
 from draftsmith.train.settings import TrainSettings, recipe_for
@@ -224,16 +224,7 @@ def capture_problems(c: CaptureStage, train_mode: str) -> list[str]:
 
 def load_config(path: str | Path) -> RunConfig:
     """A RunConfig from a YAML file (every key optional; defaults are the embedded demo)."""
-    path = Path(path)
-    if not path.is_file():
-        raise DraftsmithError("config file not found", got=str(path), expected="a YAML file",
-                              fix="pass an existing file, e.g. configs/default.yaml")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise DraftsmithError("config is not valid YAML", got=f"{path}: {exc}", expected="YAML",
-                              fix="fix the syntax at the line named") from exc
-    return from_mapping(RunConfig, data)
+    return from_mapping(RunConfig, read_yaml(Path(path), "run config"))
 
 
 def apply_override(cfg: RunConfig, dotted: str) -> RunConfig:

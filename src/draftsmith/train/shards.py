@@ -28,15 +28,15 @@ from safetensors import safe_open
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.capture.sanity import check_states
-from draftsmith.capture.store import MANIFEST, SHARD_TENSORS, Sample, sha256_file
+from draftsmith.capture.store import MANIFEST, SHARD_TENSORS, Sample, corrupt_shard, load_manifest, sha256_file
 from draftsmith.train.features import Segment, StoreSource
 from draftsmith.train.packing import Split, epoch_plan, split_indices, split_samples
 from draftsmith.train.settings import TrainConfig
 
 
 def read_manifest(root: Path) -> dict | None:
-    path = root / MANIFEST
-    return json.loads(path.read_text()) if path.is_file() else None
+    """The store's checked manifest (`store.load_manifest`), or None before a writer has published one."""
+    return load_manifest(root) if (root / MANIFEST).is_file() else None
 
 
 def shard_samples(path: Path) -> list[Sample]:
@@ -50,8 +50,7 @@ def verified_shard(root: Path, entry: dict, first_sample: int) -> list[Sample]:
     """The shard's samples after its sha256 and its states are checked."""
     path = root / entry["file"]
     if sha256_file(path) != entry["sha256"]:
-        raise DraftsmithError(f"corrupt feature-store shard {entry['file']}", got="sha256 mismatch",
-                              expected=f"sha256 {entry['sha256'][:16]}...", fix="recapture into a new store")
+        raise corrupt_shard(root, entry)
     return sane_shard(root, entry, first_sample)
 
 
