@@ -157,9 +157,10 @@ def out_of_bounds(key: str, field: FieldInfo, value: Any, flag: bool) -> Draftsm
     """A value past its field's bounds: the key (or flag), the value, the bounds, an example inside them and, for
     an optional field, its null and what null means (the field doc's `null: ...`)."""
     rule, null = bounds(field), "none" if flag else "null"
-    example = on_command_line(next(v for v in (field.default, *bound_values(field), EXAMPLE_VALUES.get(
-        base_type(field.annotation), "1")) if v not in (None, ()) and within(v, field)))
-    fix = f"e.g. {key} {example}" if flag else f"e.g. {key}={example}"
+    example = next((v for v in (field.default, *bound_values(field), EXAMPLE_VALUES.get(base_type(field.annotation), "1"))
+                    if v not in (None, ()) and within(v, field)), None)
+    fix = f"pass a value {rule}" if example is None else \
+        f"e.g. {key} {on_command_line(example)}" if flag else f"e.g. {key}={on_command_line(example)}"
     expected = f"{key} {rule}"
     if is_optional(field.annotation):
         means = re.search(r"null: (.+?)(?=\)|[.;](?:\s|$)|$)", " ".join((field.description or "").split()))
@@ -170,7 +171,7 @@ def out_of_bounds(key: str, field: FieldInfo, value: Any, flag: bool) -> Draftsm
 
 def bound_values(field: FieldInfo) -> list:
     """The inclusive bounds of a field (`ge`, `le`): an example that satisfies them where the default does not."""
-    return [getattr(m, k) for m in field.metadata for k in ("ge", "le") if getattr(m, k, None) is not None] or [1]
+    return [getattr(m, k) for m in field.metadata for k in ("ge", "le") if getattr(m, k, None) is not None]
 
 
 def within(value: Any, field: FieldInfo) -> bool:
@@ -245,6 +246,33 @@ def with_defaults(cls: type[Settings], name: str, doc: str, **defaults: Any) -> 
     fields = {k: (cls.model_fields[k].annotation, FieldInfo.merge_field_infos(cls.model_fields[k], default=v))
               for k, v in defaults.items()}
     return create_model(name, __base__=cls, __doc__=doc, __module__=cls.__module__, **fields)
+
+
+# ---------------------------------------------------------------- a resume against the settings it continues
+
+
+def changed(recorded: dict, now: dict) -> dict[str, tuple[Any, Any]]:
+    """key -> (recorded, now) for each key of `now` that `recorded` holds with another value, compared as JSON
+    stores them (tuples are lists). A key the record lacks is not compared."""
+    now = json.loads(json.dumps(now))
+    return {k: (recorded[k], v) for k, v in now.items() if k in recorded and recorded[k] != v}
+
+
+def shown_changes(changes: dict[str, tuple[Any, Any]]) -> str:
+    """`lr 0.003 -> 0.001; seed 0 -> 1`."""
+    return "; ".join(f"{k} {json.dumps(old)} -> {json.dumps(new)}" for k, (old, new) in changes.items())
+
+
+def as_flags(values: dict[str, Any], flags: dict[str, str] | None = None) -> str:
+    """Values as the command line takes them: `--lr 0.003 --no-pack --aux-ids 2,15,27`."""
+    out = []
+    for key, value in values.items():
+        flag = (flags or {}).get(key, "--" + key.replace("_", "-"))
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        else:
+            out.append(f"{flag} {'none' if value is None else on_command_line(tuple(value) if isinstance(value, list) else value)}")
+    return " ".join(out)
 
 
 # ---------------------------------------------------------------- --help and the docs' key table

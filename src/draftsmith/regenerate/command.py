@@ -6,7 +6,7 @@ Backends:
 - `endpoint`: OpenAI-compatible servers (`draftsmith.regenerate.endpoints`).
 
 Output: conversations JSONL (draftsmith.regenerate.conversations), append-only and resumable by id: a rerun of the
-same command skips finished ids.
+same command skips finished ids. A rerun with other settings is refused (draftsmith.regenerate.record).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from draftsmith.regenerate.endpoints import EndpointSettings, RegenerateSummary,
 from draftsmith.errors import DraftsmithError
 from draftsmith.progress import progress_bar
 from draftsmith.regenerate.prompts import SELF, Prompt, load_prompts, stable_id
+from draftsmith.regenerate.record import check_append, shaping
 from draftsmith.regenerate.selfprompt import (Completer, Continuation, FilterCounts, SelfPromptSettings, TurnFilter, end_of_turn_ids,
                                    eval_prompt_texts,
                                    user_turn_prefix)
@@ -388,7 +389,10 @@ def add_parser(sub) -> None:
                            "      --endpoint http://gpu0:8000/v1 --endpoint http://gpu1:8000/v1#64 --concurrency 32\n"
                            "Rerunning the same command resumes: finished ids are skipped. See docs/regenerate.md."))
     p.add_argument("--target", default="smollm2", help="smollm2, a model directory, a .gguf file or a hub id")
-    p.add_argument("--out", type=Path, required=True, help="conversations JSONL to append to")
+    p.add_argument("--out", type=Path, required=True,
+                   help="conversations JSONL to append to (one this command wrote with the same settings, or new)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --out (and its .settings.json record) instead of refusing a file of other settings")
     p.add_argument("--backend", choices=("local", "endpoint"), default="local",
                    help="local: the target in transformers; endpoint: OpenAI-compatible servers (implied by --endpoint)")
     add_flags(p, RegenerateSettings, skip=(*SELF_FIELDS, *ENDPOINT_FIELDS, "endpoints"))
@@ -417,6 +421,7 @@ def run_regenerate(args) -> int:
     if s.endpoints or args.backend == "endpoint":
         return run_endpoint_backend(args, s, prompts)
     settings = s.local()
+    check_append(args.out, shaping(s, args.target, "local", False), args.overwrite)
     with ConversationWriter(args.out) as writer:
         if len(writer.done) >= len({p.id for p in prompts}) and all(p.id in writer.done for p in prompts):
             print(f"regenerate: all {len(prompts)} prompts already in {args.out}")
@@ -435,6 +440,8 @@ def run_self(args, s: RegenerateSettings) -> int:
     from draftsmith.target import load_target, resolve_target
 
     sp, settings = s.self_prompts(), s.local()
+    check_append(args.out, shaping(s, args.target, "endpoint" if s.endpoints else "local", args.prompts_only),
+                 args.overwrite)
     if s.endpoints:
         from transformers import AutoTokenizer
 
@@ -464,6 +471,7 @@ def run_endpoint_backend(args, s: RegenerateSettings, prompts: list[Prompt]) -> 
     if not s.endpoints:
         raise DraftsmithError("--backend endpoint needs at least one --endpoint", got="no --endpoint",
                               expected="--endpoint URL", fix="e.g. --endpoint http://127.0.0.1:8000/v1")
+    check_append(args.out, shaping(s, args.target, "endpoint", False), args.overwrite)
     with ConversationWriter(args.out) as writer:
         summary = regenerate_endpoints_sync(prompts, list(s.endpoints), writer, s.endpoint())
     print(json.dumps(summary.to_dict(), indent=2) if args.json else f"{summary.render()}\n-> {args.out}")

@@ -217,6 +217,10 @@ class TrainConfig(TrainSettings):
     """Online only: boundary aux ids (default 2, N//2, N-3). Offline runs use the store's."""
     max_length: int = Field(2048, ge=1)
     """Online only: truncate conversations to this many tokens."""
+    overwrite: bool = False
+    """Start over in an --out that holds another run (or files train did not write): delete what train wrote
+    there (checkpoints, metrics, the drafter, its records), nothing else. Without it, train continues the run in
+    --out only when it was trained with the same settings (train/resume.py: RESUMABLE names what may change)."""
 
     follow: bool = False
     """Train on a store that is still being written (a capture running into --store): epoch 0 takes each shard
