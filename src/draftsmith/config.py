@@ -157,8 +157,8 @@ def out_of_bounds(key: str, field: FieldInfo, value: Any, flag: bool) -> Draftsm
     """A value past its field's bounds: the key (or flag), the value, the bounds, an example inside them and, for
     an optional field, its null and what null means (the field doc's `null: ...`)."""
     rule, null = bounds(field), "none" if flag else "null"
-    example = next((v for v in (field.default, *bound_values(field), EXAMPLE_VALUES.get(base_type(field.annotation), "1"))
-                    if v not in (None, ()) and within(v, field)), None)
+    candidates = (field.default, *bound_values(field), EXAMPLE_VALUES.get(base_type(field.annotation), "1"))
+    example = next((v for v in candidates if v not in (None, ()) and within(v, field)), None)
     fix = f"pass a value {rule}" if example is None else \
         f"e.g. {key} {on_command_line(example)}" if flag else f"e.g. {key}={on_command_line(example)}"
     expected = f"{key} {rule}"
@@ -270,8 +270,10 @@ def as_flags(values: dict[str, Any], flags: dict[str, str] | None = None) -> str
         flag = (flags or {}).get(key, "--" + key.replace("_", "-"))
         if isinstance(value, bool):
             out.append(flag if value else "--no-" + flag[2:])
+        elif value is None:
+            out.append(f"{flag} none")
         else:
-            out.append(f"{flag} {'none' if value is None else on_command_line(tuple(value) if isinstance(value, list) else value)}")
+            out.append(f"{flag} {on_command_line(tuple(value) if isinstance(value, list) else value)}")
     return " ".join(out)
 
 

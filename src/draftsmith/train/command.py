@@ -24,8 +24,9 @@ def add_parser(sub) -> None:
                            "  torchrun --nproc-per-node 8 -m draftsmith train --store STORE --out OUT --parallel fsdp\n"
                            "  draftsmith train --store STORE --follow --max-steps 20000 --out OUT  # while capture writes STORE\n"
                            "  draftsmith train --store STORE --follow --delete-consumed --max-steps 20000 --out OUT  # bounded disk\n"
-                           "A killed run resumes from its last checkpoint when the same command is run again (a longer\n"
-                           "--max-steps or --epochs continues it; other settings are refused: --overwrite starts over)."))
+                           "A killed run resumes from its last checkpoint when the same command is run again\n"
+                           "(a longer --max-steps or --epochs continues it; other settings are refused:\n"
+                           "--overwrite starts over)."))
     add_flags(p, TrainConfig, required=("out",),
               helps={"aux_ids": "online only: boundary aux ids, e.g. 2,15,27 (default 2,N//2,N-3)"})
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -97,8 +97,9 @@ def check_settings(cfg: TrainConfig, world: int) -> None:
                               expected=f"{RECORD}, which train writes beside its checkpoints", fix=fixes)
     changes = changed(shaping(old), shaping(record(cfg, world)))
     if changes:
-        at = f"its checkpoint at step {checkpoint.name.split('-')[-1].lstrip('0') or 0}" if checkpoint else "no checkpoint yet"
-        raise DraftsmithError(f"train: {out} holds a run trained with other settings ({at})", got=shown_changes(changes),
+        at = f"its checkpoint at step {int(checkpoint.name.split('-')[-1])}" if checkpoint else "no checkpoint yet"
+        raise DraftsmithError(f"train: {out} holds a run trained with other settings ({at})",
+                              got=shown_changes(changes),
                               expected=f"the settings {out / RECORD} records; a resume may change only "
                                        f"{', '.join(sorted(RESUMABLE - {'out', 'overwrite'}))}",
                               fix=f"did you mean to resume it? run with {resume_flags(changes)}; {fixes}")
