@@ -8,24 +8,34 @@ type, unknown keys are refused with a did-you-mean, and every problem is reporte
     override(cfg, "train.lr=3e-4")                   # a new model with one dotted key changed
     add_flags(parser, TrainConfig)                   # --lr, --no-pack, ... with the field docs as help
     key_table(TrainStage)                            # the markdown table docs/run.md embeds
+
+Numeric bounds are field constraints (`save_every: int = Field(100, ge=1)`, `Count` for a tuple's items), so every
+entry point gets them; a value out of bounds is named with the bound, by its flag on the command line.
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
+import json
+import re
 import types
 import typing
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, create_model, field_validator
 from pydantic.fields import FieldInfo
 
 from draftsmith.errors import DraftsmithError
 
 EXAMPLE_VALUES = {int: "4", float: "3e-4", str: "text", bool: "true"}  # for "bad value" messages
 JSON_FLAG = {"as_json": "--json"}  # a verb's `as_json` field is its --json flag (`json` is a BaseModel method)
+FLAG_NAMES = "flag_names"  # the parsed arguments' field -> flag map (`add_flags`), for `from_flags`'s messages
+BOUNDS = {"greater_than_equal": ("ge", ">="), "greater_than": ("gt", ">"), "less_than_equal": ("le", "<="),
+          "less_than": ("lt", "<")}  # pydantic's error type: its context key and the bound as written
+Count = Annotated[int, Field(ge=1)]
+"""A tuple item that counts something (`k: tuple[Count, ...]`): at least 1."""
 
 
 class Settings(BaseModel):
@@ -70,7 +80,29 @@ def item_type(annotation: Any) -> Any:
 
 
 def describe(annotation: Any) -> str:
-    return str(annotation).replace("typing.", "") if not isinstance(annotation, type) else annotation.__name__
+    text = str(annotation).replace("typing.", "") if not isinstance(annotation, type) else annotation.__name__
+    return re.sub(r"Annotated\[(\w+), [^\]]*\]", r"\1", text)
+
+
+def bounds(field: FieldInfo) -> str:
+    """A field's numeric bounds as written in the key table and --help: `>= 1`, `> 0, <= 1`, `each >= 1`."""
+    own = bound_text(field.metadata)
+    items = item_bounds(field.annotation)
+    return own or (f"each {items}" if items else "")
+
+
+def bound_text(metadata: list) -> str:
+    return ", ".join(f"{op} {on_command_line(getattr(m, key))}" for m in metadata
+                     for key, op in BOUNDS.values() if getattr(m, key, None) is not None)
+
+
+def item_bounds(annotation: Any) -> str:
+    """The bounds an annotation's nested `Annotated[..., Field(...)]` carries (a tuple's items)."""
+    for arg in typing.get_args(annotation):
+        found = bound_text(arg.metadata) if isinstance(arg, FieldInfo) else item_bounds(arg)
+        if found:
+            return found
+    return ""
 
 
 # ---------------------------------------------------------------- mappings and dotted overrides
@@ -95,8 +127,9 @@ def unknown_key(key: str, known: list[str]) -> DraftsmithError:
                            fix=f"did you mean {prefix}{close[0]}?" if close else "check the key (docs/run.md)")
 
 
-def problem(cls: type[Settings], err: dict) -> DraftsmithError:
-    """One pydantic error as what / got / expected / fix."""
+def problem(cls: type[Settings], err: dict, flags: dict[str, str] | None = None) -> DraftsmithError:
+    """One pydantic error as what / got / expected / fix; with `flags` (field -> flag) a value out of bounds is
+    named by its flag, as the command line spelled it."""
     loc = tuple(p for p in err["loc"] if not isinstance(p, int))
     key = ".".join(map(str, loc))
     owner = section_of(cls, loc)
@@ -112,20 +145,59 @@ def problem(cls: type[Settings], err: dict) -> DraftsmithError:
     if err["input"] is None:
         return DraftsmithError(f"{key} cannot be null", got="null", expected=describe(field.annotation),
                                fix=f"give {key} a value")
+    if err["type"] in BOUNDS:
+        flag = None if flags is None else flags.get(key, "--" + key.replace("_", "-"))
+        return out_of_bounds(flag or key, field, err["input"], flag is not None)
     example = EXAMPLE_VALUES.get(base_type(field.annotation), "1,2,3")
     return DraftsmithError(f"bad value for {key}", got=repr(err["input"]), expected=describe(field.annotation),
                            fix=f"e.g. {key}={example}")
 
 
+def out_of_bounds(key: str, field: FieldInfo, value: Any, flag: bool) -> DraftsmithError:
+    """A value past its field's bounds: the key (or flag), the value, the bounds, an example inside them and, for
+    an optional field, its null and what null means (the field doc's `null: ...`)."""
+    rule, null = bounds(field), "none" if flag else "null"
+    candidates = (field.default, *bound_values(field), EXAMPLE_VALUES.get(base_type(field.annotation), "1"))
+    example = next((v for v in candidates if v not in (None, ()) and within(v, field)), None)
+    fix = f"pass a value {rule}" if example is None else \
+        f"e.g. {key} {on_command_line(example)}" if flag else f"e.g. {key}={on_command_line(example)}"
+    expected = f"{key} {rule}"
+    if is_optional(field.annotation):
+        means = re.search(r"null: (.+?)(?=\)|[.;](?:\s|$)|$)", " ".join((field.description or "").split()))
+        expected += f", or {null}" + (f" ({means.group(1)})" if means else "")
+        fix += f", or {key} {null}" if flag else f", or {key}={null}"
+    return DraftsmithError(f"{key} out of range", got=repr(value), expected=expected, fix=fix)
+
+
+def bound_values(field: FieldInfo) -> list:
+    """The inclusive bounds of a field (`ge`, `le`): an example that satisfies them where the default does not."""
+    return [getattr(m, k) for m in field.metadata for k in ("ge", "le") if getattr(m, k, None) is not None]
+
+
+def within(value: Any, field: FieldInfo) -> bool:
+    """`value` (or each item of a tuple) inside the field's bounds."""
+    try:
+        TypeAdapter(Annotated[field.annotation, *field.metadata] if field.metadata else field.annotation
+                    ).validate_python(value)
+    except (ValidationError, TypeError, ValueError):
+        return False
+    return True
+
+
 def from_mapping(cls: type[Settings], data: Any, **fixed: Any) -> Settings:
     """`cls` from nested key: value pairs (YAML, JSON), every problem in one DraftsmithError."""
+    return validated(cls, data, None, **fixed)
+
+
+def validated(cls: type[Settings], data: Any, flags: dict[str, str] | None, **fixed: Any) -> Settings:
+    """`cls` from `data`, every problem in one DraftsmithError naming keys (or, with `flags`, flags)."""
     if not isinstance(data, dict):
         raise DraftsmithError("config section root is not a mapping", got=repr(data)[:80],
                               expected="key: value pairs", fix="check the YAML indentation")
     try:
         return cls.model_validate({**data, **fixed})
     except ValidationError as exc:
-        errors = [problem(cls, e) for e in exc.errors()]
+        errors = [problem(cls, e, flags) for e in exc.errors()]
     if len(errors) == 1:
         raise errors[0]
     raise DraftsmithError(errors[0].what, got="; ".join(e.what + (f" ({e.got})" if e.got else "") for e in errors),
@@ -169,10 +241,40 @@ def check_choices(*checks: tuple[str, Any, tuple]) -> None:
 
 def with_defaults(cls: type[Settings], name: str, doc: str, **defaults: Any) -> type[Settings]:
     """`cls` with other defaults for some fields (same keys, types and docs): for `run`'s sections where
-    the pipeline's default differs from the verb's on purpose, written once, next to the reason."""
-    fields = {k: (cls.model_fields[k].annotation, Field(default=v, description=cls.model_fields[k].description))
+    the pipeline's default differs from the verb's on purpose, written once, next to the reason (the fields keep
+    their bounds)."""
+    fields = {k: (cls.model_fields[k].annotation, FieldInfo.merge_field_infos(cls.model_fields[k], default=v))
               for k, v in defaults.items()}
     return create_model(name, __base__=cls, __doc__=doc, __module__=cls.__module__, **fields)
+
+
+# ---------------------------------------------------------------- a resume against the settings it continues
+
+
+def changed(recorded: dict, now: dict) -> dict[str, tuple[Any, Any]]:
+    """key -> (recorded, now) for each key of `now` that `recorded` holds with another value, compared as JSON
+    stores them (tuples are lists). A key the record lacks is not compared."""
+    now = json.loads(json.dumps(now))
+    return {k: (recorded[k], v) for k, v in now.items() if k in recorded and recorded[k] != v}
+
+
+def shown_changes(changes: dict[str, tuple[Any, Any]]) -> str:
+    """`lr 0.003 -> 0.001; seed 0 -> 1`."""
+    return "; ".join(f"{k} {json.dumps(old)} -> {json.dumps(new)}" for k, (old, new) in changes.items())
+
+
+def as_flags(values: dict[str, Any], flags: dict[str, str] | None = None) -> str:
+    """Values as the command line takes them: `--lr 0.003 --no-pack --aux-ids 2,15,27`."""
+    out = []
+    for key, value in values.items():
+        flag = (flags or {}).get(key, "--" + key.replace("_", "-"))
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        elif value is None:
+            out.append(f"{flag} none")
+        else:
+            out.append(f"{flag} {on_command_line(tuple(value) if isinstance(value, list) else value)}")
+    return " ".join(out)
 
 
 # ---------------------------------------------------------------- --help and the docs' key table
@@ -198,6 +300,8 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
     (`{"timeout_s": "--timeout"}`); `positional` names required fields taken by position (`diagnose LOG`),
     in field order. A repeatable flag (`--endpoint A --endpoint B`) is not made here: skip
     its field and add an `append` flag with `dest` the field's name and `help=doc_of(field)`."""
+    named = {**(parser.get_default(FLAG_NAMES) or {}), **JSON_FLAG, **(flags or {}), **{n: n for n in positional}}
+    parser.set_defaults(**{FLAG_NAMES: named})  # argument groups share their parser's defaults
     for name, field in cls.model_fields.items():
         if name in skip or (only is not None and name not in only):
             continue
@@ -213,15 +317,17 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
         must = name in required or field.is_required()
         if field.default not in (None, "", ()) and not must:
             doc += f" (default {on_command_line(field.default)})"
+        if bounds(field):
+            doc += f" [{bounds(field)}]"
         convert = kind if kind in (int, float) else None
         parser.add_argument(flag, dest=name, type=convert, default=None if field.is_required() else field.default,
                             required=must, help=doc)
 
 
 def from_flags(cls: type[Settings], args: argparse.Namespace, **fixed: Any) -> Settings:
-    """The model from parsed `add_flags` arguments."""
-    return from_mapping(cls, {name: getattr(args, name) for name in cls.model_fields if hasattr(args, name)},
-                        **fixed)
+    """The model from parsed `add_flags` arguments; a bad value is named by its flag."""
+    return validated(cls, {name: getattr(args, name) for name in cls.model_fields if hasattr(args, name)},
+                     getattr(args, FLAG_NAMES, None) or {}, **fixed)
 
 
 def on_command_line(value: Any) -> str:
@@ -236,12 +342,12 @@ def shown(value: Any) -> str:
 
 
 def key_table(cls: type[Settings], prefix: str = "") -> str:
-    """The markdown key table of a model: key, default, meaning; a section's keys as `section.key`."""
-    rows = ["| key | default | meaning |", "|---|---|---|"]
+    """The markdown key table of a model: key, default, bounds, meaning; a section's keys as `section.key`."""
+    rows = ["| key | default | bounds | meaning |", "|---|---|---|---|"]
     for name, field in cls.model_fields.items():
         if is_section(field):
             rows += key_table(base_type(field.annotation), f"{prefix}{name}.").splitlines()[2:]
         else:
             meaning = doc_of(field).replace("|", "\\|")
-            rows.append(f"| `{prefix}{name}` | {shown(field.default)} | {meaning} |")
+            rows.append(f"| `{prefix}{name}` | {shown(field.default)} | {bounds(field)} | {meaning} |")
     return "\n".join(rows)

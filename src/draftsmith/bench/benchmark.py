@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from draftsmith.client import api_key_from_env, normalize_base, open_client, redact, served_model
 from draftsmith.config import Settings, add_flags, from_flags
@@ -79,38 +79,33 @@ class BenchSettings(Settings):
 
     prompts: str = "eval"
     """Prompt set: train, eval, chat-eval, or a JSONL of {"prompt"} / {"messages"} records."""
-    num_prompts: int = 32
+    num_prompts: int = Field(32, ge=1)
     """Requests per level; each level takes the next prompts of the set, cycling when it runs out."""
     concurrency: tuple[int, ...] = (1, 4, 16)
     """Closed-loop levels: at most c requests in flight."""
     request_rate: tuple[float, ...] = ()
     """Open-loop levels in requests/s (Poisson arrivals); replaces concurrency when given."""
-    max_tokens: int = 128
+    max_tokens: int = Field(128, ge=1)
     """Cap on generated tokens per request."""
-    temperature: float = 0.0
+    temperature: float = Field(0.0, ge=0)
     """Sampling temperature of every request (0 = greedy)."""
-    warmup: int = 2
+    warmup: int = Field(2, ge=0)
     """Unmeasured requests sent before the first level."""
-    seed: int = 0
+    seed: int = Field(0, ge=0)
     """Seed of the open-loop arrival times."""
     model: str | None = None
     """Served model name; null: the first one /v1/models lists."""
-    timeout_s: float = 600.0
+    timeout_s: float = Field(600.0, gt=0)
     """Seconds allowed per request."""
-    num_speculative_tokens: int | None = None
+    num_speculative_tokens: int | None = Field(None, ge=1)
     """k, drafted tokens per step: only to turn SGLang's tau into an acceptance rate (run: null takes the
     k of each server it measures)."""
-    rounds: int = 1
+    rounds: int = Field(1, ge=1)
     """Each level in this many rounds of its prompts, the endpoint and the baseline taking turns (the order
     flips every round), so a machine that drifts or a neighbour's job slows both alike."""
 
     @model_validator(mode="after")
     def check_sizes(self) -> BenchSettings:
-        if self.num_prompts < 1 or self.max_tokens < 1 or self.warmup < 0 or self.rounds < 1:
-            raise DraftsmithError("bad bench sizes", got=f"--num-prompts {self.num_prompts} --max-tokens "
-                                  f"{self.max_tokens} --warmup {self.warmup} --rounds {self.rounds}",
-                                  expected="--num-prompts >= 1, --max-tokens >= 1, --warmup >= 0, --rounds >= 1",
-                                  fix="pass positive sizes")
         if any(c < 1 for c in self.concurrency) or any(r <= 0 for r in self.request_rate):
             raise DraftsmithError("bad load levels", got=f"--concurrency {self.concurrency} "
                                   f"--request-rate {self.request_rate}",

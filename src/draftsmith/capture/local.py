@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from pydantic import Field
 
 from draftsmith.regenerate.chat import TokenizedSample, tokenize_conversation
 from draftsmith.config import Settings
@@ -222,31 +223,31 @@ class CaptureSettings(Settings):
     """transformers: the target runs in draftsmith's own process (device, batch_tokens); vllm: capture through a
     vLLM server with `extract_hidden_states` (engine_capture), started with tensor_parallel (by run: from
     engine_python), or the one already serving at endpoint."""
-    max_length: int = DEFAULT_MAX_LENGTH
+    max_length: int = Field(DEFAULT_MAX_LENGTH, ge=1)
     """Truncate conversations to this many tokens (run: also used by online training)."""
     dtype: str = "float32"
     """Target compute dtype while capturing: float32 | bfloat16 | auto (bfloat16 on CUDA and on CPUs that compute it
     natively, else float32); the store holds bfloat16 either way (engine vllm: the server's --dtype)."""
     device: str = "cpu"
     """engine transformers: where the target runs."""
-    batch_tokens: int = 4096
+    batch_tokens: int = Field(4096, ge=1)
     """engine transformers: padded tokens per target forward."""
     endpoint: str | None = None
     """engine vllm: a running capture server, started with the flags `draftsmith capture --print-server-args`
     prints (null: one is started, and stopped after the capture)."""
-    tensor_parallel: int = 1
+    tensor_parallel: int = Field(1, ge=1)
     """engine vllm: tensor-parallel size of the server that is started."""
     hs_dir: str | None = None
     """engine vllm: the connector's folder (null: STORE/engine/hs, STORE being --out or run's OUT/store); a fast
     local disk or /dev/shm."""
-    hs_max_bytes: int = DEFAULT_MAX_BYTES
+    hs_max_bytes: int = Field(DEFAULT_MAX_BYTES, ge=1)
     """engine vllm: bytes the connector folder may hold (in flight: about concurrency x bytes per request)."""
-    concurrency: int = 4
+    concurrency: int = Field(4, ge=1)
     """engine vllm: requests in flight."""
-    max_store_bytes: int | None = None
+    max_store_bytes: int | None = Field(None, ge=1)
     """Back-pressure for a store that a trainer follows (`train --follow --delete-consumed`): the capture waits
     before a shard that would put more than this many shard bytes on disk (null: no limit)."""
-    store_wait_timeout_s: float = 3600.0
+    store_wait_timeout_s: float = Field(3600.0, gt=0)
     """With max_store_bytes: how long the capture waits for room before it stops with the reason."""
 
 

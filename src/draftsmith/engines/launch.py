@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
-from pydantic import model_validator
+from pydantic import Field
 
 from draftsmith.client import redact
 from draftsmith.config import Settings, add_flags, from_flags
@@ -187,18 +187,10 @@ def report(res: LaunchResult) -> str:
 class LaunchSettings(Settings):
     """How long `launch` waits: the launch verb's flags and `run`'s launch section."""
 
-    timeout_s: float = 1800.0
+    timeout_s: float = Field(1800.0, gt=0)
     """Give up when the server is not ready after this many seconds."""
-    stall_timeout_s: float = 300.0
+    stall_timeout_s: float = Field(300.0, gt=0)
     """Stalled after this many seconds without a new log line."""
-
-    @model_validator(mode="after")
-    def check_positive(self) -> LaunchSettings:
-        if self.timeout_s <= 0 or self.stall_timeout_s <= 0:
-            raise DraftsmithError("launch timeouts must be positive", got=f"--timeout {self.timeout_s} "
-                                  f"--stall-timeout {self.stall_timeout_s}", expected="seconds > 0",
-                                  fix="e.g. --timeout 1800 --stall-timeout 300")
-        return self
 
 
 LAUNCH_FLAGS = {"timeout_s": "--timeout", "stall_timeout_s": "--stall-timeout"}

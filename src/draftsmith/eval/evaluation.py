@@ -20,9 +20,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
-from draftsmith.config import Settings, add_flags, check_choices, from_flags
+from draftsmith.config import Count, Settings, add_flags, check_choices, from_flags
 from draftsmith.errors import DraftsmithError
 
 
@@ -105,13 +105,13 @@ class EvalSettings(Settings):
 
     prompts: str = "eval"
     """eval (HumanEval) | chat-eval | humaneval | train | a JSONL of prompt / messages / turns records."""
-    limit: int | None = 20
+    limit: int | None = Field(20, ge=1)
     """Decode the first N prompts (null: all)."""
-    k: tuple[int, ...] = (4,)
+    k: tuple[Count, ...] = (4,)
     """Draft lengths (tree depths) to sweep; the best is the recommended k."""
-    max_new_tokens: int = 128
+    max_new_tokens: int = Field(128, ge=1)
     """Tokens generated per prompt."""
-    temperature: float = 0.0
+    temperature: float = Field(0.0, ge=0)
     """0 = greedy (then speculative output must equal the target's)."""
     engine: str = "trained"
     """Read the drafter's aux ids as this engine would: trained | vllm | sglang."""
@@ -121,13 +121,13 @@ class EvalSettings(Settings):
     """Where target and drafter run: cpu | cuda | cuda:N | auto (cuda when there is one)."""
     baseline: bool = True
     """Also decode without speculation (the speed-up's denominator)."""
-    seed: int = 0
+    seed: int = Field(0, ge=0)
     """Seed of sampled decoding (temperature > 0)."""
-    batch_size: int = 1
+    batch_size: int = Field(1, ge=1)
     """Prompts decoded together (per-sequence acceptance)."""
-    topk: int = 1
+    topk: int = Field(1, ge=1)
     """Tree drafting: children per expanded node (SGLang --speculative-eagle-topk); 1 = chain."""
-    draft_tokens: int | None = None
+    draft_tokens: int | None = Field(None, ge=1)
     """Tree nodes verified per step, root included (SGLang --speculative-num-draft-tokens)."""
     cpu_pack: bool = True
     """CPU, float32: pack the target's linear weights once (MKL) for the row counts the verification runs at, which
@@ -309,8 +309,6 @@ def run_eval_cli(args) -> int:
         ks = [args.depth]
     elif args.topk > 1 and args.k is None:
         ks = [args.draft_tokens - 1]  # deep enough for any path the node budget allows
-    if args.batch_size < 1:
-        raise DraftsmithError("bad --batch-size", got=str(args.batch_size), expected=">= 1", fix="--batch-size 4")
     from draftsmith.model.checkpoint import drafter_path
 
     args.drafter = drafter_path(args.drafter)

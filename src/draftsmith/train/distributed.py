@@ -14,10 +14,15 @@ import torch
 import torch.distributed as dist
 
 
+def world_size() -> int:
+    """Processes of this run: torchrun's WORLD_SIZE, else 1."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def join_process_group(device: torch.device) -> tuple[int, int, torch.device]:
     """(world size, rank, device) of this process; under torchrun the process group joined (once) and, on CUDA,
     the device of its LOCAL_RANK."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = world_size()
     rank = int(os.environ.get("RANK", "0"))
     if world > 1 and not dist.is_initialized():
         if device.type == "cuda":

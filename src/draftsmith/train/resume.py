@@ -1,4 +1,4 @@
-"""Checkpoints and exact resume.
+"""Checkpoints, exact resume, and the check that a resume continues a run made with the same settings.
 
 OUT/checkpoints/step-NNNNNN holds the drafter (`save_drafter`) and training_state.pt: the step, the optimizer
 state and the RNG states (torch CPU, Python, CUDA). OUT/checkpoints/latest names the newest, rewritten last, so
@@ -6,21 +6,122 @@ a run killed mid-save resumes from the one before. The learning rate is a pure f
 order one of (seed, epoch) (`packing`), so the step is the whole data position: a resumed run takes the same
 micro-batches with the same learning rates as one that was never stopped.
 
+OUT/train_config.json records the settings a run was started with (`record`). A run into an --out that holds one
+continues it only when every setting that shapes the weights or the data order is the same (`check_out`); only
+the RESUMABLE ones may change. --overwrite starts over, deleting only what train writes there (`start_over`).
+
+    check_out(cfg, world)            # before any work: refuse a folder of the user's, or another run's
     write_checkpoint(out / "checkpoints" / "step-000100", drafter, 100, *full_states(drafter, opt, False), False, {})
     step = restore(latest_checkpoint(out), drafter, opt, False, embed_tokens)
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import shutil
 from pathlib import Path
 
 import torch
 
+from draftsmith.config import as_flags, changed, shown_changes
 from draftsmith.errors import DraftsmithError
 from draftsmith.model.checkpoint import load_drafter, save_drafter
 from draftsmith.model.eagle3 import Eagle3Drafter
+from draftsmith.outputs import MARKER, check_output
+from draftsmith.train.settings import TrainConfig
+from draftsmith.train.shards import CONSUMED
+
+RECORD = "train_config.json"
+WRITES = ("checkpoints", "metrics.jsonl", RECORD, "drafter", CONSUMED, MARKER)
+"""What train writes into --out: all that --overwrite deletes."""
+RESUMABLE = frozenset({"max_steps", "epochs", "eval_every", "save_every", "log_every", "keep_start", "device",
+                       "compile", "cuda_graphs", "parallel", "follow_timeout_s", "out", "overwrite"})
+"""Settings a resume may change: the run's length (max_steps, epochs: a longer run continues on the schedule
+of its new length from the step it reached), how often it evaluates, saves and logs, whether the starting
+drafter may be kept, and where and how the same step computes (device, compile, cuda_graphs, parallel: `restore`
+refuses an optimizer state laid out for the other --parallel mode). Every other setting, and the number of
+processes, decides the weights or the data order: a resume with another value is refused."""
+ONLINE_ONLY = ("target", "aux_ids", "max_length")
+"""Read only by online training (an offline run takes them from its store): not compared for an offline run."""
+PATHS = ("store", "conversations", "init_from")
+
+
+def record(cfg: TrainConfig, world: int) -> dict:
+    """What train_config.json records of a run: its settings, the peak lr they resolve to and the processes."""
+    return {**cfg.model_dump(exclude={"overwrite"}), "peak_lr": cfg.peak_lr, "world": world}
+
+
+def shaping(settings: dict) -> dict:
+    """The recorded settings a resume must match: lr as the peak lr it resolves to (null: its default), paths
+    made absolute."""
+    keep = {k: v for k, v in settings.items() if k not in RESUMABLE and k not in ("lr", "peak_lr")
+            and not (settings.get("store") and k in ONLINE_ONLY)}
+    return {"lr": settings.get("peak_lr"),
+            **{k: os.path.abspath(v) if k in PATHS and v and Path(v).exists() else v for k, v in keep.items()}}
+
+
+def is_train_run(out: Path) -> bool:
+    """`out` holds a run of train's (its record, or a checkpoint), marker or not."""
+    return (out / RECORD).is_file() or (out / "checkpoints" / "latest").is_file()
+
+
+def check_out(cfg: TrainConfig, world: int) -> None:
+    """Refuse --out when it holds files train did not write, or a run trained with other settings (RESUMABLE
+    excepted), unless --overwrite. Reads only; call it before any work.
+
+    Raises:
+        DraftsmithError: exit 2, naming each differing setting (old -> new) and the fixes.
+    """
+    check_output(Path(cfg.out), "train", cfg.overwrite, owns=is_train_run)
+    check_settings(cfg, world)
+
+
+def check_settings(cfg: TrainConfig, world: int) -> None:
+    """Refuse a run in --out trained with other settings (RESUMABLE excepted), unless --overwrite."""
+    out = Path(cfg.out)
+    if cfg.overwrite or not out.is_dir():
+        return
+    fixes = "for a new run pass another --out, or add --overwrite to delete this run's checkpoints and start over"
+    checkpoint = latest_checkpoint(out)
+    try:
+        old = json.loads((out / RECORD).read_text()) if (out / RECORD).is_file() else None
+    except (OSError, ValueError):
+        old = "unreadable"
+    if not isinstance(old, dict):
+        if checkpoint is None:
+            return
+        raise DraftsmithError(f"train: {out} holds checkpoints without a readable record of their settings",
+                              got=f"{checkpoint.name}, {RECORD} {'missing' if old is None else 'unreadable'}",
+                              expected=f"{RECORD}, which train writes beside its checkpoints", fix=fixes)
+    changes = changed(shaping(old), shaping(record(cfg, world)))
+    if changes:
+        at = f"its checkpoint at step {int(checkpoint.name.split('-')[-1])}" if checkpoint else "no checkpoint yet"
+        raise DraftsmithError(f"train: {out} holds a run trained with other settings ({at})",
+                              got=shown_changes(changes),
+                              expected=f"the settings {out / RECORD} records; a resume may change only "
+                                       f"{', '.join(sorted(RESUMABLE - {'out', 'overwrite'}))}",
+                              fix=f"did you mean to resume it? run with {resume_flags(changes)}; {fixes}")
+
+
+def resume_flags(changes: dict) -> str:
+    """The recorded values of the changed settings, as the command line takes them."""
+    text = as_flags({k: v for k, (v, _) in changes.items() if k != "world"})
+    if "world" in changes:
+        n = changes["world"][0]
+        text += (" and " if text else "") + (f"torchrun --nproc-per-node {n}" if n > 1 else "one process")
+    return text
+
+
+def start_over(out: Path) -> None:
+    """--overwrite: delete what train writes into `out` (WRITES), and nothing else there."""
+    for name in WRITES:
+        path = out / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
 
 
 def optimizer_layout(fsdp: bool) -> str:

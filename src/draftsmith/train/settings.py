@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from draftsmith.config import Settings
 from draftsmith.conventions import NORM_VARIANTS, unread_by_format, unread_norms
@@ -52,53 +52,53 @@ def recipe_for(recipe: str, formats: tuple[str, ...]) -> str:
 class TrainSettings(Settings):
     """How a drafter is trained, whatever the data: the `train` verb's flags and `run`'s train section."""
 
-    draft_vocab_size: int | None = None
+    draft_vocab_size: int | None = Field(None, ge=1)
     """Draft vocabulary size (default: vocab.default_draft_vocab_size). With init_from, a size above the starting
     drafter's grows its vocabulary (its tokens, then this data's most frequent others; a new token's head row
     starts as the target's); a smaller one or none keeps the starting drafter's."""
-    ttt_steps: int = TTT_STEPS
+    ttt_steps: int = Field(TTT_STEPS, ge=1)
     """Training-time-test unroll length (EAGLE-3 / SpecForge: 7)."""
-    step_loss_decay: float = TTT_STEP_LOSS_DECAY
+    step_loss_decay: float = Field(TTT_STEP_LOSS_DECAY, gt=0, le=1)
     """Weight of TTT step i is decay**i (EAGLE-3: 0.8)."""
-    lr: float | None = None
+    lr: float | None = Field(None, gt=0)
     """Peak learning rate of the cosine schedule; default 1e-3 for a new drafter, 2e-4 with --init-from
     (fine-tuning a trained one). On one H200 epoch of 3 M SmolLM2 tokens, 1e-3 drafted tau 1.67 at k=4 against
     1.36 at SpecForge's 1e-4 (2e-3: 1.65; docs/peers.md, "speculators' defaults against draftsmith's"); long
     runs on large data may prefer 1e-4."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
     """The cosine schedule ends at lr * min_lr_ratio."""
-    warmup_ratio: float = 0.015
+    warmup_ratio: float = Field(0.015, ge=0, le=1)
     """Share of steps with linear warm-up (SpecForge 0.015)."""
-    weight_decay: float = 0.0
+    weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
-    clip: float = 0.5
+    clip: float = Field(0.5, gt=0)
     """Gradient-norm clip (EAGLE, SpecForge)."""
-    epochs: float = 1.0
+    epochs: float = Field(1.0, gt=0)
     """Passes over the training split (fractions allowed)."""
-    max_steps: int | None = None
+    max_steps: int | None = Field(None, ge=1)
     """Stop after this many optimizer steps (overrides epochs)."""
-    batch_tokens: int = 4096
+    batch_tokens: int = Field(4096, ge=1)
     """Tokens per micro-batch, padding included (packed: batch_tokens // row_tokens rows)."""
     pack: bool = True
     """Pack whole conversations into rows of --row-tokens with document masks (positions restart per
     conversation, attention stays inside it): one tensor shape for the whole run, so a compiled step never
     recompiles, and little padding. --no-pack: one conversation per row, padded to the micro-batch's longest."""
-    row_tokens: int | None = None
+    row_tokens: int | None = Field(None, ge=1)
     """Packed row length (default: batch_tokens)."""
     pack_long: str = "split"
     """Packing, conversations longer than a row: split (into pieces ending at assistant-turn ends, or at the row
     length where a turn is longer) or truncate (keep the first row)."""
-    grad_accum: int = 1
+    grad_accum: int = Field(1, ge=1)
     """Micro-batches per optimizer step and process."""
-    eval_fraction: float = 0.05
+    eval_fraction: float = Field(0.05, ge=0, lt=1)
     """Share of samples held back for evaluation (fixed split)."""
-    eval_every: int = 100
+    eval_every: int = Field(100, ge=1)
     """Evaluate every N steps (and at the end)."""
-    save_every: int = 100
+    save_every: int = Field(100, ge=1)
     """Checkpoint every N steps (and at the end)."""
-    log_every: int = 1
+    log_every: int = Field(1, ge=1)
     """Print the step line every N steps (metrics.jsonl gets every step)."""
-    seed: int = 0
+    seed: int = Field(0, ge=0)
     """Seed of the initialisation and the data order."""
     device: str = "auto"
     """auto (cuda if available), cpu, cuda, cuda:1, ..."""
@@ -154,9 +154,6 @@ class TrainSettings(Settings):
 
     @model_validator(mode="after")
     def check_settings(self) -> TrainSettings:
-        if self.ttt_steps < 1 or not 0 < self.step_loss_decay <= 1:
-            raise DraftsmithError("bad TTT settings", got=f"--ttt-steps {self.ttt_steps}, --step-loss-decay "
-                                  f"{self.step_loss_decay}", expected="steps >= 1, 0 < decay <= 1", fix="fix the flags")
         row = self.row_tokens or self.batch_tokens
         if self.pack and not (1 <= row <= self.batch_tokens and self.pack_long in ("split", "truncate")):
             raise DraftsmithError("bad packing settings", got=f"--row-tokens {self.row_tokens}, --batch-tokens "
@@ -169,9 +166,6 @@ class TrainSettings(Settings):
         if self.recipe not in RECIPES and self.recipe != "auto":
             raise DraftsmithError("unknown --recipe", got=self.recipe, expected=f"auto, {', '.join(RECIPES)}",
                                   fix="pass --recipe auto (default), normed or plain")
-        if self.lr is not None and not self.lr > 0:
-            raise DraftsmithError("bad --lr", got=str(self.lr), expected="a peak learning rate > 0",
-                                  fix="pass e.g. --lr 1e-3, or leave it out for the default")
         if self.cuda_graphs and not (self.compile and self.pack):
             raise DraftsmithError("--cuda-graphs replays the compiled step at one shape", got=f"--cuda-graphs with "
                                   f"--{'' if self.compile else 'no-'}compile, --{'' if self.pack else 'no-'}pack",
@@ -221,15 +215,19 @@ class TrainConfig(TrainSettings):
     """Target for online training (and its identity check)."""
     aux_ids: tuple[int, ...] | None = None
     """Online only: boundary aux ids (default 2, N//2, N-3). Offline runs use the store's."""
-    max_length: int = 2048
+    max_length: int = Field(2048, ge=1)
     """Online only: truncate conversations to this many tokens."""
+    overwrite: bool = False
+    """Start over in an --out that holds another run (or files train did not write): delete what train wrote
+    there (checkpoints, metrics, the drafter, its records), nothing else. Without it, train continues the run in
+    --out only when it was trained with the same settings (train/resume.py: RESUMABLE names what may change)."""
 
     follow: bool = False
     """Train on a store that is still being written (a capture running into --store): epoch 0 takes each shard
     as it lands, in landing order, shuffled and packed within the shard, and ends when the writer marks the
     store complete; later epochs shuffle over every sample. The eval split is made per shard. Needs --max-steps
     (the store's size is not known at the start)."""
-    follow_timeout_s: float = 3600.0
+    follow_timeout_s: float = Field(3600.0, gt=0)
     """--follow: give up when the store has not grown for this long."""
     delete_consumed: bool = False
     """--follow: delete each shard from the store once every step that reads it is checkpointed, so that the

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.outputs import mark
 from draftsmith.model.checkpoint import save_drafter
 from draftsmith.model.eagle3 import (Eagle3Drafter, TTTOutput, compile_for_training, engine_walk_acceptance,
                                      simulated_acceptance)
@@ -43,7 +44,8 @@ from draftsmith.train.distributed import join_process_group, parallel_model
 from draftsmith.train.drafter import load_starting_drafter, new_drafter
 from draftsmith.train.features import Batch, FeatureSource, OnlineSource, StoreSource, feature_dtype
 from draftsmith.train.packing import epoch_plan, packed_shape, rank_micro_batches, split_indices, split_samples
-from draftsmith.train.resume import full_states, latest_checkpoint, restore, write_checkpoint
+from draftsmith.train.resume import (RECORD, check_out, check_settings, full_states, latest_checkpoint, record,
+                                     restore, start_over, write_checkpoint)
 from draftsmith.train.settings import TrainConfig, layout_note
 from draftsmith.train.shards import ShardFeed, wait_published
 
@@ -123,6 +125,8 @@ class Trainer:
         self.out = Path(cfg.out)
         self.plan_cache: tuple[tuple | None, list] = (None, [])  # `plan`: the last epoch plan computed
         self.world, self.rank, self.device = join_process_group(pick_device(cfg.device))
+        if cfg.overwrite:
+            self.start_over()
         self.autocast = self.device.type == "cuda"  # bf16 autocast, fp32 master weights
         if cfg.follow and data is None:
             wait_published(Path(cfg.store), cfg.follow_timeout_s)
@@ -164,6 +168,15 @@ class Trainer:
         self.loader: ThreadPoolExecutor | None = None  # `step_batches`: loads the next step's micro-batches
         self.prefetched: dict[int, Future] = {}
         self.copy_stream: torch.cuda.Stream | None = None
+
+    def start_over(self) -> None:
+        """--overwrite: rank 0 deletes what train wrote into --out (after `check_out` allowed it), before the data
+        is read (a --delete-consumed run reads OUT/consumed/); the other ranks wait for it."""
+        check_out(self.cfg, self.world)
+        if self.rank == 0:
+            start_over(self.out)
+        if self.world > 1:
+            dist.barrier()
 
     def split_data(self) -> None:
         """The fixed split of a whole store or conversations file, and the packed shape it fills."""
@@ -425,11 +438,16 @@ class Trainer:
         return None
 
     def run(self, progress: bool = True) -> EvalResult:
-        self.out.mkdir(parents=True, exist_ok=True)
+        check_settings(self.cfg, self.world)  # the record below must not claim settings another run's weights lack
+        if self.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            mark(self.out, "train")
+        if self.world > 1:
+            dist.barrier()
         resumed = self.try_resume()
         if self.rank == 0:
-            (self.out / "train_config.json").write_text(json.dumps({**self.cfg.model_dump(), "peak_lr": self.cfg.peak_lr,
-                                                                   "layout": self.layout._asdict()}, indent=2) + "\n")
+            (self.out / RECORD).write_text(json.dumps({**record(self.cfg, self.world), "layout": self.layout._asdict()},
+                                                      indent=2) + "\n")
             packing = (f"packed rows of {self.row_tokens} tokens x {self.rows_per_batch} per micro-batch "
                        f"({len(self.split.train_pieces)} documents)" if self.cfg.pack
                        else "unpacked")
