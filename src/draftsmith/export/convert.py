@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from draftsmith.model.checkpoint import (NOT_EXPORTED, WEIGHTS, draftsmith_drafter_config, hf_config,
                                          read_drafter_config, read_drafter_weights, save_weights)
@@ -397,7 +397,7 @@ class ConvertSettings(Settings):
     """Layout to write: draftsmith | vllm | sglang | speculators."""
     target: str | None = None
     """The target (name, dir, .gguf): layer count, context, shape check."""
-    target_layers: int | None = None
+    target_layers: int | None = Field(None, ge=1)
     """The target's decoder-layer count, without --target."""
     aux_convention: str | None = None
     """Override how SRC's explicit aux ids are read: boundary | layer-output (default: the layout's own
@@ -406,7 +406,7 @@ class ConvertSettings(Settings):
     """Drop an embed_tokens copy in SRC (the engines then use the target's embedding)."""
     dtype: str | None = None
     """Weights' dtype: bfloat16 | float16 | float32 (default: keep SRC's)."""
-    k: int = DEFAULT_K
+    k: int = Field(DEFAULT_K, ge=1)
     """Draft tokens named in the card / speculators config."""
     overwrite: bool = False
     """Replace an OUT that draftsmith did not write (its content is lost)."""

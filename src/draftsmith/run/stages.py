@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from draftsmith.client import redact
 from draftsmith.errors import DraftsmithError
 from draftsmith.export.formats import DEFAULT_K
 from draftsmith.run.settings import RunConfig
@@ -263,7 +264,7 @@ def do_launch(ctx: RunContext) -> None:
     try:
         url, res = server.enter_context(engine_server(ctx, ctx.out / "launch.log", k))
     except DraftsmithError as err:
-        (ctx.out / "launch.json").write_text(json.dumps({"status": "failed", "error": err.render(),
+        (ctx.out / "launch.json").write_text(json.dumps({"status": "failed", "error": redact(err.render()),
                                                          "log": str(ctx.out / "launch.log")}, indent=2) + "\n")
         raise
     ctx.launched = Served(k, url, server)
