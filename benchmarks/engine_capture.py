@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-from draftsmith.capture.local import capture
+from draftsmith.capture.local import CaptureSettings, capture
 from draftsmith.capture.vllm import EngineSettings, capture_server, engine_capture, engine_layer_ids
 from draftsmith.capture.store import FeatureStore
 from draftsmith.target import describe_target, read_config, resolve_target
@@ -76,7 +76,7 @@ def main() -> None:
         root = Path(tmp)
         conv = write_conversations(root / "conv.jsonl", args.conversations)
         t0 = time.perf_counter()
-        ref = capture(conv, root / "ref", target="smollm2", max_length=args.max_length)
+        ref = capture(conv, root / "ref", CaptureSettings(max_length=args.max_length), target="smollm2")
         in_process_wall = time.perf_counter() - t0  # includes the target load, as a user's run does
         settings = EngineSettings(root / "hs", concurrency=args.concurrency)
         settings.hs_dir.mkdir()

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from engine_capture import FolderPeak, write_conversations  # benchmarks/engine_capture.py
 
-from draftsmith.capture.local import capture
+from draftsmith.capture.local import CaptureSettings, capture
 from draftsmith.capture.store import FeatureStore
 
 
@@ -45,8 +45,8 @@ def main() -> None:
         whole.start()
         t0 = time.monotonic()
         trainer = subprocess.Popen(train_cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        summary = capture(conv, store, target="smollm2", shard_tokens=args.shard_tokens,
-                          batch_tokens=args.capture_batch_tokens)
+        summary = capture(conv, store, CaptureSettings(batch_tokens=args.capture_batch_tokens), target="smollm2",
+                          shard_tokens=args.shard_tokens)
         capture_s = time.monotonic() - t0
         out, err = trainer.communicate(timeout=1800)
         train_s = time.monotonic() - t0

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import write_conversations
-from draftsmith.capture.local import capture
+from draftsmith.capture.local import CaptureSettings, capture
 from draftsmith.engines.process import descendants
 from draftsmith.capture.vllm import (EngineSettings, capture_server, discard, engine_capture, engine_layer_ids,
                                        read_states, request_states)
@@ -77,7 +77,7 @@ def test_engine_states_equal_transformers_states_in_fp32(server, smollm2):
 
 def test_engine_store_matches_in_process_store(server, smollm2, conv, tmp_path):
     base, settings = server
-    capture(conv, tmp_path / "ref", target="smollm2", max_length=MAX_LENGTH)
+    capture(conv, tmp_path / "ref", CaptureSettings(max_length=MAX_LENGTH), target="smollm2")
     engine_capture(conv, tmp_path / "eng", settings, target="smollm2", max_length=MAX_LENGTH, endpoint=base)
     ref, eng = FeatureStore(tmp_path / "ref"), FeatureStore(tmp_path / "eng")
     assert len(eng) == len(ref) == 6
@@ -145,7 +145,7 @@ def test_kill_9_of_the_server_mid_capture_loses_and_duplicates_nothing(server, c
     engine_capture(conv, out, settings, target="smollm2", max_length=MAX_LENGTH, shard_tokens=1, endpoint=base)
     resumed = FeatureStore(out)
     assert len(resumed) == 6
-    capture(conv, tmp_path / "ref", target="smollm2", max_length=MAX_LENGTH)
+    capture(conv, tmp_path / "ref", CaptureSettings(max_length=MAX_LENGTH), target="smollm2")
     want = FeatureStore(tmp_path / "ref")
     assert [resumed.sample(k).input_ids.tolist() for k in range(6)] == [want.sample(k).input_ids.tolist()
                                                                         for k in range(6)]

@@ -34,12 +34,12 @@ def test_engine_settings_that_cannot_work_are_named(overrides, problem):
 
 
 def test_the_capture_stage_takes_the_engine_path_with_the_configs_settings(monkeypatch, tmp_path):
-    import draftsmith.capture.command
+    import draftsmith.capture.local
     import draftsmith.capture.vllm
 
     calls: dict[str, tuple] = {}
     monkeypatch.setattr(draftsmith.capture.vllm, "engine_capture", lambda *a, **kw: calls.setdefault("engine", (a, kw)))
-    monkeypatch.setattr(draftsmith.capture.command, "capture", lambda *a, **kw: calls.setdefault("transformers", (a, kw)))
+    monkeypatch.setattr(draftsmith.capture.local, "capture", lambda *a, **kw: calls.setdefault("transformers", (a, kw)))
     cfg = RunConfig()
     for o in ("capture.engine=vllm", "capture.tensor_parallel=2", "capture.endpoint=http://127.0.0.1:9", "capture.concurrency=7"):
         cfg = apply_override(cfg, o)

@@ -130,9 +130,7 @@ def do_capture(ctx: RunContext) -> None:
     if c.engine == "vllm":
         capture_through_engine(ctx)
         return
-    capture(ctx.out / "conversations.jsonl", ctx.out / "store", ctx.cfg.target, max_length=c.max_length,
-            batch_tokens=c.batch_tokens, dtype=c.dtype, device=c.device, max_store_bytes=c.max_store_bytes,
-            store_wait_timeout_s=c.store_wait_timeout_s)
+    capture(ctx.out / "conversations.jsonl", ctx.out / "store", c, target=ctx.cfg.target)
 
 
 def capture_through_engine(ctx: RunContext) -> None:
