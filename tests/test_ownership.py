@@ -82,7 +82,7 @@ def test_a_failure_in_the_middle_of_an_export_leaves_the_old_folder_whole(checkp
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(formats, "save_file", disk_full)
+    monkeypatch.setattr(formats, "save_weights", disk_full)
     with pytest.raises(OSError, match="No space left"):
         formats.export(ckpt, out, "vllm", dtype="bfloat16")
     assert snapshot(tmp_path) == before, "the old export and nothing else: no half-written or temporary folder"
@@ -150,7 +150,7 @@ def test_a_re_convert_over_its_own_folder_replaces_it_and_a_failure_keeps_it(che
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(convert_mod, "save_file", disk_full)
+    monkeypatch.setattr(convert_mod, "save_weights", disk_full)
     with pytest.raises(OSError, match="No space left"):
         convert_mod.convert(ckpt, out, "draftsmith")
     assert snapshot(tmp_path) == before

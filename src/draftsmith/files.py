@@ -83,7 +83,7 @@ def read_json(path: Path, what: str, fix: str | None = None) -> dict[str, Any]:
         lines = text.splitlines()
         line = lines[exc.lineno - 1] if exc.lineno <= len(lines) else ""
         raise DraftsmithError(f"{what} {path} is not valid JSON at line {exc.lineno}, column {exc.colno}",
-                              got=f"{exc.msg}" + (f": {line.strip()[:SHOWN]}" if line.strip() else
+                              got=f"not JSON: {exc.msg}" + (f": {line.strip()[:SHOWN]}" if line.strip() else
                                                   " (the file is empty or cut short)"),
                               expected="a JSON object", fix=fix or default_fix(path, exc.lineno)) from exc
     if not isinstance(value, dict):
