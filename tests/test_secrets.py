@@ -236,6 +236,26 @@ def test_bench_writes_and_prints_no_endpoint_credential(stub, stub2, env_key, tm
     assert stub2.basic("base", secrets[1]) in {auth for _, auth in stub2.seen}
 
 
+def test_bench_serves_a_key_in_the_query_and_writes_none(stub, tmp_path, capsys, monkeypatch):
+    """The paths bench adds (/v1, /metrics) go before the query, so the key reaches every request."""
+    from draftsmith.bench import benchmark
+
+    monkeypatch.setattr(benchmark, "SWITCH_SETTLE_S", 0.0)
+    monkeypatch.setattr(benchmark, "SETTLE_MAX_S", 0.0)
+    secret = "bench-query-SECRET-11"
+    prompts = write_prompts(tmp_path / "prompts.jsonl")
+    main(["bench", "--endpoint", stub.url(path="", query=f"api_key={secret}"), "--prompts", str(prompts),
+          "--num-prompts", "2", "--concurrency", "1", "--warmup", "1", "--rounds", "1", "--max-tokens", "4",
+          "--out", str(tmp_path / "bench")])
+    printed = capsys.readouterr()
+    assert leaks([secret], tmp_path, printed.out, printed.err) == []
+    report = json.loads((tmp_path / "bench" / "bench.json").read_text())
+    assert report["levels"][0]["requests"] == 2 and report["levels"][0]["failed"] == 0, printed.err[-2000:]
+    paths = {path for path, _ in stub.seen}
+    assert any(p.startswith("/v1/") and f"api_key={secret}" in p for p in paths), sorted(paths)
+    assert any(p.startswith("/metrics") and f"api_key={secret}" in p for p in paths), sorted(paths)
+
+
 def run_config(folder: Path, target: Path, endpoints: list[str], secrets: dict[str, str]) -> Path:
     """The user's config, in `folder` (apart from tmp_path, where everything draftsmith writes is searched)."""
     cfg = {"target": str(target), "engine_python": "/nonexistent/python",

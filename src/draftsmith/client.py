@@ -77,14 +77,20 @@ def parse_endpoint(spec: str, default_concurrency: int) -> tuple[str, int]:
 
 
 def normalize_base(url: str) -> str:
-    """`http://host:port` (and any path before `/v1`) from a URL that may end in `/` or `/v1`."""
-    base = url.rstrip("/")
-    if base.endswith("/v1"):
-        base = base[: -len("/v1")]
-    if not base.startswith(("http://", "https://")):
-        raise DraftsmithError("endpoint is not an http(s) URL", got=repr(url),
+    """`http://host:port` (and any path before `/v1`) from a URL that may end in `/` or `/v1`; a query (a key in
+    `?api_key=...`) is kept, so `with_path` can put a path in front of it."""
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise DraftsmithError("endpoint is not an http(s) URL", got=repr(redact(url)),
                               expected="for example http://127.0.0.1:8000", fix="pass the server's base URL")
-    return base
+    path = parts.path.rstrip("/")
+    return urlunsplit(parts._replace(path=path.removesuffix("/v1"), fragment=""))
+
+
+def with_path(url: str, path: str) -> str:
+    """`url` with `path` added to its path and its query kept after it: (`http://h/?k=1`, `/v1`) -> `http://h/v1?k=1`."""
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(path=parts.path.rstrip("/") + path))
 
 
 def api_key_from_env() -> str:

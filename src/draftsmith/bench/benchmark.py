@@ -40,7 +40,7 @@ import numpy as np
 
 from pydantic import Field, model_validator
 
-from draftsmith.client import api_key_from_env, normalize_base, open_client, redact, served_model
+from draftsmith.client import api_key_from_env, normalize_base, open_client, redact, served_model, with_path
 from draftsmith.config import Settings, add_flags, from_flags
 from draftsmith.errors import DraftsmithError
 from draftsmith.bench.metrics import (
@@ -213,7 +213,7 @@ async def scrape(http, base: str, k: int | None) -> Scrape:
     """Read `/metrics` (vLLM, llama.cpp, SGLang gauge), then SGLang `/server_info` as a fallback."""
     text = ""
     try:
-        r = await http.get(base + "/metrics")
+        r = await http.get(with_path(base, "/metrics"))
         if r.status_code == 200:
             text = r.text
     except Exception:  # a server without metrics is reported as "no acceptance data", not a crash
@@ -225,7 +225,7 @@ async def scrape(http, base: str, k: int | None) -> Scrape:
     if gauge:
         return Scrape(snapshot=gauge)
     try:
-        r = await http.get(base + "/server_info")
+        r = await http.get(with_path(base, "/server_info"))
         return Scrape(snapshot=parse_sglang_server_info(r.json(), k) if r.status_code == 200 else None)
     except Exception:  # not SGLang, or no JSON: no acceptance data
         return Scrape()
@@ -318,7 +318,7 @@ async def connect(url: str, s: BenchSettings, extra_body: dict | None = None) ->
 
     base = normalize_base(url)
     limits = httpx.Limits(**CONNECTION_LIMITS)
-    async with open_client(base + "/v1", http_client=openai.DefaultAsyncHttpxClient(limits=limits)) as client, \
+    async with open_client(with_path(base, "/v1"), http_client=openai.DefaultAsyncHttpxClient(limits=limits)) as client, \
             httpx.AsyncClient(timeout=30, limits=limits,
                               headers={"Authorization": f"Bearer {api_key_from_env()}"}) as http:
         yield Endpoint(base, s.model or await served_model(client), client, http, s.num_speculative_tokens,

@@ -56,6 +56,7 @@ from draftsmith.client import (
     parse_endpoint,
     redact,
     served_model,
+    with_path,
     with_retries,
 )
 from draftsmith.errors import DraftsmithError
@@ -687,7 +688,7 @@ class EndpointCompleter:
         from draftsmith.progress import progress_bar
         from draftsmith.regenerate.selfprompt import Continuation
 
-        urls = [normalize_base(parse_endpoint(u, self.concurrency)[0]) + "/v1" for u in self.endpoints]  # either form
+        urls = [with_path(normalize_base(parse_endpoint(u, self.concurrency)[0]), "/v1") for u in self.endpoints]  # either form
         clients = [open_client(u, timeout=self.request_timeout_s) for u in urls]
         model = self.model or await served_model(clients[0])
         gate = asyncio.Semaphore(self.concurrency * len(clients))
