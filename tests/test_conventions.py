@@ -17,14 +17,17 @@ from draftsmith.conventions import (
     TRAINER_CONVENTIONS,
     aux_ids_for_format,
     aux_reading,
+    MIN_DEFAULT_LAYERS,
     default_aux_ids,
     engine_aux_ids,
+    engine_default_aux_ids,
     engine_reads,
     facts_table,
     find_aux_ids,
     infer_boundary,
     to_boundary,
     trainer_default,
+    validate_aux_ids,
 )
 from draftsmith.errors import DraftsmithError
 
@@ -173,3 +176,54 @@ def test_engine_aux_ids_trained_prefers_the_draftsmith_record():
     assert engine_aux_ids(cfg, N, "trained") == (2, 16, 29)
     assert engine_aux_ids(nested([4, 5, 6]), N, "trained") == (4, 5, 6)
     assert engine_aux_ids({}, N, "vllm") == engine_aux_ids({}, N, "sglang") == engine_aux_ids({}, N, "trained") == DEFAULT
+
+
+def test_every_target_of_seven_layers_or_more_keeps_eagle3s_default_triple():
+    for n in range(7, 101):
+        assert default_aux_ids(n) == (2, n // 2, n - 3) == engine_default_aux_ids(n), n
+
+
+def test_every_target_of_four_layers_or_more_gets_three_distinct_ids_spread_early_middle_late():
+    assert MIN_DEFAULT_LAYERS == 4
+    assert {n: default_aux_ids(n) for n in (4, 5, 6)} == {4: (1, 2, 3), 5: (1, 2, 3), 6: (2, 3, 4)}
+    for n in range(MIN_DEFAULT_LAYERS, 101):
+        early, middle, late = ids = default_aux_ids(n)
+        assert 1 <= early < middle < late <= n - 1, (n, ids)
+        assert middle == n // 2 and early <= 2 and late >= n - 3, (n, ids)
+        assert validate_aux_ids(ids, n) == ids
+
+
+@pytest.mark.parametrize("n,fix", [(3, "--aux-ids 0,1,2"), (2, "at least 3 decoder layers"),
+                                   (1, "at least 3 decoder layers"), (0, "at least 3 decoder layers")])
+def test_a_target_too_shallow_for_a_default_is_one_error_naming_it_its_depth_and_the_fix(n, fix):
+    with pytest.raises(DraftsmithError) as err:
+        default_aux_ids(n, "target './tiny'")
+    text = err.value.render()
+    assert "target './tiny' has too few decoder layers" in text and f"{n} decoder layer" in text and fix in text
+    with pytest.raises(DraftsmithError, match="no default at this depth"):
+        validate_aux_ids((0, 0, 1), n)
+
+
+def test_engines_still_capture_their_own_default_on_a_shallow_target_that_names_no_ids():
+    """vLLM and SGLang compute (2, N//2, N-3) themselves (docs/engines.md §3.1), repeated layer and all: only
+    explicit ids get a six-layer target's drafter what it was trained on."""
+    assert engine_default_aux_ids(6) == (2, 3, 3) != default_aux_ids(6)
+    for engine, version in (("vllm", "0.33.0"), ("sglang", "0.5.23"), ("llamacpp", "0.3.36")):
+        assert engine_reads({}, 6, engine, version) == (2, 3, 3)
+    assert trainer_default("eagle", 6) == [2, 3, 3] and infer_boundary([2, 3, 3], 6) == (2, 3, 3)
+    assert infer_boundary([2, 3, 4], 6) is None  # draftsmith's own default is recorded, never inferred
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMAT_READER))
+def test_a_six_layer_targets_default_ids_are_written_so_each_engine_reads_them_as_trained(fmt):
+    from dataclasses import replace
+
+    from conftest import CFG
+    from draftsmith.export.formats import speculators_config
+    from draftsmith.model.checkpoint import hf_config
+
+    trained = default_aux_ids(6)
+    cfg = replace(CFG, target_num_layers=6, aux_layer_ids=trained)
+    config = speculators_config(cfg, "float32", "t", 3, {}) if fmt == "speculators" else hf_config(cfg, fmt)
+    assert find_aux_ids(config)[0] is not None  # explicit: no engine falls back to its own (2, 3, 3)
+    assert engine_reads(config, 6, FORMAT_READER[fmt]) == trained == engine_aux_ids(config, 6, "trained")

@@ -6,7 +6,10 @@ Every other module asks this one; nothing else spells out a shift, a default or 
 Aux ids. draftsmith stores *boundary indices*: id b is HF `output_hidden_states[b]`, the residual
 stream entering decoder layer b (0 = the embeddings, N = the last layer's output). A *layer-output*
 id o names the output of decoder layer o, which is boundary o + 1. EAGLE-3's default is the boundary
-triple (2, N//2, N-3), and it is what every engine captures when a drafter names no ids.
+triple (2, N//2, N-3), and it is what every engine captures when a drafter names no ids
+(`engine_default_aux_ids`). draftsmith trains with that triple from 7 layers on; a shallower target repeats a layer
+there, so it gets the nearest distinct triple instead (`default_aux_ids`), which export writes out explicitly like
+every drafter's ids.
 
 How the engines read a drafter's explicit ids (`aux_reading`). For vLLM and SGLang, *whether* a release reads
 them and *where* comes from the engine facts table (`rules/engine_facts.json`, written from the released wheels
@@ -62,31 +65,53 @@ _SHIFT = {"boundary": 0, "layer-output": 1}  # boundary index = written id + shi
 
 # ---------------------------------------------------------------- the default and its range
 
-def default_aux_ids(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's default aux ids as boundary indices: (2, N//2, N-3).
+MIN_DEFAULT_LAYERS = 4
+"""The fewest decoder layers with three distinct boundary indices in 1..N-1 (0, the embeddings, is no layer's state)."""
 
-    The same tensors vLLM and SGLang capture when a drafter names no ids (docs/engines.md §3).
+
+def engine_default_aux_ids(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's default triple (2, N//2, N-3) as boundary indices, as vLLM and SGLang compute it when a drafter
+    names no ids (docs/engines.md §3.1) and as the boundary trainers (EAGLE, speculators) write it.
+
+    Below 7 layers it repeats a layer (6: (2, 3, 3)) or leaves the range: that is still what those engines capture.
     """
-    if num_layers < 6:
-        raise DraftsmithError(
-            "target too shallow for EAGLE-3's default aux layers",
-            got=f"{num_layers} decoder layers",
-            expected="at least 6 layers so that (2, N//2, N-3) are distinct",
-            fix="pass explicit aux ids (--aux-ids a,b,c)",
-        )
     return (2, num_layers // 2, num_layers - 3)
+
+
+def default_aux_ids(num_layers: int, target: str = "the target") -> tuple[int, int, int]:
+    """draftsmith's default aux ids as boundary indices: EAGLE-3's (2, N//2, N-3) wherever those are distinct
+    (7 layers and more); below, the middle stays N//2 and the early and late ids step away from it only as far as
+    they must to be distinct (6: (2, 3, 4); 5 and 4: (1, 2, 3)).
+
+    `target` names the target in the error a target of fewer than MIN_DEFAULT_LAYERS layers gets.
+    """
+    if num_layers < MIN_DEFAULT_LAYERS:
+        fix = ("use a target with at least 3 decoder layers: an EAGLE-3 drafter reads three distinct hidden states"
+               if num_layers < 3 else
+               "name the aux ids yourself: capture's --aux-ids 0,1,2 (train's aux_ids setting, --aux-ids, online); "
+               "id 0 is the embeddings, which SGLang's layer-output ids cannot name")
+        raise DraftsmithError(
+            f"{target} has too few decoder layers for default aux layer ids",
+            got=f"{num_layers} decoder layer{'s' if num_layers != 1 else ''}",
+            expected=f"at least {MIN_DEFAULT_LAYERS} layers, so that three distinct boundary indices fit in 1..N-1",
+            fix=fix,
+        )
+    middle = num_layers // 2
+    return (min(2, middle - 1), middle, max(num_layers - 3, middle + 1))
 
 
 def validate_aux_ids(aux_ids: tuple[int, ...], num_layers: int) -> tuple[int, ...]:
     """Check boundary-index aux ids against the target depth; returns them as a tuple."""
     bad = [i for i in aux_ids if not 0 <= i < num_layers]
     if bad or len(aux_ids) != 3 or len(set(aux_ids)) != 3:
+        shallow = num_layers < MIN_DEFAULT_LAYERS
         raise DraftsmithError(
             "aux layer ids out of range",
             got=f"{list(aux_ids)} for a target with {num_layers} layers",
-            expected=f"three distinct boundary indices in [0, {num_layers - 1}] "
-            f"(0 = embeddings, b = output of layer b-1); default {list(default_aux_ids(num_layers))}",
-            fix="drop --aux-ids to use the default, or pick ids inside the range",
+            expected=f"three distinct boundary indices in [0, {num_layers - 1}] (0 = embeddings, b = output of layer "
+            f"b-1); {'no default at this depth' if shallow else f'default {list(default_aux_ids(num_layers))}'}",
+            fix="pick ids inside the range" if shallow else
+            "drop --aux-ids to use the default, or pick ids inside the range",
         )
     return tuple(aux_ids)
 
@@ -214,17 +239,17 @@ def engine_reads(config: dict[str, Any], num_layers: int, engine: str,
     """The boundary indices `engine` captures for a drafter config.json (its default when it finds no ids)."""
     reading = aux_reading(engine, version)
     ids, _ = find_aux_ids(config, reading.locations)
-    return to_boundary(ids, reading.convention) if ids else default_aux_ids(num_layers)
+    return to_boundary(ids, reading.convention) if ids else engine_default_aux_ids(num_layers)
 
 
 def engine_aux_ids(config: dict[str, Any], num_layers: int, reader: str) -> tuple[int, ...]:
     """The boundary indices a drafter config.json gets from `reader`: an engine, or `trained` (the ids it
-    was trained with: the draftsmith record, else its explicit ids as boundaries, else the default)."""
+    was trained with: the draftsmith record, else its explicit ids as boundaries, else the trainers' default)."""
     if reader != "trained":
         return engine_reads(config, num_layers, reader)
     recorded = (config.get("draftsmith") or {}).get("aux_layer_ids_boundary")
     ids, _ = find_aux_ids(config)
-    return tuple(recorded or ids or default_aux_ids(num_layers))
+    return tuple(recorded or ids or engine_default_aux_ids(num_layers))
 
 
 def aux_ids_for_format(boundary: tuple[int, ...], fmt: str) -> list[int]:
@@ -249,14 +274,14 @@ TRAINER_CONVENTIONS: dict[str, Convention] = {
 def trainer_default(trainer: str, num_layers: int) -> list[int]:
     """The ids a trainer writes when told none, in its own convention."""
     if TRAINER_CONVENTIONS[trainer] == "boundary":
-        return list(default_aux_ids(num_layers))
+        return list(engine_default_aux_ids(num_layers))
     ids = [1, num_layers // 2 - 1, num_layers - 4]
     return sorted(set(ids)) if trainer == "modelopt" else ids
 
 
 def infer_boundary(ids: list[int], num_layers: int) -> tuple[int, ...] | None:
     """Boundary indices for written ids of unknown origin, when they are a default form; None otherwise."""
-    if list(ids) == list(default_aux_ids(num_layers)):
+    if list(ids) == list(engine_default_aux_ids(num_layers)):
         return tuple(ids)
     if list(ids) == trainer_default("specforge", num_layers):
         return to_boundary(ids, "layer-output")

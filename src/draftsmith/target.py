@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.config import JSON_FLAG, Settings, add_flags, from_flags
-from draftsmith.conventions import IMAGE_TOKEN_FIELDS, MLA_MODEL_TYPES, default_aux_ids
+from draftsmith.conventions import IMAGE_TOKEN_FIELDS, MLA_MODEL_TYPES, default_aux_ids, validate_aux_ids
 from draftsmith.errors import DraftsmithError
 from draftsmith.outputs import umask_mode
 from draftsmith.hfconfig import nested, read_dir_config, text_config_path
@@ -68,7 +68,7 @@ class TargetSpec:
 
     @property
     def default_aux_ids(self) -> tuple[int, int, int]:
-        return default_aux_ids(self.num_layers)
+        return default_aux_ids(self.num_layers, f"the {self.model_type or 'unnamed'} target")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -124,6 +124,14 @@ def describe_target(config: dict[str, Any]) -> TargetSpec:
         has_vision=text is not config or isinstance(config.get("vision_config"), dict),
         image_token_fields=tuple(k for k in IMAGE_TOKEN_FIELDS if config.get(k) is not None),
     )
+
+
+def target_aux_ids(target: str, spec: TargetSpec, aux_ids: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """The boundary aux ids a stage reads from `target`: the user's `aux_ids`, checked against its depth, else its
+    default; a target too shallow for a default is one error naming it, its depth and the ids to pass."""
+    if aux_ids:
+        return validate_aux_ids(tuple(aux_ids), spec.num_layers)
+    return default_aux_ids(spec.num_layers, f"target {target!r}")
 
 
 def cache_dir() -> Path:
@@ -302,13 +310,14 @@ def run_target(args) -> int:
     s = from_flags(TargetSettings, args)
     path = resolve_target(s.name)
     spec = describe_target(read_config(path))
+    aux_ids = target_aux_ids(s.name, spec)
     if s.as_json:
-        print(json.dumps({"path": str(path), **spec.to_dict(), "default_aux_ids": list(spec.default_aux_ids)}))
+        print(json.dumps({"path": str(path), **spec.to_dict(), "default_aux_ids": list(aux_ids)}))
     else:
         print(f"target {s.name} -> {path}")
         for key, value in spec.to_dict().items():
             print(f"  {key:24} {value}")
-        print(f"  {'default_aux_ids':24} {list(spec.default_aux_ids)} (boundary indices)")
+        print(f"  {'default_aux_ids':24} {list(aux_ids)} (boundary indices)")
     return 0
 
 
