@@ -42,7 +42,8 @@ class Settings(BaseModel):
     """Base of every settings model: frozen, unknown keys refused, attribute docstrings as field docs."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True,
-                              coerce_numbers_to_str=True, validate_default=False)
+                              coerce_numbers_to_str=True, validate_default=False,
+                              allow_inf_nan=False)  # `--lr inf` trained a drafter of inf weights and said it worked
 
     @field_validator("*", mode="before")
     @classmethod
@@ -149,7 +150,8 @@ def problem(cls: type[Settings], err: dict, flags: dict[str, str] | None = None)
         flag = None if flags is None else flags.get(key, "--" + key.replace("_", "-"))
         return out_of_bounds(flag or key, field, err["input"], flag is not None)
     example = EXAMPLE_VALUES.get(base_type(field.annotation), "1,2,3")
-    return DraftsmithError(f"bad value for {key}", got=repr(err["input"]), expected=describe(field.annotation),
+    expected = "a finite number" if err["type"] == "finite_number" else describe(field.annotation)
+    return DraftsmithError(f"bad value for {key}", got=repr(err["input"]), expected=expected,
                            fix=f"e.g. {key}={example}")
 
 

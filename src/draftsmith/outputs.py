@@ -78,6 +78,27 @@ def check_output(out: Path, verb: str, overwrite: bool = False, flag: str = "--o
                           fix=f"pass another {flag}, or add --overwrite to replace what is in {out}")
 
 
+def check_output_file(path: Path, verb: str, overwrite: bool = False, flag: str = "--json",
+                      owns: Callable[[Path], bool] | None = None) -> None:
+    """Refuse, before any work, a file output that names a folder, or an existing file draftsmith cannot show it
+    wrote (`owns`: the verb's own test of the content), unless `overwrite`."""
+    path = Path(path)
+    if path.is_dir():
+        raise DraftsmithError(f"{verb}: {flag} names a folder, not a file", got=str(path),
+                              expected="a file path", fix=f"pass a file path as {flag}, e.g. {path / (verb + '.json')}")
+    if path.exists() and not overwrite and not (owns is not None and owns(path)):
+        raise DraftsmithError(f"{verb}: {flag} {path} is a file draftsmith did not write", got=str(path),
+                              expected=f"a new file, or one `draftsmith {verb}` wrote",
+                              fix=f"pass another {flag}, or add --overwrite to replace it")
+
+
+def check_folder_path(out: Path, verb: str, flag: str = "--out") -> None:
+    """Refuse, before any work, a folder output that names an existing file."""
+    if Path(out).exists() and not Path(out).is_dir():
+        raise DraftsmithError(f"{verb}: {flag} names a file, not a folder", got=str(out),
+                              expected="a new folder, or one draftsmith wrote", fix=f"pass another {flag}")
+
+
 def check_not_inside(out: Path, src: Path, verb: str, flag: str = "OUT") -> None:
     """Refuse an output that is its own source, holds it, or lies inside it."""
     o, s = Path(out).resolve(), Path(src).resolve()

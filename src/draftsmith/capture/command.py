@@ -7,6 +7,7 @@ from pathlib import Path
 from draftsmith.capture.local import CAPTURE_DTYPES, CAPTURE_ENGINES, CaptureSettings, capture, parse_ids, print_summary
 from draftsmith.config import add_flags, check_choices, example_help, from_flags
 from draftsmith.errors import DraftsmithError
+from draftsmith.outputs import check_output
 
 CAPTURE_FLAGS = {"tensor_parallel": "--tp"}
 
@@ -23,7 +24,7 @@ def add_parser(sub) -> None:
     p.add_argument("--target", default="smollm2")
     p.add_argument("--conversations", type=Path, help="JSONL written by `draftsmith regenerate` (required to capture)")
     p.add_argument("--out", type=Path, help="feature store directory (required to capture)")
-    p.add_argument("--aux-ids", default=None, help="boundary indices (default: 2,N//2,N-3)")
+    p.add_argument("--aux-ids", default=None, help="boundary indices (default: 2,N//2,N-3 from 7 layers; below, the nearest distinct triple)")
     p.add_argument("--shard-tokens", type=int, default=1 << 16, help="tokens per shard file")
     add_flags(p, CaptureSettings, flags=CAPTURE_FLAGS)
     p.add_argument("--verify", action="store_true", help="only verify an existing store's shards (sha256 and "
@@ -54,6 +55,12 @@ def run_capture(args) -> int:
     if args.out is None and not args.print_server_args:
         raise DraftsmithError("capture needs --out", got="no --out", expected="a feature store directory",
                               fix="pass --out DIR")
+    if args.shard_tokens < 1:
+        raise DraftsmithError("--shard-tokens out of range", got=str(args.shard_tokens), expected="--shard-tokens >= 1",
+                              fix="e.g. --shard-tokens 65536 (the default)")
+    if args.out is not None:
+        # a store resumes where its manifest says; any other folder of the user's is refused before the target loads
+        check_output(args.out, "capture", owns=lambda folder: (folder / "manifest.json").is_file())
     if s.engine == "vllm" or args.print_server_args:
         from draftsmith.capture.vllm import run_engine_capture
 

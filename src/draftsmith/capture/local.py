@@ -25,12 +25,10 @@ from pydantic import Field
 from draftsmith.regenerate.chat import TokenizedSample, tokenize_conversation
 from draftsmith.config import Settings
 from draftsmith.regenerate.conversations import read_conversations
-from draftsmith.target import target_argmax
 from draftsmith.errors import DraftsmithError
 from draftsmith.progress import progress_bar
 from draftsmith.capture.store import AUX_CONVENTION, Sample, StoreWriter, bytes_per_token, sha256_file
-from draftsmith.conventions import validate_aux_ids
-from draftsmith.target import describe_target, load_target, read_config, resolve_target
+from draftsmith.target import describe_target, load_target, read_config, resolve_target, target_argmax, target_aux_ids
 
 DEFAULT_MAX_LENGTH = 2048  # SpecForge schema / EAGLE default (docs/training.md §8)
 DEFAULT_MAX_BYTES = 1 << 30  # engine capture's connector folder budget; in flight = concurrency x bytes per request
@@ -173,8 +171,10 @@ def require_conversations(conversations: Path | None) -> None:
         raise DraftsmithError("conversations file not found", got=str(conversations),
                               expected="a JSONL written by `draftsmith regenerate` (--conversations)",
                               fix="run regenerate first")
-    for _ in read_conversations(Path(conversations)):
-        pass
+    if sum(1 for _ in read_conversations(Path(conversations))) == 0:  # every line parsed, each bad one named
+        raise DraftsmithError("the conversations file holds no conversation", got=f"{conversations} is empty",
+                              expected="one JSON conversation per line, as `draftsmith regenerate` writes",
+                              fix="run regenerate first, or pass the file it wrote as --conversations")
 
 
 def capture_identity(model_dir: Path, target: str, aux_ids: tuple[int, ...], spec, max_length: int,
@@ -266,7 +266,7 @@ def capture(conversations: Path, out: Path, settings: CaptureSettings | None = N
     max_length, batch_tokens, dtype, device = s.max_length, s.batch_tokens, s.dtype, s.device
     model_dir = resolve_target(target)
     spec = describe_target(read_config(model_dir))
-    aux_ids = validate_aux_ids(tuple(aux_ids or spec.default_aux_ids), spec.num_layers)
+    aux_ids = target_aux_ids(target, spec, aux_ids)
     require_conversations(conversations)
     writer = StoreWriter(out, capture_identity(model_dir, target, aux_ids, spec, max_length, Path(conversations)),
                          shard_tokens, s.max_store_bytes, s.store_wait_timeout_s)

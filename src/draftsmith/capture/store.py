@@ -206,6 +206,18 @@ def write_shard_file(path: Path, samples: list[Sample]) -> tuple[str, int]:
     return digest, int(lengths.sum())
 
 
+def identity_changes(old: dict, new: dict, prefix: str = "") -> dict[str, tuple[str, str]]:
+    """The keys (dotted) whose values differ between two store identities, each as (old, new) text."""
+    out: dict[str, tuple[str, str]] = {}
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out.update(identity_changes(a, b, f"{prefix}{key}."))
+        elif a != b:
+            out[prefix + key] = (json.dumps(a)[:80], json.dumps(b)[:80])
+    return out
+
+
 class StoreWriter:
     """Append samples in shards of about `shard_tokens` tokens; resumes from an existing manifest."""
 
@@ -219,11 +231,13 @@ class StoreWriter:
         if path.exists():
             self.manifest = load_manifest(self.root)
             if self.manifest.get("identity") != identity:
+                changes = identity_changes(self.manifest.get("identity") or {}, identity)
                 raise DraftsmithError(
-                    f"{self.root} holds a store made with other settings",
-                    got=json.dumps(self.manifest.get("identity"))[:300],
-                    expected=json.dumps(identity)[:300],
-                    fix="pick a new --out directory, or delete this one to recapture")
+                    f"capture: {self.root} holds a store made with other settings",
+                    got="; ".join(f"{key} {old} -> {new}" for key, (old, new) in changes.items())[:600],
+                    expected="the settings this store was captured with (its manifest.json identity)",
+                    fix="did you mean to resume it? run with the store's settings; for a new store pick another "
+                        "--out (or delete this one to recapture)")
         else:
             self.manifest = {"version": STORE_VERSION, "identity": identity, "complete": False, "shards": [],
                              "num_samples": 0, "num_tokens": 0, "num_supervised_tokens": 0}

@@ -54,13 +54,12 @@ from safetensors.torch import load_file
 from draftsmith.capture.local import (DEFAULT_MAX_BYTES, CaptureSettings, CaptureSummary, capture_identity, finish_store, head_tensors, require_conversations,
                                supervised_counts, tokenized_conversations)
 from draftsmith.regenerate.chat import TokenizedSample
-from draftsmith.conventions import aux_ids_for_format, validate_aux_ids
-from draftsmith.target import target_argmax
+from draftsmith.conventions import aux_ids_for_format
 from draftsmith.errors import DraftsmithError
 from draftsmith.progress import progress_bar
 from draftsmith.capture.sanity import check_greedy, check_states
 from draftsmith.capture.store import Sample, StoreWriter, bytes_per_token
-from draftsmith.target import cache_dir, describe_target, read_config, resolve_target
+from draftsmith.target import cache_dir, describe_target, read_config, resolve_target, target_argmax, target_aux_ids
 
 CONNECTOR_MODULE = "draftsmith_hs_connector"
 CONNECTOR_CLASS = "DraftsmithHiddenStatesConnector"
@@ -374,7 +373,7 @@ def engine_capture(conversations: Path, out: Path, settings: EngineSettings, tar
     require_conversations(conversations)
     model_dir = resolve_target(target)
     spec = describe_target(read_config(model_dir))
-    aux_ids = validate_aux_ids(tuple(aux_ids or spec.default_aux_ids), spec.num_layers)
+    aux_ids = target_aux_ids(target, spec, aux_ids)
     check_tensor_parallel(spec, settings.tensor_parallel)
     writer = StoreWriter(out, capture_identity(model_dir, target, aux_ids, spec, max_length, Path(conversations)),
                          shard_tokens, max_store_bytes, store_wait_timeout_s)
@@ -408,7 +407,7 @@ def print_server_args(target: str, aux_ids: tuple[int, ...] | None, settings: En
 
     model_dir = resolve_target(target)
     spec = describe_target(read_config(model_dir))
-    aux_ids = validate_aux_ids(tuple(aux_ids or spec.default_aux_ids), spec.num_layers)
+    aux_ids = target_aux_ids(target, spec, aux_ids)
     check_tensor_parallel(spec, settings.tensor_parallel)
     module_dir = install_connector(cache_dir() / "vllm-connector")
     args = server_args(engine_layer_ids(aux_ids, spec.num_layers), settings)

@@ -294,7 +294,33 @@ def add_parser(sub) -> None:
     add_flags(p, EvalSettings, skip=("k",))
     p.add_argument("--json", type=Path, default=None, help="write results as JSON here")
     p.add_argument("--out", type=Path, default=None, help="directory for eval.md and PNG plots")
+    p.add_argument("--overwrite", action="store_true", help="replace a --json file that draftsmith did not write")
     p.set_defaults(func=run_eval_cli)
+
+
+def is_eval_json(path: Path) -> bool:
+    """A results file `draftsmith eval --json` wrote (its own keys), which a rerun may replace."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and {"recommended_k", "sweep", "settings"} <= data.keys()
+
+
+def check_eval_outputs(args) -> None:
+    """The outputs, before the target loads: --json a new file or eval's own, --out a folder, --topk within the
+    drafter's draft vocabulary."""
+    from draftsmith.model.checkpoint import read_drafter_config
+    from draftsmith.outputs import check_folder_path, check_output_file
+
+    if args.json:
+        check_output_file(args.json, "eval", args.overwrite, owns=is_eval_json)
+    if args.out:
+        check_folder_path(args.out, "eval")
+    vocab = read_drafter_config(Path(args.drafter)).get("draft_vocab_size")
+    if isinstance(vocab, int) and args.topk > vocab:
+        raise DraftsmithError("--topk is larger than the drafter's draft vocabulary", got=f"--topk {args.topk}",
+                              expected=f"<= {vocab} (draft_vocab_size)", fix="e.g. --topk 4 --draft-tokens 8")
 
 
 def run_eval_cli(args) -> int:
@@ -313,6 +339,7 @@ def run_eval_cli(args) -> int:
 
     args.drafter = drafter_path(args.drafter)
     s = from_flags(EvalSettings, args, k=ks)
+    check_eval_outputs(args)
     results = run_eval(args.target, args.drafter, s)
     settings = {"target": args.target, "drafter": str(args.drafter), **s.record(),
                 "topk": args.topk, "draft_tokens": args.draft_tokens, "depth": ks if len(ks) > 1 else ks[0]}

@@ -48,7 +48,7 @@ from draftsmith.conventions import (
     MLA_DRAFTER_ARCHITECTURES,
     MLA_MODEL_TYPES,
     TRAINER_CONVENTIONS,
-    default_aux_ids,
+    engine_default_aux_ids,
     find_aux_ids,
     to_boundary,
     validate_aux_ids,
@@ -209,9 +209,9 @@ def eagle_flag(config: dict, key: str) -> Any:
 
 
 def boundary_ids(ids: list[int] | None, convention: str, target_layers: int) -> tuple[int, int, int]:
-    """The ids as boundary indices (`draftsmith.conventions`); no ids -> EAGLE-3's default."""
+    """The ids as boundary indices (`draftsmith.conventions`); no ids -> what the engines capture by default."""
     if not ids:
-        return default_aux_ids(target_layers)
+        return tuple(validate_aux_ids(engine_default_aux_ids(target_layers), target_layers))
     return tuple(validate_aux_ids(to_boundary(ids, convention), target_layers))
 
 

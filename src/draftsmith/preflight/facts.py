@@ -17,7 +17,7 @@ from draftsmith.conventions import (
     MLA_MODEL_TYPES,
     aux_ids_for_format,
     aux_reading,
-    default_aux_ids,
+    engine_default_aux_ids,
     engine_reads,
     facts_table,
     find_aux_ids,
@@ -242,7 +242,7 @@ def target_facts(path: Path, book: RuleBook, version: str, rf: dict[str, Any]) -
         "target_head_dim": None if spec.is_mla else spec.head_dim,
         "target_missing_shards": tensors.missing_files or None, "target_shards": len(tensors.files),
         "target_has_tokenizer": any((path / f).is_file() for f in TOKENIZER_FILES),
-        "default_aux": list(default_aux_ids(spec.num_layers)),
+        "default_aux": list(engine_default_aux_ids(spec.num_layers)),
     }
 
 
@@ -323,12 +323,12 @@ def aux_facts(f: dict[str, Any], engine: str, version: str, drafter_config: dict
     if engine == "llamacpp":  # what its GGUF holds or its converter will write (llamacpp.llamacpp_facts)
         reads = f["llamacpp_aux_reads"]
     elif ids and f["engine_reads_explicit_aux"] is False:  # this release captures its default, ids or not
-        reads = list(default_aux_ids(n))
+        reads = list(engine_default_aux_ids(n))
     elif f["facts_release"] is None and engine in ("vllm", "sglang"):  # older than any release read
-        reads = list(default_aux_ids(n))
+        reads = list(engine_default_aux_ids(n))
     elif engine == "sglang":  # where this release reads them, then shifted the way the target's model file does
         written, _ = find_aux_ids(drafter_config, aux_reading("sglang", f["facts_release"]).locations)
-        reads = sglang_capture(written, n, sglang_shift_of(f)) if written else list(default_aux_ids(n))
+        reads = sglang_capture(written, n, sglang_shift_of(f)) if written else list(engine_default_aux_ids(n))
     else:  # vLLM: where the release's runner reads them (conventions.aux_reading, from the facts table)
         reads = list(engine_reads(drafter_config, n, engine, f["facts_release"] or version))
     return {

@@ -27,7 +27,7 @@ from draftsmith.regenerate.endpoints import EndpointSettings, RegenerateSummary,
 from draftsmith.errors import DraftsmithError
 from draftsmith.progress import progress_bar
 from draftsmith.regenerate.prompts import SELF, Prompt, load_prompts, stable_id
-from draftsmith.regenerate.record import check_append, shaping
+from draftsmith.regenerate.record import check_append, removed_if_unwritten, shaping
 from draftsmith.regenerate.selfprompt import (Completer, Continuation, FilterCounts, SelfPromptSettings, TurnFilter, end_of_turn_ids,
                                    eval_prompt_texts,
                                    user_turn_prefix)
@@ -410,6 +410,11 @@ def add_parser(sub) -> None:
 
 
 def run_regenerate(args) -> int:
+    with removed_if_unwritten(args.out):
+        return regenerate_verb(args)
+
+
+def regenerate_verb(args) -> int:
     from draftsmith.target import load_target, resolve_target
 
     s = from_flags(RegenerateSettings, args)

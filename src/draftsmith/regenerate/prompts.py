@@ -141,6 +141,14 @@ def prompt_from_record(obj: Any, default_id: str, where: str) -> Prompt:
     return Prompt(pid, msgs)
 
 
+def require_text(prompt: Prompt, where: str) -> Prompt:
+    """Refuse a user turn with no text: the target would answer an empty question."""
+    if any(m["role"] == "user" and not m["content"].strip() for m in prompt.messages):
+        raise DraftsmithError(f"an empty user turn in the prompt record at {where}", got='"" (no text)',
+                              expected="a user turn with text", fix="fix or remove that record")
+    return prompt
+
+
 def turns(items: list, role_key: str, text_key: str, role_of: dict[str, str], where: str) -> list[dict[str, str]]:
     """The system and user turns of a record's message list (`role_key` / `text_key`: OpenAI's role / content,
     ShareGPT's from / value); a system or user turn without a string text is refused."""
@@ -173,7 +181,8 @@ def load_prompts(source: str, limit: int | None = None) -> list[Prompt]:
             raise DraftsmithError("unknown prompt source", got=repr(source),
                                   expected=f"one of {BUILTIN_SETS} or a JSONL file",
                                   fix="pass --prompts train|eval|chat-eval or the path to a .jsonl file")
-        prompts = [prompt_from_record(obj, f"{path.stem}-{n}", f"{path}:{n}") for n, obj in read_jsonl(path, "prompt file")]
+        prompts = [require_text(prompt_from_record(obj, f"{path.stem}-{n}", f"{path}:{n}"), f"{path}:{n}")
+                   for n, obj in read_jsonl(path, "prompt file")]
         seen: set[str] = set()
         dupes = [p.id for p in prompts if p.id in seen or seen.add(p.id)]
         if dupes:

@@ -12,8 +12,10 @@ the fix (it deletes OUT and its record, nothing else).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from draftsmith.config import as_flags, changed, shown_changes
@@ -75,3 +77,18 @@ def check_append(out: Path, settings: dict, overwrite: bool) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(settings, indent=2) + "\n")
     os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def removed_if_unwritten(out: Path) -> Iterator[None]:
+    """A command that fails before it writes a line leaves no file behind: the empty OUT and its record that this
+    command made (neither existed before it) go again. Anything that existed before is left as it is."""
+    out = Path(out)
+    existed = out.exists() or record_path(out).exists()
+    try:
+        yield
+    except BaseException:
+        if not existed and out.is_file() and out.stat().st_size == 0:
+            out.unlink()
+            record_path(out).unlink(missing_ok=True)
+        raise

@@ -28,7 +28,7 @@ def add_parser(sub) -> None:
                            "(a longer --max-steps or --epochs continues it; other settings are refused:\n"
                            "--overwrite starts over)."))
     add_flags(p, TrainConfig, required=("out",),
-              helps={"aux_ids": "online only: boundary aux ids, e.g. 2,15,27 (default 2,N//2,N-3)"})
+              helps={"aux_ids": "online only: boundary aux ids, e.g. 2,15,27 (default 2,N//2,N-3 from 7 layers; below, the nearest distinct triple)"})
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run_train)
 

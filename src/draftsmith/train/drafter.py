@@ -20,11 +20,20 @@ from draftsmith.train.features import FeatureSource
 from draftsmith.train.settings import Layout, TrainConfig
 
 
+def check_draft_vocab_size(size: int | None, vocab_size: int) -> None:
+    """A draft vocabulary is a subset of the target's: refuse a larger size before a (V_d x H) head is built."""
+    if size is not None and size > vocab_size:
+        raise DraftsmithError("--draft-vocab-size is larger than the target's vocabulary", got=str(size),
+                              expected=f"<= {vocab_size} (the target's vocabulary)",
+                              fix=f"e.g. --draft-vocab-size {default_draft_vocab_size(vocab_size)}, or leave it out")
+
+
 def load_starting_drafter(data: FeatureSource, cfg: TrainConfig, announce: bool = False) -> Eagle3Drafter:
     """The --init-from drafter as this run starts it: loaded, checked against the target, and grown to
     --draft-vocab-size when that is larger than its own vocabulary (`vocab.grow_draft_vocab`); `announce`
     prints the growth."""
     spec = data.target_spec
+    check_draft_vocab_size(cfg.draft_vocab_size, spec.vocab_size)
     drafter = load_drafter(drafter_path(cfg.init_from), data.embed_tokens())
     if drafter.config.vocab_size != spec.vocab_size or drafter.config.target_hidden_size != spec.hidden_size:
         raise DraftsmithError("--init-from drafter does not fit this target",
@@ -48,6 +57,7 @@ def new_drafter(data: FeatureSource, cfg: TrainConfig, layout: Layout, announce:
     """A new drafter for the data's target: the draft vocabulary of its most frequent supervised tokens, the
     layout's norms and head, weights seeded by --seed; `announce` prints the vocabulary's coverage."""
     spec = data.target_spec
+    check_draft_vocab_size(cfg.draft_vocab_size, spec.vocab_size)
     size = cfg.draft_vocab_size or default_draft_vocab_size(spec.vocab_size)
     vocab = build_draft_vocab(data.token_counts(), size)
     torch.manual_seed(cfg.seed)

@@ -18,9 +18,8 @@ import torch
 
 from draftsmith.capture.local import TargetFeatures, pad_batch, target_features, target_identity, tokenized_conversations
 from draftsmith.regenerate.chat import TokenizedSample
-from draftsmith.conventions import validate_aux_ids
 from draftsmith.capture.store import FeatureStore, Sample
-from draftsmith.target import TargetSpec, describe_target, load_target, read_config, resolve_target
+from draftsmith.target import TargetSpec, describe_target, load_target, read_config, resolve_target, target_aux_ids
 
 
 @dataclass
@@ -160,7 +159,7 @@ class OnlineSource:
         self.target_spec = describe_target(read_config(model_dir))
         self.target_name = target
         self.identity = target_identity(model_dir, target)
-        self.aux_ids = validate_aux_ids(tuple(aux_ids or self.target_spec.default_aux_ids), self.target_spec.num_layers)
+        self.aux_ids = target_aux_ids(target, self.target_spec, aux_ids)
         dtype = "bfloat16" if device.type == "cuda" else "float32"
         self.model, self.tokenizer = load_target(model_dir, dtype=dtype, device=str(device))
         self.samples: list[TokenizedSample] = [s for _, s in tokenized_conversations(conversations, self.tokenizer, max_length)]

@@ -48,18 +48,24 @@ ONLINE_ONLY = ("target", "aux_ids", "max_length")
 PATHS = ("store", "conversations", "init_from")
 
 
+def absolute_paths(settings: dict) -> dict:
+    """The settings with each path that exists from this working directory made absolute (a short name such as
+    init_from `smollm2` stays), so a record compares the same from any folder the command is run in."""
+    return {k: os.path.abspath(v) if k in PATHS and v and Path(v).exists() else v for k, v in settings.items()}
+
+
 def record(cfg: TrainConfig, world: int) -> dict:
-    """What train_config.json records of a run: its settings, the peak lr they resolve to and the processes."""
-    return {**cfg.model_dump(exclude={"overwrite"}), "peak_lr": cfg.peak_lr, "world": world}
+    """What train_config.json records of a run: its settings (paths absolute), the peak lr they resolve to and the
+    processes."""
+    return {**absolute_paths(cfg.model_dump(exclude={"overwrite"})), "peak_lr": cfg.peak_lr, "world": world}
 
 
 def shaping(settings: dict) -> dict:
     """The recorded settings a resume must match: lr as the peak lr it resolves to (null: its default), paths
-    made absolute."""
+    absolute."""
     keep = {k: v for k, v in settings.items() if k not in RESUMABLE and k not in ("lr", "peak_lr")
             and not (settings.get("store") and k in ONLINE_ONLY)}
-    return {"lr": settings.get("peak_lr"),
-            **{k: os.path.abspath(v) if k in PATHS and v and Path(v).exists() else v for k, v in keep.items()}}
+    return {"lr": settings.get("peak_lr"), **absolute_paths(keep)}
 
 
 def is_train_run(out: Path) -> bool:
