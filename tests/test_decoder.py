@@ -437,3 +437,105 @@ def test_masked_gqa_gives_the_same_verification_and_the_same_greedy_output(targe
     torch.testing.assert_close(out["1"], out["0"], rtol=1e-6, atol=1e-6)
     for ids, want in list(zip(prompts, base))[:10]:  # the switch is still "1"
         assert speculative_decode(model, drafter, ids, AUX, with_eos(CHAIN, tok)).tokens == want
+
+
+def _tied_target(tiny_target, dtype: str, monkeypatch):
+    """The tiny target in `dtype` with one token's output row copied onto another's: wherever one of them is
+    the target's top choice the other ties it (a top-2 gap of 0), the near-tie a bf16 reduction order can flip."""
+    model, tok = load_target(Path(tiny_target), dtype=dtype)
+    prompt = prompts_for(tok, 1)[0]
+    first = target_decode(model, prompt, CHAIN)
+    t = first.tokens[2]
+    u = next(i for i in range(model.config.vocab_size - 1, 0, -1) if i not in first.tokens)
+    head = model.get_output_embeddings().weight
+    with torch.no_grad():
+        head[u].copy_(head[t])
+    return model, tok, prompt, (min(t, u), max(t, u))
+
+
+def _flip(monkeypatch, pair):
+    """Verification rounds the tie the other way: where the target's choice is the lower id of the pair, the
+    higher one comes out (what a k+1-token forward summed in another order can do)."""
+    real = decoder.choose
+
+    def flipped(logits, temperature, generator):
+        out = real(logits, temperature, generator)
+        return torch.where(out == pair[0], torch.full_like(out, pair[1]), out)
+
+    monkeypatch.setattr(decoder, "choose", flipped)
+
+
+def test_a_bf16_divergence_at_a_near_tie_is_a_note_with_its_place_and_gap(tiny_target, target_and_drafter,
+                                                                           monkeypatch):
+    from draftsmith.bench.verdict import eval_verdict
+    from draftsmith.eval.evaluation import decisive
+
+    model, _, prompt, pair = _tied_target(tiny_target, "bfloat16", monkeypatch)
+    drafter = deepcopy(target_and_drafter[2]).to(torch.bfloat16)
+    plain = target_decode(model, prompt, CHAIN)
+    assert pair[0] in plain.tokens and len(plain.top2) == len(plain.tokens)
+    _flip(monkeypatch, pair)
+    spec = speculative_decode(model, drafter, prompt, AUX, CHAIN).tokens
+    d = decoder.first_divergence(7, plain, spec, model.dtype)
+    assert spec != plain.tokens and d.position == plain.tokens.index(pair[0])
+    assert (d.sequence, d.gap, d.dtype, d.near_tie) == (7, 0.0, "bfloat16", True) and d.tolerance > 0
+    ev = {"tau": 2.0, "k": 4, "speedup": 1.5, "identical_to_target": False, "divergence": decisive([d])}
+    v = eval_verdict(ev)
+    assert v["decision"] == "go" and not any("a decoder or export bug" in r for r in v["reasons"])
+    assert any(r.startswith("note: greedy output first differs at sequence 7, token "
+                            f"{d.position}") and "near-tie" in r for r in v["reasons"])
+
+
+def test_the_same_divergence_in_float32_is_a_bug(tiny_target, target_and_drafter, monkeypatch):
+    from draftsmith.bench.verdict import eval_verdict
+    from draftsmith.eval.evaluation import decisive
+
+    model, _, prompt, pair = _tied_target(tiny_target, "float32", monkeypatch)
+    plain = target_decode(model, prompt, CHAIN)
+    _flip(monkeypatch, pair)
+    spec = speculative_decode(model, target_and_drafter[2], prompt, AUX, CHAIN).tokens
+    d = decoder.first_divergence(0, plain, spec, model.dtype)
+    assert (d.gap, d.tolerance, d.near_tie) == (0.0, 0.0, False)
+    v = eval_verdict({"tau": 2.0, "k": 4, "speedup": 1.5, "identical_to_target": False, "divergence": decisive([d])})
+    assert v["decision"] == "no-go"
+    assert any("a decoder or export bug" in r and "float32 decoding is exact" in r for r in v["reasons"])
+
+
+def test_a_broken_acceptance_rule_in_bf16_is_still_a_bug(tiny_target, target_and_drafter, monkeypatch):
+    """Every drafted token accepted whatever the target chose: the output leaves the target's where its top two
+    logits are far apart, and the verdict says decoder bug even in bf16."""
+    from draftsmith.bench.verdict import eval_verdict
+    from draftsmith.eval.evaluation import decisive
+    from draftsmith.eval.tree import AcceptedPath
+
+    model, tok = load_target(Path(tiny_target), dtype="bfloat16")
+    drafter = deepcopy(target_and_drafter[2]).to(torch.bfloat16)
+    prompts = prompts_for(tok, 4)
+    plains = [target_decode(model, p, CHAIN) for p in prompts]
+
+    def accept_all(tree, choice):
+        rows = torch.arange(choice.shape[0], device=choice.device)
+        last = tree.depth.argmax(dim=-1)
+        return AcceptedPath(accepted=tree.depth[rows, last], on_path=tree.ancestry[rows, last],
+                            bonus=choice[rows, last])
+
+    monkeypatch.setattr(decoder, "accept_path", accept_all)
+    divs = [decoder.first_divergence(i, plain, speculative_decode(model, drafter, p, AUX, CHAIN).tokens, model.dtype)
+            for i, (p, plain) in enumerate(zip(prompts, plains))]
+    divs = [d for d in divs if d]
+    assert divs and all(d.gap is not None for d in divs)
+    worst = decisive(divs)
+    assert not worst["near_tie"] and worst["gap"] > worst["tolerance"] > 0
+    v = eval_verdict({"tau": 5.0, "k": 4, "speedup": 3.0, "identical_to_target": False, "divergence": worst})
+    assert v["decision"] == "no-go" and any("a decoder or export bug" in r for r in v["reasons"])
+
+
+def test_identical_output_has_no_divergence_and_tolerances_follow_the_dtype(target_and_drafter, reference):
+    model, _, drafter = target_and_drafter
+    prompts, _ = reference
+    plain = target_decode(model, prompts[0], CHAIN)
+    assert decoder.first_divergence(0, plain, speculative_decode(model, drafter, prompts[0], AUX, CHAIN).tokens,
+                                    model.dtype) is None
+    assert decoder.flip_tolerance(torch.float32, 20.0) == 0.0
+    assert decoder.flip_tolerance(torch.bfloat16, 20.0) == 4 * 2 ** -7 * 20.0
+    assert decoder.flip_tolerance(torch.float16, 20.0) == 4 * 2 ** -10 * 20.0

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Iterator
+from itertools import chain, islice
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal
@@ -36,7 +37,8 @@ from typing import Literal
 from draftsmith.engines.causes import Step, hint_for, step_of, weight_shape_detail
 from draftsmith.config import JSON_FLAG, Settings, add_flags, from_flags
 from draftsmith.errors import DraftsmithError
-from draftsmith.engines.loglines import _SCREEN, OWN_DEATH, Event, Line, match_line, split_line, stamp_seconds
+from draftsmith.engines.loglines import (
+    _SCREEN, OWN_DEATH, PREFIX_SAMPLE_LINES, Event, Line, learn_prefix, match_line, split_line, stamp_seconds)
 
 RootCauseKind = Literal["exception", "error_line", "hang", "stalled", "not_captured"]
 CONTEXT_LINES = 6  # traceback lines kept before the root-cause exception
@@ -109,9 +111,12 @@ class TracebackCollector:
     Unprefixed lines belong to the stream of the last process that opened a traceback without a
     prefix on its continuation lines (SGLang prints `[.. TP0] Scheduler hit an exception: Traceback`
     and then bare frame lines), else to the unprefixed stream "".
+
+    `prefix` is the wrapper prefix the log's lines share (`loglines.learn_prefix`), stripped from each line.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, prefix: re.Pattern[str] | None = None) -> None:
+        self.prefix = prefix
         self.exceptions: list[PyException] = []
         self.fatal: list[tuple[int, Event]] = []
         self.events: list[tuple[int, Event]] = []
@@ -137,7 +142,7 @@ class TracebackCollector:
     @property
     def last_stamp(self) -> str:
         """The stamp of the log's last stamped line (of a skipped last line when it has one)."""
-        tail = split_line(self._skipped_tail).stamp if self._skipped_tail is not None else ""
+        tail = split_line(self._skipped_tail, self.prefix).stamp if self._skipped_tail is not None else ""
         return tail or self._stamp
 
     def feed(self, raw: str) -> PyException | None:
@@ -147,7 +152,7 @@ class TracebackCollector:
             self._skipped_tail = raw
             return None
         self._skipped_tail = None
-        line = split_line(raw)
+        line = split_line(raw, self.prefix)
         event = match_line(line)
         if line.stamp:
             self._stamp = line.stamp
@@ -431,9 +436,11 @@ class Diagnosis:
 
 
 def analyze(lines: Iterable[str]) -> Diagnosis:
-    """Run the parser over a whole log."""
-    collector = TracebackCollector()
-    for raw in lines:
+    """Run the parser over a whole log (its wrapper prefix, if any, learned from its head)."""
+    lines = iter(lines)
+    head = list(islice(lines, PREFIX_SAMPLE_LINES))
+    collector = TracebackCollector(learn_prefix(head))
+    for raw in chain(head, lines):
         collector.feed(raw)
     return _diagnosis(collector)
 
@@ -447,16 +454,20 @@ def analyze_file(path: Path) -> Diagnosis:
     Lines are as `iter_log` yields them (a file ending in a newline has a last, empty line).
     """
     _check_log(path)
-    collector, rest = TracebackCollector(), b""
+    rest = b""
     with path.open("rb") as f:
-        while block := f.read(CHUNK_BYTES):
+        block = f.read(CHUNK_BYTES)
+        head = block.split(b"\n", PREFIX_SAMPLE_LINES)[:PREFIX_SAMPLE_LINES]
+        collector = TracebackCollector(learn_prefix(h.decode("utf-8", errors="replace") for h in head))
+        while block:
             block = rest + block
             cut = block.rfind(b"\n")
             if cut < 0:
                 rest = block
-                continue
-            rest = block[cut + 1:]
-            _scan(collector, block[:cut].decode("utf-8", errors="replace"))
+            else:
+                rest = block[cut + 1:]
+                _scan(collector, block[:cut].decode("utf-8", errors="replace"))
+            block = f.read(CHUNK_BYTES)
     _scan(collector, rest.decode("utf-8", errors="replace"))
     return _diagnosis(collector)
 

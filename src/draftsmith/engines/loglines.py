@@ -10,6 +10,8 @@ pattern and no traceback can match. `draftsmith.engines.diagnose` builds traceba
 from __future__ import annotations
 
 import re
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Literal
@@ -65,9 +67,69 @@ def _outer_stamp(m: re.Match[str]) -> str:
     return f"{m['iso_md']} {m['iso_t']}" if m["iso"] else ""
 
 
-def split_line(raw: str) -> Line:
-    """Strip ANSI codes, keep what a terminal would show after carriage returns, split off prefixes."""
+# A wrapper's prefix (a process supervisor's, docker compose's, kubectl's, the systemd journal's ...) is learned
+# from the log itself, not listed: on each line where one of the engine's own line forms begins (a vLLM logger
+# header, a process prefix, an SGLang stamp, a rank prefix, a traceback or its frame), whatever stands before
+# it is a candidate unless it is an engine message itself (`Scheduler hit an exception: Traceback ...`), abstracted to a shape (a run of word characters, dots and hyphens stands for any such run, inner
+# blanks for any blanks). The shapes that start most of the log's non-blank lines are its prefix, and
+# `split_line` strips it from every line it starts (a frame, an exception line, a blank one too).
+_ENGINE_START = re.compile(
+    r"(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d|\([^()]*?pid=\d+[^()]*\)"
+    r"|\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d|\[rank\d+\]:|Traceback \(most recent call last\):"
+    r'|File "[^"]+", line \d+, in ')
+_WORD = re.compile(r"[\w.-]+")
+_SHAPE_TOKEN = re.compile(r"[\w.-]+|[ \t]+|.")
+PREFIX_SAMPLE_LINES = 5000  # lines read from the log's head to learn its prefix
+MAX_PREFIX_CHARS = 160
+MAX_PREFIX_SHAPES = 20  # the most frequent candidate shapes tried against the sample
+MIN_PREFIX_LINES = 2  # a prefix starts this many lines (a one-line log: that line), and most non-blank ones
+_ISO_STAMP = re.compile(r"\d{4}-(?P<md>\d\d-\d\d)[T ](?P<t>\d\d:\d\d:\d\d)")
+
+
+def _shape(prefix: str) -> str:
+    """The regex of a prefix's shape, without its last blanks (they may be the engine line's indentation)."""
+    return "".join("[ \t]+" if tok[0] in " \t" else "[\\w.-]+" if _WORD.fullmatch(tok) else re.escape(tok)
+                   for tok in _SHAPE_TOKEN.findall(prefix.rstrip(" \t")))
+
+
+def learn_prefix(lines: Iterable[str]) -> re.Pattern[str] | None:
+    """The prefix a log's lines share before the engine's own text, or None when its lines start with that text.
+
+    The blanks after a shape are the fewest that any line it starts has before its text (the rest is that
+    line's own indentation)."""
+    sample = [t for t in map(_strip_sgr, lines) if t.strip()]
+    shapes: Counter[str] = Counter()
+    for text in sample:
+        start = _ENGINE_START.search(text, 0, MAX_PREFIX_CHARS + 80)
+        if start is None or not text[:start.start()].strip() or start.start() > MAX_PREFIX_CHARS \
+                or match_line(Line("", "", text[:start.start()])):
+            continue
+        shapes[_shape(text[:start.start()])] += 1
+    starts: set[int] = set()
+    kept = []
+    for body, _ in shapes.most_common(MAX_PREFIX_SHAPES):
+        shape = re.compile(body)
+        hits = {i: m.end() for i, text in enumerate(sample) if (m := shape.match(text))}
+        rests = [sample[i][end:] for i, end in hits.items() if sample[i][end:].strip()]
+        if len(hits) >= min(MIN_PREFIX_LINES, len(sample)) and rests:
+            blank = min((r[:len(r) - len(r.lstrip(" \t"))] for r in rests), key=len)
+            kept.append(f"{body}(?:{re.escape(blank)}|[ \t]*$)")
+            starts |= hits.keys()
+    if not kept or 2 * len(starts) <= len(sample):
+        return None
+    return re.compile("|".join(f"(?:{s})" for s in sorted(kept, key=len, reverse=True)))
+
+
+def split_line(raw: str, prefix: re.Pattern[str] | None = None) -> Line:
+    """Strip ANSI codes, keep what a terminal would show after carriage returns, split off prefixes.
+
+    `prefix` is the log's wrapper prefix (`learn_prefix`), stripped first; an ISO stamp in it is the line's
+    collector stamp."""
     raw = raw.rstrip("\r\n")
+    wrapper_stamp = ""
+    if prefix is not None and (w := prefix.match(raw := _strip_sgr(raw))):
+        iso = _ISO_STAMP.search(w.group())
+        wrapper_stamp, raw = f"{iso['md']} {iso['t']}" if iso else "", raw[w.end():]
     parts = [p for p in raw.split("\r") if p.strip()]
     # tqdm redraws with \r; the last segment is what is on screen. A vLLM prefix can sit before the
     # first \r of a bar (vllm-project/vllm#19332), so keep it.
@@ -76,7 +138,7 @@ def split_line(raw: str) -> Line:
         head = _VLLM_PREFIX.match(_strip_sgr(parts[0]))
         if head and not _VLLM_PREFIX.match(text):
             text = head.group(1) + text
-    stamp = ""
+    stamp = wrapper_stamp
     while outer := _OUTER.match(text):  # compose can carry a container timestamp too
         stamp, text = _outer_stamp(outer) or stamp, text[outer.end():]
     # A bar left without a newline can run into the next process's line (vllm-project/vllm#17939):

@@ -386,6 +386,8 @@ class DecodeResult:
     seconds: float
     target_seconds: float
     drafter_seconds: float
+    top2: list[tuple[float, float]] = field(default_factory=list)
+    """Greedy plain decoding only: the target's two highest logits at each generated token."""
 
 
 @dataclass(frozen=True)
@@ -436,8 +438,10 @@ def target_decode(target, prompt: list[int], settings: DecodeSettings, seed: int
     cache = DynamicCache()
     logits = target(input_ids=torch.tensor([prompt], device=device), past_key_values=cache, use_cache=True,
                     logits_to_keep=1).logits
-    tokens = list(prompt)
+    tokens, top2 = list(prompt), []
     while True:
+        if settings.temperature <= 0:
+            top2.append(torch.topk(logits[0, -1], 2).values)
         token = int(choose(logits[0, -1], settings.temperature, generator))  # CPU-GPU sync point: per token
         tokens.append(token)
         new = tokens[len(prompt):]
@@ -445,4 +449,46 @@ def target_decode(target, prompt: list[int], settings: DecodeSettings, seed: int
             break
         logits = target(input_ids=torch.tensor([[token]], device=device), past_key_values=cache, use_cache=True).logits
     dt = time.perf_counter() - t0
-    return DecodeResult(tokens[len(prompt):], [], dt, dt, 0.0)
+    pairs = [tuple(v) for v in torch.stack(top2).float().tolist()] if top2 else []
+    return DecodeResult(tokens[len(prompt):], [], dt, dt, 0.0, pairs)
+
+
+# Where greedy speculative output may differ from plain greedy output without a bug. Verifying k+1 tokens in one
+# forward and decoding one token per forward reduce in different orders, so every logit can move by a few units
+# in the last place of its magnitude; where the target's top two logits are closer than that, either order can
+# pick either token. A unit in the last place of x is eps * |x| at most (torch.finfo eps: 2^-7 for bfloat16, whose
+# significand has 8 bits; 2^-10 for float16, 11 bits); FLIP_ULPS of them at the top logit's magnitude is the gap a
+# dtype can flip. float32 (24 bits) and float64 stay exact: any divergence there is a decoder or export bug.
+FLIP_ULPS = 4
+EXACT_DTYPES = (torch.float32, torch.float64)
+
+
+def flip_tolerance(dtype: torch.dtype, top: float) -> float:
+    """The top-2 logit gap below which two decodes in `dtype` may choose differently (0: exact)."""
+    if dtype in EXACT_DTYPES:
+        return 0.0
+    return FLIP_ULPS * torch.finfo(dtype).eps * max(abs(top), 1.0)
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Where a greedy speculative output first leaves the target's own greedy output, and whether the target's
+    top two logits there are close enough for the dtype's rounding to choose either."""
+
+    sequence: int  # the decoded sequence's index in the run
+    position: int  # the first generated token that differs
+    gap: float | None  # the target's top-1 minus top-2 logit at that token (plain decode); None: no such step
+    tolerance: float  # flip_tolerance at that token
+    dtype: str
+    near_tie: bool  # gap < tolerance: rounding, not a bug
+
+
+def first_divergence(sequence: int, plain: DecodeResult, spec: list[int], dtype: torch.dtype) -> Divergence | None:
+    """The first token where `spec` differs from the plain greedy decode `plain` (None: identical)."""
+    if spec == plain.tokens:
+        return None
+    pos = next((i for i, (a, b) in enumerate(zip(plain.tokens, spec)) if a != b), min(len(plain.tokens), len(spec)))
+    top = plain.top2[pos] if pos < len(plain.top2) else None
+    gap = top[0] - top[1] if top else None
+    tol = flip_tolerance(dtype, top[0]) if top else 0.0
+    return Divergence(sequence, pos, gap, tol, str(dtype).removeprefix("torch."), gap is not None and gap < tol)

@@ -146,7 +146,7 @@ def eval_summary(data: dict | None) -> dict | None:
     if not data:
         return None
     keep = ("k", "tau", "per_position", "histogram", "speedup", "tokens_per_s_spec", "tokens_per_s_base",
-            "identical_to_target", "generated_tokens", "verify_steps")
+            "identical_to_target", "divergence", "generated_tokens", "verify_steps")
     return {**{k: data.get(k) for k in keep}, "settings": data.get("settings", {}),
             "sweep": [{k: r[k] for k in ("k", "tau", "speedup", "per_position")} for r in data.get("sweep", [])]}
 
@@ -316,7 +316,8 @@ def blocks(doc: dict, images: list[str]) -> list[tuple]:
         s = ev["settings"]
         out += [("p", f"Reference speculative decoder ({s.get('limit')} `{s.get('prompts')}` prompts, "
                       f"{s.get('max_new_tokens')} new tokens, greedy, batch 1); output identical to the target's: "
-                      f"{ev['identical_to_target']}."),
+                      f"{ev['identical_to_target']}"
+                      + (f" ({ev['divergence']['note']})." if ev.get("divergence") else ".")),
                 ("table", ["k", "tau", "acceptance per position", "speed-up"],
                  [[r["k"], fmt(r["tau"]), fmt(r["per_position"]), f"{fmt(r['speedup'])}x"] for r in ev["sweep"]])]
     if p:
