@@ -9,6 +9,7 @@ import json
 import os
 
 import pytest
+from pathlib import Path
 
 from badinput import refused, snapshot
 from conftest import write_conversations
@@ -127,3 +128,40 @@ def test_a_draft_vocabulary_larger_than_the_targets_is_refused():
     with pytest.raises(DraftsmithError, match="larger than the target's vocabulary"):
         check_draft_vocab_size(10_000_000, 49152)
 
+
+
+def test_run_takes_overrides_after_an_option(tmp_path, monkeypatch):
+    """`run CONFIG --out DIR key=value` (the probe got the top-level usage error): the override is applied."""
+    from draftsmith.run import pipeline
+
+    class Resolved(Exception):
+        pass
+
+    def resolved(cfg, overwrite=False):
+        raise Resolved(cfg)
+
+    monkeypatch.setattr(pipeline, "run_pipeline", resolved)
+    config = tmp_path / "cfg.yaml"
+    config.write_text("eval:\n  limit: 5\n")
+    with pytest.raises(Resolved) as got:
+        main(["run", str(config), "--out", str(tmp_path / "r"), "train.lr=3e-4", "eval.max_new_tokens=16"])
+    cfg = got.value.args[0]
+    assert (cfg.train.lr, cfg.eval.limit, cfg.eval.max_new_tokens, Path(cfg.out)) == (3e-4, 5, 16, tmp_path / "r")
+
+
+def test_an_unknown_option_is_still_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--no-such-flag"])
+    assert exc.value.code == 2 and "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+
+
+def test_a_drafter_whose_config_contradicts_its_block_is_refused_by_export_and_eval(checkpoint, tmp_path, capsys):
+    _, drafter = checkpoint
+    config = json.loads((drafter / "config.json").read_text())
+    config["hidden_size"] = config["hidden_size"] * 2  # what the engines would read; block and weights say otherwise
+    (drafter / "config.json").write_text(json.dumps(config))
+    before = snapshot(tmp_path)
+    for argv in (["export", str(drafter), str(tmp_path / "out"), "--format", "vllm"],
+                 ["eval", "--drafter", str(drafter)]):
+        err = refused(capsys, argv, tmp_path, before, "contradicts itself", "hidden_size")
+        assert f"hidden_size {config['hidden_size']}" in err

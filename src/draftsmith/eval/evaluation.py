@@ -349,14 +349,17 @@ def is_eval_json(path: Path) -> bool:
 def check_eval_outputs(args) -> None:
     """The outputs, before the target loads: --json a new file or eval's own, --out a folder, --topk within the
     drafter's draft vocabulary."""
-    from draftsmith.model.checkpoint import read_drafter_config
+    from draftsmith.model.checkpoint import draftsmith_drafter_config, read_drafter_config
     from draftsmith.outputs import check_folder_path, check_output_file
 
     if args.json:
         check_output_file(args.json, "eval", args.overwrite, owns=is_eval_json)
     if args.out:
         check_folder_path(args.out, "eval")
-    vocab = read_drafter_config(Path(args.drafter)).get("draft_vocab_size")
+    config = read_drafter_config(Path(args.drafter))
+    if "draftsmith" in config:  # a drafter that contradicts itself is named before the target loads
+        draftsmith_drafter_config(config, Path(args.drafter))
+    vocab = config.get("draft_vocab_size")
     if isinstance(vocab, int) and args.topk > vocab:
         raise DraftsmithError("--topk is larger than the drafter's draft vocabulary", got=f"--topk {args.topk}",
                               expected=f"<= {vocab} (draft_vocab_size)", fix="e.g. --topk 4 --draft-tokens 8")

@@ -180,12 +180,28 @@ def draftsmith_drafter_config(config: dict[str, Any], path: Path) -> DrafterConf
                               "'draftsmith' block", expected="a draftsmith checkpoint",
                               fix=f"convert it first: draftsmith convert {path} OUT --to draftsmith")
     try:
-        return DrafterConfig.from_dict(config["draftsmith"]["drafter"])
+        cfg = DrafterConfig.from_dict(config["draftsmith"]["drafter"])
     except (KeyError, TypeError, ValueError) as exc:
         raise DraftsmithError(f"the drafter block of {path}/config.json is not a drafter config",
                               got=f"{type(exc).__name__}: {exc}"[:300],
                               expected="draftsmith.drafter with the fields `draftsmith train` writes",
                               fix=REWRITE_DRAFTER) from exc
+    engine_view = {key: config[key] for key in ENGINE_KEYS if key in config}
+    if differ := {key: (value, getattr(cfg, ENGINE_KEYS[key])) for key, value in engine_view.items()
+                  if value != getattr(cfg, ENGINE_KEYS[key])}:
+        raise DraftsmithError(f"{path}/config.json contradicts itself: the engines read other shapes than the "
+                              "drafter block", got="; ".join(f"{k} {a} (draftsmith.drafter: {b})" for k, (a, b) in
+                                                             differ.items()),
+                              expected="the top-level keys equal to the draftsmith.drafter block's",
+                              fix=REWRITE_DRAFTER)
+    return cfg
+
+
+ENGINE_KEYS = {"hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
+               "num_attention_heads": "num_heads", "num_key_value_heads": "num_kv_heads", "head_dim": "head_dim",
+               "vocab_size": "vocab_size", "draft_vocab_size": "draft_vocab_size",
+               "target_hidden_size": "target_hidden_size"}
+"""Top-level config keys the engines read (HF / vLLM names) -> the DrafterConfig field each must equal."""
 
 
 def load_drafter(path: Path, embed_tokens: torch.Tensor | None = None) -> Eagle3Drafter:
