@@ -66,10 +66,16 @@ def test_a_re_export_over_its_own_folder_replaces_it(checkpoint, tmp_path, capsy
     _, ckpt = checkpoint
     out = tmp_path / "out"
     assert main(["export", str(ckpt), str(out), "--dtype", "float32"]) == 0
-    (out / "stale.bin").write_text("an earlier export's leftover")  # inside a folder the export wrote
-    assert main(["export", str(ckpt), str(out), "--dtype", "bfloat16"]) == 0
+    assert main(["export", str(ckpt), str(out), "--dtype", "bfloat16"]) == 0  # its own folder, as it left it
     assert {p.name for p in out.iterdir()} == EXPORT_FILES | {MARKER}
     assert load_file(str(out / "model.safetensors"))["fc.weight"].dtype == torch.bfloat16
+    # a file put into that folder since is the user's: refused (a blind probe lost its notes here), --overwrite
+    # replaces the folder
+    (out / "stale.bin").write_text("put here after the export")
+    before = snapshot(tmp_path)
+    refused(capsys, ["export", str(ckpt), str(out)], tmp_path, before, "stale.bin")
+    assert main(["export", str(ckpt), str(out), "--overwrite"]) == 0
+    assert {p.name for p in out.iterdir()} == EXPORT_FILES | {MARKER}
 
 
 def test_a_failure_in_the_middle_of_an_export_leaves_the_old_folder_whole(checkpoint, tmp_path, monkeypatch):

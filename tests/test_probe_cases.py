@@ -165,3 +165,86 @@ def test_a_drafter_whose_config_contradicts_its_block_is_refused_by_export_and_e
                  ["eval", "--drafter", str(drafter)]):
         err = refused(capsys, argv, tmp_path, before, "contradicts itself", "hidden_size")
         assert f"hidden_size {config['hidden_size']}" in err
+
+
+# The second blind probe's cases (run on the code with the first probe's fixes).
+
+def test_files_added_to_a_folder_export_wrote_are_not_wiped_by_the_next_export(checkpoint, tmp_path, capsys):
+    _, drafter = checkpoint
+    out = tmp_path / "out"
+    assert main(["export", str(drafter), str(out), "--format", "vllm"]) == 0
+    assert main(["export", str(drafter), str(out), "--format", "vllm"]) == 0  # its own folder, unchanged: replaced
+    (out / "notes.txt").write_text("mine\n")
+    before = snapshot(tmp_path)
+    refused(capsys, ["export", str(drafter), str(out), "--format", "speculators"], tmp_path, before,
+            "holds files draftsmith did not write", "notes.txt")
+
+
+def test_files_added_to_a_folder_convert_wrote_are_not_wiped_by_the_next_convert(checkpoint, tmp_path, capsys):
+    _, drafter = checkpoint
+    out = tmp_path / "cv"
+    assert main(["convert", str(drafter), str(out), "--to", "vllm", "--target-layers", "30"]) == 0
+    (out / "mine").mkdir()
+    (out / "mine" / "x").write_text("mine\n")
+    before = snapshot(tmp_path)
+    refused(capsys, ["convert", str(drafter), str(out), "--to", "vllm", "--target-layers", "30"], tmp_path, before,
+            "holds files draftsmith did not write", "mine")
+
+
+def test_eval_and_bench_refuse_an_out_folder_with_the_users_files(checkpoint, tmp_path, capsys):
+    _, drafter = checkpoint
+    for name in ("evo", "bo"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "evo" / "eval.md").write_text("my own eval notes\n")
+    (tmp_path / "bo" / "bench.json").write_text("my bench\n")
+    before = snapshot(tmp_path)
+    refused(capsys, ["eval", "--drafter", str(drafter), "--out", str(tmp_path / "evo")], tmp_path, before,
+            "holds files draftsmith did not write", "eval.md")
+    refused(capsys, ["bench", "--endpoint", "http://127.0.0.1:9/v1", "--out", str(tmp_path / "bo")], tmp_path,
+            before, "holds files draftsmith did not write", "bench.json")
+
+
+def tiny_store(tiny_target, root: Path) -> Path:
+    assert main(["capture", "--target", str(tiny_target), "--conversations",
+                 str(write_conversations(root / "conv.jsonl", n=4)), "--out", str(root / "store")]) == 0
+    return root / "store"
+
+
+@pytest.mark.parametrize("damage", ["num_samples three", "no shards", "lengths"])
+def test_a_manifest_that_contradicts_itself_is_refused(tiny_target, tmp_path, capsys, damage):
+    store = tiny_store(tiny_target, tmp_path)
+    manifest = json.loads((store / "manifest.json").read_text())
+    if damage == "num_samples three":
+        manifest["num_samples"] = "three"
+    elif damage == "no shards":
+        manifest["shards"] = []
+    else:
+        manifest["shards"][0]["lengths"] = manifest["shards"][0]["lengths"][:-1]
+    (store / "manifest.json").write_text(json.dumps(manifest))
+    before = snapshot(tmp_path)
+    refused(capsys, ["export-store", str(store), str(tmp_path / "es")], tmp_path, before, "is malformed")
+    refused(capsys, ["capture", "--verify", "--out", str(store)], tmp_path, before, "is malformed")
+
+
+def test_capture_refusing_a_users_folder_names_no_flag_it_lacks(tiny_target, tmp_path, capsys):
+    conv = write_conversations(tmp_path / "conv.jsonl", n=4)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine\n")
+    before = snapshot(tmp_path)
+    err = refused(capsys, ["capture", "--target", str(tiny_target), "--conversations", str(conv),
+                           "--out", str(tmp_path / "mine")], tmp_path, before, "holds files draftsmith did not write")
+    assert "--overwrite" not in err
+
+
+def test_a_step_count_past_any_real_run_is_refused(tmp_path, capsys):
+    (tmp_path / "store").mkdir()
+    before = snapshot(tmp_path)
+    refused(capsys, ["train", "--store", str(tmp_path / "store"), "--out", str(tmp_path / "t"),
+                     "--max-steps", "99999999999999999999999"], tmp_path, before, "--max-steps out of range")
+
+
+def test_a_format_list_is_checked_whole_before_the_first_format_is_written(tmp_path, capsys):
+    """The shipped drafter is normed, which SGLang does not compute: nothing of vllm may be written first."""
+    before = snapshot(tmp_path)
+    refused(capsys, ["export", "smollm2", str(tmp_path / "out"), "--format", "vllm,sglang"], tmp_path, before,
+            "sglang")

@@ -36,17 +36,32 @@ def umask_mode(executable: bool = False) -> int:
     return (0o777 if executable else 0o666) & ~mask
 
 
+def marker(folder: Path) -> dict:
+    """`folder`'s marker ({} when there is none, or it is unreadable)."""
+    try:
+        data = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def written_by(folder: Path) -> str | None:
     """The verb that wrote `folder` (from its marker), or None when draftsmith cannot prove it wrote it."""
-    try:
-        return json.loads((folder / MARKER).read_text()).get("verb") or "draftsmith"
-    except (OSError, ValueError, AttributeError):
-        return None
+    return (marker(folder).get("verb") or "draftsmith") if marker(folder) else None
 
 
-def mark(folder: Path, verb: str) -> None:
-    """Record that `verb` wrote `folder`."""
-    (folder / MARKER).write_text(json.dumps({"verb": verb}) + "\n")
+def added_since(folder: Path) -> list[str]:
+    """Entries of `folder` that its verb did not write (the marker lists what it wrote; a marker without a list,
+    such as a run folder's, vouches for no list)."""
+    wrote = marker(folder).get("entries")
+    return [] if not isinstance(wrote, list) else [e for e in foreign_entries(folder) if e not in wrote]
+
+
+def mark(folder: Path, verb: str, entries: list[str] | None = None) -> None:
+    """Record that `verb` wrote `folder`, and (`entries`) the names it wrote there, so that a later write replaces
+    the folder only while nothing else has been put in it."""
+    record = {"verb": verb} if entries is None else {"verb": verb, "entries": sorted(entries)}
+    (folder / MARKER).write_text(json.dumps(record) + "\n")
     os.chmod(folder / MARKER, umask_mode())
 
 
@@ -56,7 +71,7 @@ def foreign_entries(folder: Path) -> list[str]:
 
 
 def check_output(out: Path, verb: str, overwrite: bool = False, flag: str = "--out",
-                 owns: Callable[[Path], bool] | None = None) -> None:
+                 owns: Callable[[Path], bool] | None = None, overwrite_flag: bool = True) -> None:
     """Refuse `out` when it is not this verb's to replace: it exists, holds entries, and neither carries the marker
     of `verb` nor passes `owns` (a verb's own test, e.g. its manifest). A file in the way is refused too.
 
@@ -70,12 +85,19 @@ def check_output(out: Path, verb: str, overwrite: bool = False, flag: str = "--o
         raise DraftsmithError(f"{verb}: {flag} names a file, not a folder", got=str(out),
                               expected="a new folder, or one draftsmith wrote", fix=f"pass another {flag}")
     entries = foreign_entries(out)
-    if not entries or overwrite or written_by(out) == verb or (owns is not None and owns(out)):
+    if not entries or overwrite:
+        return
+    if written_by(out) == verb:
+        entries = added_since(out)  # a folder this verb wrote: only what was put in it since is the user's
+        if not entries:
+            return
+    elif owns is not None and owns(out):  # the verb's own proof (its manifest), from before markers listed entries
         return
     shown = ", ".join(entries[:SHOWN]) + (f" and {len(entries) - SHOWN} more" if len(entries) > SHOWN else "")
+    fix = f"pass another {flag}" + (f", or add --overwrite to replace what is in {out}" if overwrite_flag else
+                                    f", or move those files out of {out}")
     raise DraftsmithError(f"{verb}: {flag} {out} holds files draftsmith did not write", got=shown,
-                          expected="a new or empty folder, or one this verb wrote",
-                          fix=f"pass another {flag}, or add --overwrite to replace what is in {out}")
+                          expected="a new or empty folder, or one this verb wrote", fix=fix)
 
 
 def check_output_file(path: Path, verb: str, overwrite: bool = False, flag: str = "--json",
@@ -90,13 +112,6 @@ def check_output_file(path: Path, verb: str, overwrite: bool = False, flag: str 
         raise DraftsmithError(f"{verb}: {flag} {path} is a file draftsmith did not write", got=str(path),
                               expected=f"a new file, or one `draftsmith {verb}` wrote",
                               fix=f"pass another {flag}, or add --overwrite to replace it")
-
-
-def check_folder_path(out: Path, verb: str, flag: str = "--out") -> None:
-    """Refuse, before any work, a folder output that names an existing file."""
-    if Path(out).exists() and not Path(out).is_dir():
-        raise DraftsmithError(f"{verb}: {flag} names a file, not a folder", got=str(out),
-                              expected="a new folder, or one draftsmith wrote", fix=f"pass another {flag}")
 
 
 def check_not_inside(out: Path, src: Path, verb: str, flag: str = "OUT") -> None:
@@ -126,7 +141,7 @@ def replace_dir(out: Path, verb: str, overwrite: bool = False, flag: str = "--ou
     try:
         os.chmod(tmp, umask_mode(executable=True))
         yield tmp
-        mark(tmp, verb)
+        mark(tmp, verb, foreign_entries(tmp))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

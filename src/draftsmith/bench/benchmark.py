@@ -43,6 +43,7 @@ from pydantic import Field, model_validator
 from draftsmith.client import api_key_from_env, normalize_base, open_client, redact, served_model, with_path
 from draftsmith.config import Settings, add_flags, from_flags
 from draftsmith.errors import DraftsmithError
+from draftsmith.outputs import check_output, foreign_entries, mark
 from draftsmith.bench.metrics import (
     Acceptance,
     SpecCounters,
@@ -462,6 +463,8 @@ def add_parser(sub) -> None:
     add_flags(p, BenchSettings, flags={"timeout_s": "--timeout"})
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     p.add_argument("--out", type=Path, help="write bench.json, throughput.png, acceptance.png here")
+    p.add_argument("--overwrite", action="store_true", help="write into an --out that holds files draftsmith did not "
+                   "write (files of the same names are replaced)")
     p.set_defaults(func=run_bench)
 
 
@@ -498,6 +501,8 @@ async def measure(s: BenchSettings, say, endpoint: str, baseline_endpoint: str |
 
 def run_bench(args) -> int:
     s = from_flags(BenchSettings, args)
+    if args.out:  # a folder of the user's is refused before any request (bench.json there was replaced)
+        check_output(args.out, "bench", args.overwrite)
     log = (lambda m: print(m, file=sys.stderr)) if args.json else print
     log(f"bench settings: {json.dumps(s.model_dump(mode='json'))}")
     report = asyncio.run(measure(s, log, args.endpoint, args.baseline_endpoint, args.baseline_json))
@@ -506,6 +511,7 @@ def run_bench(args) -> int:
         (args.out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
         for path in write_plots(report, args.out):
             log(f"wrote {path}")
+        mark(args.out, "bench", foreign_entries(args.out))
     if args.json:
         print(json.dumps(report, indent=2))
     else:

@@ -60,7 +60,8 @@ def run_capture(args) -> int:
                               fix="e.g. --shard-tokens 65536 (the default)")
     if args.out is not None:
         # a store resumes where its manifest says; any other folder of the user's is refused before the target loads
-        check_output(args.out, "capture", owns=lambda folder: (folder / "manifest.json").is_file())
+        check_output(args.out, "capture", owns=lambda folder: (folder / "manifest.json").is_file(),
+                     overwrite_flag=False)
     if s.engine == "vllm" or args.print_server_args:
         from draftsmith.capture.vllm import run_engine_capture
 

@@ -131,12 +131,27 @@ def load_manifest(root: Path) -> dict[str, Any]:
             problems.append(f"shard entry {i} lacks file, sha256 or num_samples")
         elif not plain_name(entry["file"]):
             problems.append(f"shard entry {i} names {entry['file']!r}, outside the store")
+        elif not (isinstance(entry.get("lengths"), list) and len(entry["lengths"]) == entry["num_samples"]
+                  and sum(entry["lengths"]) == entry.get("num_tokens")):
+            problems.append(f"shard entry {i}: its lengths do not add up to its {entry['num_samples']} samples and "
+                            f"{entry.get('num_tokens')} tokens")
+    problems += counted_totals(manifest, shards if isinstance(shards, list) and not problems else None)
     if problems:
         raise DraftsmithError(f"feature-store manifest {path} is malformed", got="; ".join(problems[:3]),
                               expected="shard entries {file, sha256, num_samples, ...}, each file a name inside the "
                               "store (no folder, no ..)", fix=f"the manifest was edited or comes from elsewhere: copy "
                               f"the store {root} again whole, or recapture into a new --out")
     return manifest
+
+
+def counted_totals(manifest: dict[str, Any], shards: list[dict] | None) -> list[str]:
+    """The manifest's totals are counts, and (with readable shard entries) its samples are its shards' samples."""
+    problems = [f"{key} is {json.dumps(manifest.get(key))[:40]}, not a count" for key in ("num_samples", "num_tokens")
+                if not (isinstance(manifest.get(key), int) and manifest[key] >= 0)]
+    held = None if shards is None or problems else sum(entry["num_samples"] for entry in shards)
+    if held is not None and held != manifest["num_samples"]:
+        problems.append(f"num_samples {manifest['num_samples']}, but its shards hold {held}")
+    return problems
 
 
 def corrupt_shard(root: Path, entry: dict) -> DraftsmithError:

@@ -24,6 +24,7 @@ from pydantic import Field, model_validator
 
 from draftsmith.config import Count, Settings, add_flags, check_choices, from_flags
 from draftsmith.errors import DraftsmithError
+from draftsmith.outputs import foreign_entries, mark
 
 
 @dataclass(frozen=True)
@@ -333,7 +334,8 @@ def add_parser(sub) -> None:
     add_flags(p, EvalSettings, skip=("k",))
     p.add_argument("--json", type=Path, default=None, help="write results as JSON here")
     p.add_argument("--out", type=Path, default=None, help="directory for eval.md and PNG plots")
-    p.add_argument("--overwrite", action="store_true", help="replace a --json file that draftsmith did not write")
+    p.add_argument("--overwrite", action="store_true", help="replace a --json file, or write into an --out folder, "
+                   "that draftsmith did not write")
     p.set_defaults(func=run_eval_cli)
 
 
@@ -350,12 +352,12 @@ def check_eval_outputs(args) -> None:
     """The outputs, before the target loads: --json a new file or eval's own, --out a folder, --topk within the
     drafter's draft vocabulary."""
     from draftsmith.model.checkpoint import draftsmith_drafter_config, read_drafter_config
-    from draftsmith.outputs import check_folder_path, check_output_file
+    from draftsmith.outputs import check_output, check_output_file
 
     if args.json:
         check_output_file(args.json, "eval", args.overwrite, owns=is_eval_json)
-    if args.out:
-        check_folder_path(args.out, "eval")
+    if args.out:  # a folder of the user's is refused (its own eval.md was replaced)
+        check_output(args.out, "eval", args.overwrite)
     config = read_drafter_config(Path(args.drafter))
     if "draftsmith" in config:  # a drafter that contradicts itself is named before the target loads
         draftsmith_drafter_config(config, Path(args.drafter))
@@ -396,6 +398,7 @@ def run_eval_cli(args) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "eval.md").write_text(report_markdown(results, settings))
         plot(results, args.out)
+        mark(args.out, "eval", foreign_entries(args.out))
     if best.identical_to_target is False:
         if best.divergence and best.divergence["near_tie"]:
             print(f"eval: note: {best.divergence['note']}")

@@ -317,8 +317,11 @@ def run_export(args) -> int:
     s = from_flags(ExportSettings, args)
     src = drafter_path(args.src)
     outs = {fmt: args.out if len(s.formats) == 1 else args.out / fmt for fmt in s.formats}
-    for out in outs.values():  # every OUT refused before the first is written
+    for out in outs.values():  # every OUT, then every format, refused before the first is written
         check_export_out(src, out, args.overwrite)
+    config = read_drafter_config(Path(src))
+    for fmt in outs:
+        refuse_unread_norms(config, fmt)
     for fmt, out in outs.items():
         out = export(src, out, fmt, s.dtype, s.k or DEFAULT_K, args.target_path, args.target_gguf, args.overwrite)
         print(f"export: {fmt} drafter -> {out}")

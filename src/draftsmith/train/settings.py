@@ -75,7 +75,7 @@ class TrainSettings(Settings):
     """Gradient-norm clip (EAGLE, SpecForge)."""
     epochs: float = Field(1.0, gt=0)
     """Passes over the training split (fractions allowed)."""
-    max_steps: int | None = Field(None, ge=1)
+    max_steps: int | None = Field(None, ge=1, le=1_000_000_000)
     """Stop after this many optimizer steps (overrides epochs)."""
     batch_tokens: int = Field(4096, ge=1)
     """Tokens per micro-batch, padding included (packed: batch_tokens // row_tokens rows)."""
