@@ -248,3 +248,27 @@ def test_a_format_list_is_checked_whole_before_the_first_format_is_written(tmp_p
     before = snapshot(tmp_path)
     refused(capsys, ["export", "smollm2", str(tmp_path / "out"), "--format", "vllm,sglang"], tmp_path, before,
             "sglang")
+
+
+# The third blind probe's cases.
+
+def test_a_learning_rate_past_one_is_refused(tmp_path, capsys):
+    (tmp_path / "store").mkdir()
+    before = snapshot(tmp_path)
+    refused(capsys, ["train", "--store", str(tmp_path / "store"), "--out", str(tmp_path / "t"), "--lr", "1e30"],
+            tmp_path, before, "--lr out of range")
+
+
+def test_regenerate_refuses_to_write_over_its_own_prompts_even_with_overwrite(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a question"}) + "\n")
+    before = snapshot(tmp_path)
+    refused(capsys, ["regenerate", "--prompts", str(prompts), "--out", str(prompts), "--overwrite"], tmp_path, before,
+            "--out is the --prompts file")
+
+
+def test_train_refuses_its_store_as_its_out_even_with_overwrite(tiny_target, tmp_path, capsys):
+    store = tiny_store(tiny_target, tmp_path)
+    before = snapshot(tmp_path)
+    refused(capsys, ["train", "--store", str(store), "--out", str(store), "--overwrite"], tmp_path, before,
+            "overlaps the source")

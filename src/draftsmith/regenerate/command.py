@@ -420,6 +420,10 @@ def regenerate_verb(args) -> int:
     s = from_flags(RegenerateSettings, args)
     if s.prompts == SELF:
         return run_self(args, s)
+    if Path(s.prompts).is_file() and Path(s.prompts).resolve() == Path(args.out).resolve():
+        raise DraftsmithError("regenerate: --out is the --prompts file", got=str(args.out),
+                              expected="an output apart from the prompts it reads (--overwrite would replace them)",
+                              fix=f"pass another --out, e.g. {Path(args.out).with_suffix('')}-answers.jsonl")
     prompts = load_prompts(s.prompts, s.limit)
     if not prompts:
         raise DraftsmithError("no prompts to answer", got=f"{s.prompts!r} is empty",

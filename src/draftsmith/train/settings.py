@@ -60,7 +60,7 @@ class TrainSettings(Settings):
     """Training-time-test unroll length (EAGLE-3 / SpecForge: 7)."""
     step_loss_decay: float = Field(TTT_STEP_LOSS_DECAY, gt=0, le=1)
     """Weight of TTT step i is decay**i (EAGLE-3: 0.8)."""
-    lr: float | None = Field(None, gt=0)
+    lr: float | None = Field(None, gt=0, le=1.0)
     """Peak learning rate of the cosine schedule; default 1e-3 for a new drafter, 2e-4 with --init-from
     (fine-tuning a trained one). On one H200 epoch of 3 M SmolLM2 tokens, 1e-3 drafted tau 1.67 at k=4 against
     1.36 at SpecForge's 1e-4 (2e-3: 1.65; docs/peers.md, "speculators' defaults against draftsmith's"); long
