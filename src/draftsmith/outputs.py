@@ -47,7 +47,8 @@ def marker(folder: Path) -> dict:
 
 def written_by(folder: Path) -> str | None:
     """The verb that wrote `folder` (from its marker), or None when draftsmith cannot prove it wrote it."""
-    return (marker(folder).get("verb") or "draftsmith") if marker(folder) else None
+    record = marker(folder)
+    return (record.get("verb") or "draftsmith") if record else None
 
 
 def added_since(folder: Path) -> list[str]:
