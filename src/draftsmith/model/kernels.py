@@ -374,6 +374,22 @@ def soft_ce_rows(z: torch.Tensor, p: torch.Tensor, w: torch.Tensor) -> tuple[tor
     return ce, grad.to(z.dtype), top.indices
 
 
+def hard_ce_rows(z: torch.Tensor, labels: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`soft_ce_rows` for one label per row: ce = lse(z) - z_label, d(sum_r w_r ce_r)/dz = w (softmax(z) - onehot).
+
+    Args: z (..., V) logits; labels (...) int64 (any id where w is 0); w (...) row weights.
+    Returns: (ce (...) fp32, grad (..., V) in z's dtype, argmax (...) int64).
+    """
+    zf = z.to(torch.promote_types(z.dtype, torch.float32))
+    top = zf.max(dim=-1)
+    e = torch.exp(zf - top.values[..., None])
+    sum_e = e.sum(-1)
+    picked = zf.gather(-1, labels[..., None]).squeeze(-1)
+    ce = top.values + sum_e.log() - picked
+    grad = (e * (w / sum_e)[..., None]).scatter_add(-1, labels[..., None], -w[..., None].to(e.dtype))
+    return ce, grad.to(z.dtype), top.indices
+
+
 HEAD_GEMM_ROWS = 16384
 """`DraftHeadLoss` runs the gradient GEMMs of as many TTT steps together as fit this many rows (4 steps at
 T = 4096): large GEMMs, and a gradient buffer of at most rows x Vd (1 GB at Vd = 32k in bf16)."""
