@@ -189,3 +189,39 @@ def test_config_round_trips_and_names_vllms_layer_ids():
     assert DFlashConfig.from_dict(cfg.to_dict()) == cfg
     assert cfg.to_dict()["family"] == "dflash"
     assert cfg.target_layer_ids == [1, 3, 5]
+
+
+def test_a_dflash_checkpoint_round_trips_in_vllms_layout_and_every_reader_gets_the_family(tmp_path):
+    from draftsmith.model.checkpoint import load_drafter, read_drafter_config, read_drafter_weights, save_drafter
+
+    drafter, embed, head = tiny_drafter()
+    drafter = drafter.float()
+    path = save_drafter(drafter, tmp_path / "dflash", extra={"target": "tiny"})
+    config = read_drafter_config(path)
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["dflash_config"] == {"mask_token_id": V - 1, "target_layer_ids": [1, 3, 5]}
+    assert (config["block_size"], config["target_hidden_size"], config["num_hidden_layers"]) == (BS, HT, 2)
+    assert config["draftsmith"]["drafter"]["family"] == "dflash"
+    assert "is_causal" not in config and "layer_types" not in config  # vLLM: non-causal draft attention
+    keys = set(read_drafter_weights(path))
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.k_norm.weight",
+            "layers.0.mlp.down_proj.weight"} <= keys
+    assert not any(k.startswith(("embed_tokens", "lm_head")) for k in keys)
+    loaded = load_drafter(path, embed_tokens=embed.float())
+    assert isinstance(loaded, DFlashDrafter) and loaded.config == drafter.config
+    aux, ids, _ = batch(B=1)
+    args = (aux[:, :6].float(), torch.arange(6)[None], ids[:, 6], torch.tensor([6]), 3, embed.float(), head.float())
+    torch.testing.assert_close(loaded.propose(*args).logits, drafter.propose(*args).logits)
+
+
+def test_a_dflash_config_whose_engine_fields_contradict_its_block_is_refused(tmp_path):
+    import json
+
+    from draftsmith.model.checkpoint import load_drafter, save_drafter
+
+    path = save_drafter(tiny_drafter()[0].float(), tmp_path / "dflash")
+    config = json.loads((path / "config.json").read_text())
+    config["dflash_config"]["target_layer_ids"] = [2, 4, 6]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DraftsmithError, match="contradicts itself"):
+        load_drafter(path)

@@ -1,8 +1,12 @@
-"""Drafter checkpoints on disk: the `LlamaForCausalLMEagle3` layout vLLM and SGLang load natively.
+"""Drafter checkpoints on disk, in the layout vLLM loads natively for each family: EAGLE-3's
+`LlamaForCausalLMEagle3` (SGLang's too) and DFlash's `DFlashDraftModel` (z-lab's).
 
-A checkpoint directory holds `config.json` (a Llama config plus the EAGLE-3 fields) and
+An EAGLE-3 directory holds `config.json` (a Llama config plus the EAGLE-3 fields) and
 `model.safetensors` with the keys of `Eagle3Drafter` minus the frozen `embed_tokens`:
-`fc.weight`, `midlayer.*`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d`.
+`fc.weight`, `midlayer.*`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d`. A DFlash directory holds a Qwen3
+config plus `block_size`, `target_hidden_size` and `dflash_config` (mask token, 0-based target layer ids), and
+the keys of `DFlashDrafter` (`layers.*`, `fc`, `hidden_norm`, `norm`): the engine shares the target's embedding
+and head. The family is the drafter block's `family` key (absent: EAGLE-3), and every reader dispatches on it.
 
 `config.json` also carries a `draftsmith` block: the drafter config with the aux ids as boundary
 indices (the convention they were trained with), so any later reader knows exactly what was trained.
@@ -16,7 +20,7 @@ import json
 import os
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import SafetensorError
@@ -25,12 +29,23 @@ from safetensors.torch import load_file, save_file
 from draftsmith.conventions import aux_ids_for_format
 from draftsmith.errors import DraftsmithError
 from draftsmith.files import read_json
+from draftsmith.model.dflash import DFlashConfig, DFlashDrafter
 from draftsmith.model.eagle3 import DrafterConfig, Eagle3Drafter
 from draftsmith.outputs import umask_mode
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
+DFLASH_ARCHITECTURE = "DFlashDraftModel"
 WEIGHTS = "model.safetensors"
 NOT_EXPORTED = ("embed_tokens.weight",)
+
+
+def backbone_keys(cfg: DrafterConfig | DFlashConfig, num_layers: int) -> dict[str, Any]:
+    """The decoder backbone's config keys both families write (HF Llama / Qwen3 names), in this order."""
+    return {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+            "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+            "num_hidden_layers": num_layers, "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps,
+            "rope_theta": cfg.rope_theta, "rope_scaling": None,
+            "max_position_embeddings": cfg.max_position_embeddings, "vocab_size": cfg.vocab_size}
 
 
 def hf_config(cfg: DrafterConfig, engine: str = "vllm", dtype: str = "float32",
@@ -44,18 +59,7 @@ def hf_config(cfg: DrafterConfig, engine: str = "vllm", dtype: str = "float32",
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
-        "num_hidden_layers": 1,
-        "hidden_act": "silu",
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": None,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "vocab_size": cfg.vocab_size,
+        **backbone_keys(cfg, 1),
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
         "tie_word_embeddings": False,
@@ -81,7 +85,32 @@ def hf_config(cfg: DrafterConfig, engine: str = "vllm", dtype: str = "float32",
     }
 
 
-def drafter_state(drafter: Eagle3Drafter, dtype: torch.dtype | None = None,
+def dflash_hf_config(cfg: DFlashConfig, dtype: str = "float32", extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """config.json of the DFlashDraftModel layout (vLLM's qwen3_dflash, z-lab's drafters), every field explicit.
+
+    No top-level `is_causal` or `layer_types`: vLLM then runs the draft attention non-causal. rope_theta is
+    written because vLLM defaults it to 1e6. target_layer_ids are 0-based layer-output ids (boundary - 1)."""
+    return {
+        "architectures": [DFLASH_ARCHITECTURE],
+        "model_type": "qwen3",
+        **backbone_keys(cfg, cfg.num_layers),
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype,
+        "target_hidden_size": cfg.target_hidden_size,
+        "num_target_layers": cfg.target_num_layers,
+        "block_size": cfg.block_size,
+        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": cfg.target_layer_ids},
+        "draftsmith": {
+            "drafter": cfg.to_dict(),
+            "aux_layer_ids_boundary": list(cfg.aux_layer_ids),
+            "aux_id_convention": "vllm",
+            **(extra or {}),
+        },
+    }
+
+
+def drafter_state(drafter: Eagle3Drafter | DFlashDrafter, dtype: torch.dtype | None = None,
                   state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The exported tensors, in the checkpoint's key names (from `state` when given: an FSDP-gathered one)."""
     out = {}
@@ -95,7 +124,7 @@ def drafter_state(drafter: Eagle3Drafter, dtype: torch.dtype | None = None,
     return out
 
 
-def save_drafter(drafter: Eagle3Drafter, path: Path, engine: str = "vllm", dtype: str = "float32",
+def save_drafter(drafter: Eagle3Drafter | DFlashDrafter, path: Path, engine: str = "vllm", dtype: str = "float32",
                  extra: dict[str, Any] | None = None, state: dict[str, torch.Tensor] | None = None) -> Path:
     """Write config.json and model.safetensors (to temporary names, then renamed).
 
@@ -105,7 +134,8 @@ def save_drafter(drafter: Eagle3Drafter, path: Path, engine: str = "vllm", dtype
     state = drafter_state(drafter, getattr(torch, dtype), state)
     save_weights(state, path / (WEIGHTS + ".tmp"))
     os.replace(path / (WEIGHTS + ".tmp"), path / WEIGHTS)
-    config = hf_config(drafter.config, engine, dtype, extra)
+    config = (dflash_hf_config(drafter.config, dtype, extra) if isinstance(drafter.config, DFlashConfig)
+              else hf_config(drafter.config, engine, dtype, extra))
     (path / "config.json.tmp").write_text(json.dumps(config, indent=2) + "\n")
     os.replace(path / "config.json.tmp", path / "config.json")
     return path
@@ -168,8 +198,9 @@ def read_drafter_weights(path: Path) -> dict[str, torch.Tensor]:
                           expected="a Hugging Face style drafter directory", fix="point at the drafter's folder")
 
 
-def draftsmith_drafter_config(config: dict[str, Any], path: Path) -> DrafterConfig:
-    """The drafter settings of a draftsmith checkpoint's config.json (its `draftsmith.drafter` block).
+def draftsmith_drafter_config(config: dict[str, Any], path: Path) -> DrafterConfig | DFlashConfig:
+    """The drafter settings of a draftsmith checkpoint's config.json (its `draftsmith.drafter` block), of the
+    family the block names (`family`; absent: EAGLE-3).
 
     Raises:
         DraftsmithError: no draftsmith block (`draftsmith convert` reads foreign layouts), or a block that is not a
@@ -180,15 +211,21 @@ def draftsmith_drafter_config(config: dict[str, Any], path: Path) -> DrafterConf
                               "'draftsmith' block", expected="a draftsmith checkpoint",
                               fix=f"convert it first: draftsmith convert {path} OUT --to draftsmith")
     try:
-        cfg = DrafterConfig.from_dict(config["draftsmith"]["drafter"])
-    except (KeyError, TypeError, ValueError) as exc:
+        block = config["draftsmith"]["drafter"]
+        family = FAMILIES[block.get("family", "eagle3")]
+        cfg = family.config.from_dict(block)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise DraftsmithError(f"the drafter block of {path}/config.json is not a drafter config",
                               got=f"{type(exc).__name__}: {exc}"[:300],
                               expected="draftsmith.drafter with the fields `draftsmith train` writes",
                               fix=REWRITE_DRAFTER) from exc
-    engine_view = {key: config[key] for key in ENGINE_KEYS if key in config}
-    if differ := {key: (value, getattr(cfg, ENGINE_KEYS[key])) for key, value in engine_view.items()
-                  if value != getattr(cfg, ENGINE_KEYS[key])}:
+    engine_keys = family.engine_keys
+    engine_view = {key: config[key] for key in engine_keys if key in config}
+    if isinstance(cfg, DFlashConfig):  # the nested fields vLLM reads
+        engine_view.update({f"dflash_config.{k}": v for k, v in (config.get("dflash_config") or {}).items()
+                            if f"dflash_config.{k}" in engine_keys})
+    if differ := {key: (value, getattr(cfg, engine_keys[key])) for key, value in engine_view.items()
+                  if value != getattr(cfg, engine_keys[key])}:
         raise DraftsmithError(f"{path}/config.json contradicts itself: the engines read other shapes than the "
                               "drafter block", got="; ".join(f"{k} {a} (draftsmith.drafter: {b})" for k, (a, b) in
                                                              differ.items()),
@@ -202,10 +239,29 @@ ENGINE_KEYS = {"hidden_size": "hidden_size", "intermediate_size": "intermediate_
                "vocab_size": "vocab_size", "draft_vocab_size": "draft_vocab_size",
                "target_hidden_size": "target_hidden_size"}
 """Top-level config keys the engines read (HF / vLLM names) -> the DrafterConfig field each must equal."""
+DFLASH_ENGINE_KEYS = {**{k: v for k, v in ENGINE_KEYS.items() if k != "draft_vocab_size"},
+                      "num_hidden_layers": "num_layers", "block_size": "block_size",
+                      "dflash_config.mask_token_id": "mask_token_id",
+                      "dflash_config.target_layer_ids": "target_layer_ids"}
+"""The same for a DFlash drafter (DFlashConfig fields)."""
 
 
-def load_drafter(path: Path, embed_tokens: torch.Tensor | None = None) -> Eagle3Drafter:
-    """Load a draftsmith-written checkpoint; the frozen embedding comes from the target.
+class Family(NamedTuple):
+    """What a drafter family's checkpoint reads: its config class, its module, its engine keys."""
+
+    config: type
+    drafter: type
+    engine_keys: dict[str, str]
+
+
+FAMILIES = {"eagle3": Family(DrafterConfig, Eagle3Drafter, ENGINE_KEYS),
+            "dflash": Family(DFlashConfig, DFlashDrafter, DFLASH_ENGINE_KEYS)}
+"""The drafter block's `family` -> its classes (a block without one is EAGLE-3's)."""
+
+
+def load_drafter(path: Path, embed_tokens: torch.Tensor | None = None) -> Eagle3Drafter | DFlashDrafter:
+    """Load a draftsmith-written checkpoint of either family; an EAGLE-3 drafter's frozen embedding comes from the
+    target (a DFlash drafter has none: its forwards take the target's).
 
     Raises:
         DraftsmithError: no draftsmith block (use `draftsmith convert` for foreign layouts), a corrupt config or
@@ -213,9 +269,9 @@ def load_drafter(path: Path, embed_tokens: torch.Tensor | None = None) -> Eagle3
     """
     path = Path(path)
     cfg = draftsmith_drafter_config(read_drafter_config(path), path)
-    drafter = Eagle3Drafter(cfg)
+    drafter = FAMILIES[cfg.family].drafter(cfg)
     state = read_drafter_weights(path)
-    if embed_tokens is not None:
+    if embed_tokens is not None and isinstance(drafter, Eagle3Drafter):
         state["embed_tokens.weight"] = embed_tokens
     try:
         missing, unexpected = drafter.load_state_dict({k: v.float() if v.is_floating_point() else v
@@ -228,7 +284,8 @@ def load_drafter(path: Path, embed_tokens: torch.Tensor | None = None) -> Eagle3
     if missing or unexpected:
         raise DraftsmithError(f"checkpoint tensors do not match its config in {path}",
                               got=f"missing {missing[:5]}, unexpected {unexpected[:5]}",
-                              expected="exactly the LlamaForCausalLMEagle3 keys", fix="re-export the drafter")
+                              expected=f"exactly the {'DFlashDraftModel' if cfg.family == 'dflash' else ARCHITECTURE} "
+                              "keys", fix="re-export the drafter")
     return drafter
 
 

@@ -35,6 +35,7 @@ one document at a time on CPU (a dense mask where compiled), a FlexAttention blo
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +74,8 @@ class DrafterConfig:
     norm_output: bool = False
     """True: the state fed back to the next draft step is the final norm's output, not the pre-norm sum
     (speculators 0.9.0's default; vLLM's llama_eagle3 `aux_output`)."""
+    family: ClassVar[str] = "eagle3"
+    """The drafter family (model/checkpoint.py's FAMILIES); not written: a drafter block without one is EAGLE-3's."""
 
     @classmethod
     def from_target(cls, spec: TargetSpec, draft_vocab_size: int, aux_layer_ids: tuple[int, int, int]) -> DrafterConfig:
