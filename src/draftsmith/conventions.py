@@ -116,6 +116,39 @@ def validate_aux_ids(aux_ids: tuple[int, ...], num_layers: int) -> tuple[int, ..
     return tuple(aux_ids)
 
 
+DFLASH_AUX_COUNT = 5
+"""Target layers a DFlash drafter reads by default: z-lab's drafters read 5 (Qwen3-8B: target_layer_ids
+[1, 9, 17, 25, 33] of 36 layers)."""
+
+
+def default_dflash_aux_ids(num_layers: int, count: int = DFLASH_AUX_COUNT) -> tuple[int, ...]:
+    """A DFlash drafter's default target layers as boundary indices: z-lab's spread, layer outputs from 1 to N-3
+    evenly (round(1 + i (N-4) / (count-1))), plus 1 for boundary ids. Where that spread repeats a layer (shallow
+    targets), `count` distinct ids spread evenly over 1..N-1 instead (all of them when there are fewer)."""
+    if num_layers < 2:
+        raise DraftsmithError("the target has too few decoder layers for a DFlash drafter",
+                              got=f"{num_layers} decoder layer{'s' if num_layers != 1 else ''}",
+                              expected="at least 2, so that one layer's output (boundary 1..N-1) can be read",
+                              fix="use a deeper target")
+    ids = tuple(round(1 + i * (num_layers - 4) / max(count - 1, 1)) + 1 for i in range(count))
+    if num_layers >= 5 and len(set(ids)) == count:
+        return ids
+    span = list(range(1, num_layers))
+    if len(span) <= count:
+        return tuple(span)
+    return tuple(span[round(i * (len(span) - 1) / (count - 1))] for i in range(count))
+
+
+def validate_dflash_aux_ids(aux_ids: tuple[int, ...], num_layers: int) -> tuple[int, ...]:
+    """Check a DFlash drafter's boundary aux ids: one or more distinct layer outputs, 1..N-1."""
+    if not aux_ids or len(set(aux_ids)) != len(aux_ids) or not all(1 <= i < num_layers for i in aux_ids):
+        raise DraftsmithError("DFlash aux layer ids out of range", got=f"{list(aux_ids)} for a target with "
+                              f"{num_layers} layers", expected=f"distinct boundary indices in [1, {num_layers - 1}] "
+                              f"(b = output of layer b-1); default {list(default_dflash_aux_ids(num_layers))}",
+                              fix="drop --aux-ids to use the default, or pick ids inside the range")
+    return tuple(aux_ids)
+
+
 # ---------------------------------------------------------------- conventions
 
 def to_boundary(ids: list[int] | tuple[int, ...], convention: Convention) -> tuple[int, ...]:

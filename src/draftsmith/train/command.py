@@ -15,13 +15,15 @@ from draftsmith.train.trainer import Trainer
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("train", help="train an EAGLE-3 drafter with training-time test",
+    p = sub.add_parser("train", help="train a drafter: EAGLE-3 with training-time test, or DFlash (--family dflash)",
                        **example_help(
                            "examples:\n"
                            "  draftsmith train --store runs/demo/store --out runs/demo/train --epochs 2 --lr 5e-4\n"
                            "  draftsmith train --conversations conv.jsonl --target smollm2 --out runs/online   # online\n"
                            "  torchrun --nproc-per-node 2 -m draftsmith train --store STORE --out OUT          # DDP\n"
                            "  torchrun --nproc-per-node 8 -m draftsmith train --store STORE --out OUT --parallel fsdp\n"
+                           "  draftsmith train --family dflash --mask-token-id 16 --conversations conv.jsonl --out runs/dflash\n"
+                           "  draftsmith train --family dflash --mask-token-id 16 --block-size 8 --drafter-layers 2 --store STORE --out OUT\n"
                            "  draftsmith train --store STORE --follow --max-steps 20000 --out OUT  # while capture writes STORE\n"
                            "  draftsmith train --store STORE --follow --delete-consumed --max-steps 20000 --out OUT  # bounded disk\n"
                            "A killed run resumes from its last checkpoint when the same command is run again\n"
@@ -39,6 +41,7 @@ def run_train(args) -> int:
     with Trainer(cfg) as trainer:
         result = trainer.run(progress=not args.quiet)
         if trainer.rank == 0:
-            print(f"train: drafter -> {Path(args.out) / 'drafter'} | simulated tau at k=4: "
-                  f"{result.tau.get(4, float('nan')):.2f} | acc {' '.join(f'{a:.2f}' for a in result.acc)}")
+            k = cfg.block_size - 1 if cfg.family == "dflash" else 4
+            print(f"train: drafter -> {Path(args.out) / 'drafter'} | simulated tau at k={k}: "
+                  f"{result.tau.get(k, float('nan')):.2f} | acc {' '.join(f'{a:.2f}' for a in result.acc)}")
     return 0

@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 
 from draftsmith.capture.local import TargetFeatures, pad_batch, target_features, target_identity, tokenized_conversations
+from draftsmith.conventions import default_dflash_aux_ids, validate_dflash_aux_ids
 from draftsmith.regenerate.chat import TokenizedSample
 from draftsmith.capture.store import FeatureStore, Sample
 from draftsmith.target import TargetSpec, describe_target, load_target, read_config, resolve_target, target_aux_ids
@@ -24,7 +25,7 @@ from draftsmith.target import TargetSpec, describe_target, load_target, read_con
 
 @dataclass
 class Batch:
-    """input_ids, loss_mask, target_argmax (B, T); aux (B, T, 3Ht); last (B, T, Ht) the target's final normed state;
+    """input_ids, loss_mask, target_argmax (B, T); aux (B, T, n Ht) (n aux layers: 3 for EAGLE-3); last (B, T, Ht) the target's final normed state;
     documents (B, T) for packed rows: each token's document number within its row (None: one sample per row)."""
 
     input_ids: torch.Tensor
@@ -56,7 +57,7 @@ def pack_rows(rows: list[list[Segment]], row_tokens: int, sample: Callable[[int]
     pin = at.type == "cpu" and device.type == "cuda"
     new = functools.partial(torch.zeros, device=at, pin_memory=pin)
     ids, mask, argmax = (new(B, R, dtype=torch.long) for _ in range(3))
-    aux = new(B, R, 3 * Ht, dtype=dtype)
+    aux = new(B, R, first.aux.shape[-1], dtype=dtype)
     last = new(B, R, Ht, dtype=dtype)
     documents = new(B, R, dtype=torch.long)
     for b, row in enumerate(rows):
@@ -75,7 +76,7 @@ def pack_rows(rows: list[list[Segment]], row_tokens: int, sample: Callable[[int]
 class FeatureSource(Protocol):
     target_spec: TargetSpec
     target_name: str
-    aux_ids: tuple[int, int, int]
+    aux_ids: tuple[int, ...]
     lengths: list[int]
 
     def __len__(self) -> int: ...
@@ -125,7 +126,7 @@ class StoreSource:
         pin = device.type == "cuda"
         new = functools.partial(torch.zeros, pin_memory=pin)
         ids, mask, argmax = (new(B, T, dtype=torch.long) for _ in range(3))
-        aux = new(B, T, 3 * Ht, dtype=feature_dtype(device))
+        aux = new(B, T, samples[0].aux.shape[-1], dtype=feature_dtype(device))
         last = new(B, T, Ht, dtype=feature_dtype(device))
         for b, s in enumerate(samples):
             n = len(s.input_ids)
@@ -154,12 +155,17 @@ class OnlineSource:
     """Online features: the target runs in this process over tokenized conversations."""
 
     def __init__(self, conversations: Path, target: str, aux_ids: tuple[int, ...] | None, max_length: int,
-                 device: torch.device):
+                 device: torch.device, family: str = "eagle3"):
+        """`family`: whose aux ids a run without --aux-ids reads (dflash: `default_dflash_aux_ids`)."""
         model_dir = resolve_target(target)
         self.target_spec = describe_target(read_config(model_dir))
         self.target_name = target
         self.identity = target_identity(model_dir, target)
-        self.aux_ids = target_aux_ids(target, self.target_spec, aux_ids)
+        if family == "dflash":
+            n = self.target_spec.num_layers
+            self.aux_ids = validate_dflash_aux_ids(tuple(aux_ids), n) if aux_ids else default_dflash_aux_ids(n)
+        else:
+            self.aux_ids = target_aux_ids(target, self.target_spec, aux_ids)
         dtype = "bfloat16" if device.type == "cuda" else "float32"
         self.model, self.tokenizer = load_target(model_dir, dtype=dtype, device=str(device))
         self.samples: list[TokenizedSample] = [s for _, s in tokenized_conversations(conversations, self.tokenizer, max_length)]

@@ -9,11 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from draftsmith.config import Settings
 from draftsmith.conventions import NORM_VARIANTS, unread_by_format, unread_norms
 from draftsmith.errors import DraftsmithError
+from draftsmith.model.dflash import DFLASH_BLOCK_SIZE, DFLASH_LAYERS, DFLASH_LOSS_GAMMA, DFLASH_NUM_ANCHORS
 from draftsmith.model.eagle3 import TTT_STEP_LOSS_DECAY, TTT_STEPS, DrafterConfig
 
 SCRATCH_LR = 1e-3
@@ -52,6 +55,21 @@ def recipe_for(recipe: str, formats: tuple[str, ...]) -> str:
 class TrainSettings(Settings):
     """How a drafter is trained, whatever the data: the `train` verb's flags and `run`'s train section."""
 
+    family: Literal["eagle3", "dflash"] = "eagle3"
+    """The drafter family: eagle3 (a one-layer chain drafter trained with training-time test) or dflash (a
+    block-diffusion drafter that proposes --block-size - 1 tokens in one forward, arXiv 2602.06036; its own settings
+    below, EAGLE-3's draft vocabulary, TTT and recipe settings do not apply)."""
+    block_size: int = Field(DFLASH_BLOCK_SIZE, ge=2, le=64)
+    """dflash: tokens per block, the anchor plus block_size - 1 masks (z-lab's drafters: 16)."""
+    mask_token_id: int | None = Field(None, ge=0)
+    """dflash: the vocabulary id of the mask token, one that never occurs in the data (SmolLM2: 16,
+    <empty_output>); required with --family dflash."""
+    num_anchors: int = Field(DFLASH_NUM_ANCHORS, ge=1)
+    """dflash: blocks sampled per row, at supervised positions whose block fits in its document."""
+    loss_gamma: float = Field(DFLASH_LOSS_GAMMA, gt=0)
+    """dflash: block position k's loss weight is exp(-(k-1)/gamma) (the paper: 7 for block size 16)."""
+    drafter_layers: int = Field(DFLASH_LAYERS, ge=1, le=64)
+    """dflash: decoder layers of a new drafter (z-lab's Qwen3-8B drafter: 5)."""
     draft_vocab_size: int | None = Field(None, ge=1)
     """Draft vocabulary size (default: vocab.default_draft_vocab_size). With init_from, a size above the starting
     drafter's grows its vocabulary (its tokens, then this data's most frequent others; a new token's head row
@@ -179,6 +197,11 @@ class TrainSettings(Settings):
                                   expected="--grad-accum 1 with --cuda-graphs",
                                   fix=f"raise --batch-tokens {self.grad_accum}x instead (one micro-batch per step), "
                                       "or drop --cuda-graphs")
+        if self.family == "dflash" and self.mask_token_id is None:
+            raise DraftsmithError("--family dflash needs a mask token", got="no --mask-token-id",
+                                  expected="a vocabulary id that never occurs in the data",
+                                  fix="pass --mask-token-id ID: a special token of the target's tokenizer that "
+                                      "chat never uses (SmolLM2: 16, <empty_output>)")
         if self.parallel not in ("ddp", "fsdp"):
             raise DraftsmithError("unknown --parallel", got=self.parallel, expected="ddp or fsdp",
                                   fix="pass --parallel ddp (default) or --parallel fsdp")
@@ -214,7 +237,8 @@ class TrainConfig(TrainSettings):
     target: str = "smollm2"
     """Target for online training (and its identity check)."""
     aux_ids: tuple[int, ...] | None = None
-    """Online only: boundary aux ids (default 2, N//2, N-3). Offline runs use the store's."""
+    """Online only: boundary aux ids (eagle3: default 2, N//2, N-3; dflash: any count, default 5 spread from layer
+    output 1 to N-3 as z-lab's drafters). Offline runs use the store's (dflash: as many as it has)."""
     max_length: int = Field(2048, ge=1)
     """Online only: truncate conversations to this many tokens."""
     overwrite: bool = False

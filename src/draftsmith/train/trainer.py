@@ -1,4 +1,8 @@
-"""Train an EAGLE-3 drafter with training-time test, offline or online: `Trainer`, the one explicit loop.
+"""Train a drafter, offline or online: `Trainer`, the one explicit loop, for both families (`--family`): an
+EAGLE-3 drafter with training-time test, or a DFlash drafter on blocks at sampled anchors (model/dflash.py). The
+family decides the model and its forward's arguments (`build_drafter`, `forward`, `denominators`); the loop,
+packing, resume, distribution, evaluation and the step line are the same. Per-step statistics are per TTT step
+for EAGLE-3 and per block position (1..block size - 1) for DFlash, which also reports its expected block acceptance.
 
 - offline: features come from a feature store (`draftsmith capture`);
 - online: the target runs in the training process over a conversations file (no store).
@@ -36,9 +40,11 @@ import torch.distributed as dist
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.outputs import mark
-from draftsmith.model.checkpoint import save_drafter
+from draftsmith.model.checkpoint import drafter_path, load_drafter, save_drafter
+from draftsmith.model import dflash
+from draftsmith.model.dflash import DFlashConfig, DFlashDrafter
 from draftsmith.model.eagle3 import (Eagle3Drafter, TTTOutput, compile_for_training, engine_walk_acceptance,
-                                     simulated_acceptance)
+                                     simulated_acceptance, step_masks)
 from draftsmith.target import pick_device
 from draftsmith.train.distributed import join_process_group, parallel_model
 from draftsmith.train.drafter import load_starting_drafter, new_drafter
@@ -96,7 +102,8 @@ class PendingStep:
     ttt_steps: int
     lr: float
     t0: float
-    stats: torch.Tensor  # [loss, loss_sum (K), correct (K), count (K), real, supervised, grad_norm], summed over ranks
+    stats: torch.Tensor  # [loss, loss_sum (K), correct (K), count (K), (DFlash: accepted, blocks,) real, supervised,
+    # grad_norm], summed over ranks
     tokens: int
     shape: list[int]
 
@@ -109,7 +116,8 @@ class PendingStep:
         dt = (end or time.perf_counter()) - self.t0
         K = self.ttt_steps
         counts = stats[2 * K + 1:3 * K + 1]
-        return {"step": self.step, "loss": stats[0], "loss_per_step": [s / max(c, 1) for s, c in zip(stats[1:K + 1], counts)],
+        block = {"block_tau": stats[3 * K + 1] / max(stats[3 * K + 2], 1)} if len(stats) == 3 * K + 6 else {}
+        return {**block, "step": self.step, "loss": stats[0], "loss_per_step": [s / max(c, 1) for s, c in zip(stats[1:K + 1], counts)],
                 "acc": [a / max(c, 1) for a, c in zip(stats[K + 1:2 * K + 1], counts)], "lr": self.lr,
                 "grad_norm": stats[-1], "ms": dt * 1000, "tokens": self.tokens, "tok_per_s": self.tokens / dt,
                 "real_tokens": int(stats[-3]), "supervised_tokens": int(stats[-2]), "real_tok_per_s": stats[-3] / dt,
@@ -132,7 +140,7 @@ class Trainer:
             wait_published(Path(cfg.store), cfg.follow_timeout_s)
         self.data: FeatureSource = data or (StoreSource(Path(cfg.store), cfg.follow) if cfg.store else
                                             OnlineSource(Path(cfg.conversations), cfg.target, cfg.aux_ids, cfg.max_length,
-                                                         self.device))
+                                                         self.device, cfg.family))
         self.feed: ShardFeed | None = None  # --follow: the store as it lands
         if cfg.follow:
             self.start_following()
@@ -143,14 +151,22 @@ class Trainer:
         # unpacked samples are not all known yet: the head then groups per batch.
         self.head_rows = (self.rows_per_batch * self.row_tokens if cfg.pack else
                           None if cfg.follow else max([cfg.batch_tokens, *self.data.lengths]))
+        self.dflash = cfg.family == "dflash"
+        self.positions = cfg.block_size - 1 if self.dflash else cfg.ttt_steps
+        """K of the per-step statistics: TTT steps, or DFlash's block positions 1..block size - 1."""
         self.drafter = self.build_drafter().to(self.device)
-        self.drafter.lm_head.weight.requires_grad_(self.layout.train_head)
         self.fsdp = self.world > 1 and cfg.parallel == "fsdp"
-        if not self.fsdp:  # the frozen embedding is a lookup: in the features' dtype (FSDP2 wants one dtype)
-            self.drafter.embed_tokens.to(feature_dtype(self.device))
+        if self.dflash:  # the target's embedding, frozen, passed to each forward (no part of the drafter)
+            self.target_embed = self.data.embed_tokens().to(self.device, feature_dtype(self.device))
+        else:
+            self.drafter.lm_head.weight.requires_grad_(self.layout.train_head)
+            if not self.fsdp:  # the frozen embedding is a lookup: in the features' dtype (FSDP2 wants one dtype)
+                self.drafter.embed_tokens.to(feature_dtype(self.device))
         # In the features' dtype (bf16 on GPU: ttt_forward computes in it anyway; half the memory of fp32).
         self.target_head = self.data.target_head().to(self.device, feature_dtype(self.device))
-        if cfg.compile:
+        if cfg.compile and self.dflash:
+            dflash.compile_for_training(self.drafter)
+        elif cfg.compile:
             compile_for_training(self.drafter, cuda_graphs=cfg.cuda_graphs)
             if cfg.cuda_graphs:  # the same tensor every step: a replay reads it in place instead of copying it in
                 torch._dynamo.mark_static_address(self.target_head)
@@ -216,8 +232,11 @@ class Trainer:
         finishes changes no step's learning rate)."""
         return min(self.total_steps, self.feed.epoch0_steps) if self.cfg.delete_consumed else self.total_steps
 
-    def build_drafter(self) -> Eagle3Drafter:
+    def build_drafter(self) -> Eagle3Drafter | DFlashDrafter:
         """The drafter this run trains (the --init-from one, or a new one), and its layout (`self.layout`)."""
+        if self.dflash:
+            self.layout = self.cfg.layout()
+            return self.new_dflash()
         if self.cfg.init_from:
             drafter = load_starting_drafter(self.data, self.cfg, announce=self.rank == 0)
             self.layout = self.cfg.layout(drafter.config)
@@ -225,12 +244,44 @@ class Trainer:
         self.layout = self.cfg.layout()
         return new_drafter(self.data, self.cfg, self.layout, announce=self.rank == 0)
 
+    def new_dflash(self) -> DFlashDrafter:
+        """A DFlash drafter for the data's target and aux layers (--init-from: that one, which must be DFlash)."""
+        cfg, spec = self.cfg, self.data.target_spec
+        if cfg.init_from:
+            drafter = load_drafter(drafter_path(cfg.init_from))
+            if not isinstance(drafter, DFlashDrafter) or drafter.config.block_size != cfg.block_size:
+                raise DraftsmithError("--init-from drafter is not a DFlash drafter of this block size",
+                                      got=f"{type(drafter).__name__} from {cfg.init_from}",
+                                      expected=f"a DFlash drafter with block size {cfg.block_size}",
+                                      fix="initialise from a DFlash drafter, or train from scratch")
+            return drafter
+        torch.manual_seed(cfg.seed)
+        return DFlashDrafter(DFlashConfig.from_target(spec, self.data.aux_ids, cfg.block_size, cfg.mask_token_id,
+                                                      cfg.drafter_layers))
+
     # -- one optimizer step ---------------------------------------------------------------------------
 
-    def forward(self, batch: Batch, denominators: torch.Tensor | None) -> TTTOutput:
+    def anchors(self, batch: Batch, seed: tuple[int, ...]) -> dflash.Anchors:
+        """DFlash: a batch's anchors, from a generator seeded by (seed, step or eval, rank, micro-batch): the same
+        blocks on a resume, and no generator state to save."""
+        generator = torch.Generator(self.device).manual_seed(hash((self.cfg.seed, *seed)) % 2**63)
+        return dflash.sample_anchors(batch.loss_mask, batch.documents, self.cfg.block_size, self.cfg.num_anchors,
+                                     generator)
+
+    def denominators(self, batches: list[Batch], anchors: list) -> torch.Tensor:
+        """The loss's normaliser over the global batch: per TTT step, or DFlash's summed label weights."""
+        if self.dflash:
+            return sum(dflash.block_weights(a, b.loss_mask, self.cfg.block_size, self.cfg.loss_gamma).sum()
+                       for a, b in zip(anchors, batches)).float()
+        return sum(step_masks(b.loss_mask, self.cfg.ttt_steps, b.documents).sum(dim=(1, 2)) for b in batches).float()
+
+    def forward(self, batch: Batch, denominators: torch.Tensor | None, anchors=None) -> TTTOutput:
         if self.cfg.cuda_graphs:  # the graphs' outputs of the last forward are consumed: their memory may be reused
             torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            if self.dflash:
+                return self.model(batch.aux, batch.input_ids, batch.loss_mask, self.target_embed, self.target_head,
+                                  anchors, self.cfg.loss_gamma, denominators, batch.documents)
             return self.model(batch.aux, batch.input_ids, batch.loss_mask, batch.last, self.target_head,
                               self.cfg.ttt_steps, self.cfg.step_loss_decay, denominators, batch.target_argmax,
                               batch.documents, self.head_rows)
@@ -313,8 +364,6 @@ class Trainer:
     def launch_step(self) -> "PendingStep":
         """Queue one optimizer step on the device and return without waiting for it: the loop resolves a step's
         record after it has queued the next one, so the host prepares step n+1 while the GPU runs step n."""
-        from draftsmith.model.eagle3 import step_masks
-
         t0 = time.perf_counter()
         lr = lr_at(self.step, self.total_steps, self.cfg)
         for group in self.optimizer.param_groups:
@@ -324,14 +373,16 @@ class Trainer:
         # one process is the whole global batch: the forward counts them itself (the same numbers), inside the
         # compiled region with --compile, instead of some 50 eager kernels here.
         denom = None
+        anchors = ([self.anchors(b, (self.step, self.rank, i)) for i, b in enumerate(batches)] if self.dflash
+                   else [None] * len(batches))
         if self.world > 1 or len(batches) > 1:
-            denom = sum(step_masks(b.loss_mask, self.cfg.ttt_steps, b.documents).sum(dim=(1, 2)) for b in batches).float()
+            denom = self.denominators(batches, anchors)
         if self.world > 1:
             dist.all_reduce(denom)
         self.optimizer.zero_grad(set_to_none=True)
         sums = None  # [loss, loss_sum (K), correct (K), count (K)] summed over the micro-batches
-        for i, batch in enumerate(batches):
-            out = self.forward(batch, denom)
+        for i, (batch, blocks) in enumerate(zip(batches, anchors)):
+            out = self.forward(batch, denom, blocks)
             # DDP and FSDP average gradients over ranks; the loss is already global
             loss = out.loss * float(self.world) if self.world > 1 else out.loss
             last = i == len(batches) - 1
@@ -344,7 +395,8 @@ class Trainer:
             else:
                 loss.backward()
             # Read now: with --cuda-graphs the next micro-batch's forward replays into the same output memory.
-            part = torch.cat([out.loss.detach().view(1), out.loss_sum, out.correct_count, out.count]).float()
+            part = torch.cat([out.loss.detach().view(1), out.loss_sum, out.correct_count, out.count,
+                              *self.block_acceptance(out)]).float()
             sums = part if sums is None else sums + part
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.clip)
         if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
@@ -357,27 +409,39 @@ class Trainer:
         if self.world > 1:
             dist.all_reduce(stats)
         stats = torch.cat([stats, grad_norm.detach().float().view(1)])
-        return PendingStep(step=self.step + 1, ttt_steps=self.cfg.ttt_steps, lr=lr, t0=t0, stats=stats,
+        return PendingStep(step=self.step + 1, ttt_steps=self.positions, lr=lr, t0=t0, stats=stats,
                            tokens=sum(int(b.loss_mask.numel()) for b in batches) * self.world,
                            shape=list(batches[0].input_ids.shape))
+
+    def block_acceptance(self, out: TTTOutput) -> list[torch.Tensor]:
+        """DFlash: [sum of 1 + leading correct positions, blocks] of a forward's blocks (on the device); EAGLE-3: []."""
+        if not self.dflash:
+            return []
+        run = (out.correct & out.valid).long().cumprod(dim=0).sum(dim=0)  # (B, A)
+        blocks = out.valid[0]
+        return [((run + 1) * blocks).sum().view(1), blocks.sum().view(1)]
 
     # -- evaluation -----------------------------------------------------------------------------------
 
     @torch.no_grad()
     def evaluate(self) -> EvalResult:
-        """Teacher-forced per-step accuracy and simulated acceptance on the held-back samples."""
-        K = self.cfg.ttt_steps
+        """Teacher-forced per-step accuracy and simulated acceptance on the held-back samples (DFlash: per block
+        position, and tau[k] the expected accepted length of a block drafting k tokens; its blocks are fixed by
+        seed, so every evaluation scores the same ones)."""
+        K = self.positions
         correct, count, loss, n = torch.zeros(K), torch.zeros(K), 0.0, 0
         walk = {k: [0.0, 0] for k in range(1, K + 1)}
         every = {k: [0.0, 0] for k in range(1, K + 1)}
-        for mb in self.plan(train=False, epoch=0):
-            out = self.forward(self.load(mb), None)
+        for i, mb in enumerate(self.plan(train=False, epoch=0)):
+            batch = self.load(mb)
+            out = self.forward(batch, None, self.anchors(batch, (-1, self.rank, i)) if self.dflash else None)
             correct += out.correct_count.cpu()
             count += out.count.cpu()
             loss += float(out.loss)
             n += 1
             for k in range(1, K + 1):
-                for sums, fn in ((walk, engine_walk_acceptance), (every, simulated_acceptance)):
+                walker = simulated_acceptance if self.dflash else engine_walk_acceptance  # DFlash: chains are blocks
+                for sums, fn in ((walk, walker), (every, simulated_acceptance)):
                     s, c = fn(out.correct, out.valid, k)
                     sums[k][0] += s
                     sums[k][1] += c
@@ -452,9 +516,7 @@ class Trainer:
                        f"({len(self.split.train_pieces)} documents)" if self.cfg.pack
                        else "unpacked")
             print(f"train: {len(self.split.train_idx)} train / {len(self.split.eval_idx)} eval samples, {packing}, {self.total_steps} "
-                  f"steps ({self.steps_per_epoch}/epoch), world {self.world}, device {self.device}, draft head "
-                  f"{'from --init-from' if self.cfg.init_from else self.layout.head_init}"
-                  f"{'' if self.layout.train_head else ', frozen'}, {layout_note(self.layout, self.cfg.init_from, self.cfg.recipe)}"
+                  f"steps ({self.steps_per_epoch}/epoch), world {self.world}, device {self.device}, {self.drafter_note()}"
                   + (f", resumed at step {self.step}" if resumed else ""))
         from draftsmith.progress import progress_bar
 
@@ -492,6 +554,16 @@ class Trainer:
             result = self.write_drafter(result, start, model_state)
         return result
 
+    def drafter_note(self) -> str:
+        """The start line's words on the drafter trained."""
+        if self.dflash:
+            c = self.drafter.config
+            return (f"DFlash drafter: {c.num_layers} layers, block {c.block_size}, mask token {c.mask_token_id}, target "
+                    f"layers {list(c.aux_layer_ids)} (boundary ids), {self.cfg.num_anchors} anchors per row")
+        return (f"draft head {'from --init-from' if self.cfg.init_from else self.layout.head_init}"
+                f"{'' if self.layout.train_head else ', frozen'}, "
+                f"{layout_note(self.layout, self.cfg.init_from, self.cfg.recipe)}")
+
     def evaluate_start(self, resumed: bool) -> EvalResult | None:
         """With --init-from and --keep-start: the starting drafter on the held-back samples, before the first step
         (a resumed run reads it back from metrics.jsonl). None when there is nothing to compare against."""
@@ -510,7 +582,7 @@ class Trainer:
         """Write OUT/drafter: the fine-tuned drafter, or the starting one unchanged when fine-tuning did not raise
         held-back simulated tau at k = ttt_steps (`keep_start`). Returns the written drafter's held-back result."""
         extra = {"trained_steps": self.step, "store": self.cfg.store, "target": self.data.target_name}
-        K = self.cfg.ttt_steps
+        K = self.positions
         if start is None or result.tau[K] > start.tau[K]:
             if start is not None:
                 extra["selection"] = selection("fine-tuned", start, result, K)
@@ -519,7 +591,7 @@ class Trainer:
         print(f"train: fine-tuning did not raise held-back simulated tau at k={K} ({start.tau[K]:.2f} -> "
               f"{result.tau[K]:.2f}): {self.out / 'drafter'} is the starting drafter ({self.cfg.init_from}) unchanged; "
               "--no-keep-start (run: train.keep_start=false) writes the fine-tuned one", flush=True)
-        starting = load_starting_drafter(self.data, self.cfg)  # grown as this run started it, when --draft-vocab-size grew it
+        starting = self.new_dflash() if self.dflash else load_starting_drafter(self.data, self.cfg)  # grown as this run started it, when --draft-vocab-size grew it
         save_drafter(starting, self.out / "drafter",
                      extra={**extra, "eval": asdict(start), "selection": selection("starting", start, result, K)})
         return start
@@ -569,7 +641,8 @@ class Trainer:
         if self.rank == 0:
             taus = " ".join(f"{k}:{v:.2f}" for k, v in result.tau.items())
             print(f"eval  {self.step:05d} | loss {result.loss:.3f} | acc {' '.join(f'{a:.2f}' for a in result.acc)} "
-                  f"| simulated tau[k] (engine walk) {taus}", flush=True)
+                  f"| {'expected block acceptance' if self.dflash else 'simulated'} tau[k] "
+                  f"{'' if self.dflash else '(engine walk) '}{taus}", flush=True)
 
 
 class _null_bar:
@@ -586,6 +659,7 @@ class _null_bar:
 def step_line(r: dict, total: int) -> str:
     """The one greppable line per step (docs/design.md, "Measured output")."""
     acc = " ".join(f"{a:.2f}" for a in r["acc"])
-    return (f"step {r['step']:05d}/{total:05d} | loss {r['loss']:.3f} | acc[k] {acc} | lr {r['lr']:.2e} "
+    block = f" | block tau {r['block_tau']:.2f}" if "block_tau" in r else ""
+    return (f"step {r['step']:05d}/{total:05d} | loss {r['loss']:.3f} | acc[k] {acc}{block} | lr {r['lr']:.2e} "
             f"| {r['ms']:.0f} ms | {r['tok_per_s']:,.0f} tok/s" + (" (first step: compile / warm-up)" if r.get("first_step") else ""))
 
