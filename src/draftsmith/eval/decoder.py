@@ -1,10 +1,12 @@
-"""Reference speculative decoder: a Hugging Face target plus a draftsmith EAGLE-3 drafter, batched.
+"""Reference speculative decoder: a Hugging Face target plus a draftsmith drafter (EAGLE-3 or DFlash), batched.
 
 Small functions per phase, in the order one iteration runs them (gpt-fast style):
 
     prefill   target over the (left-padded) prompts -> first token and the aux features of every prompt position
     draft     drafter: catch up on newly committed positions (true target features), then draft a tree
-              (a chain when topk = 1: vLLM's EAGLE-3 default; topk > 1: EAGLE-2 dynamic tree, as SGLang)
+              (a chain when topk = 1: vLLM's EAGLE-3 default; topk > 1: EAGLE-2 dynamic tree, as SGLang);
+              DFlash (`draft_block`): cache the new positions' context keys and values, then one forward over
+              [root, MASK x k] drafts a chain of k tokens
     verify    target over the tree's N nodes with its KV cache and a tree attention mask -> logits, aux
     accept    the deepest node whose path matches the target's choices (`tree.accept_path`)
     commit    keep the accepted path in both KV caches, queue its features for the drafter, emit tokens
@@ -42,6 +44,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from draftsmith.model.dflash import DFlashDrafter
 from draftsmith.model.eagle3 import DrafterCache, Eagle3Drafter
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.tree import AcceptedPath, Candidates, DraftTree, accept_path, chain_tree, select_tree
@@ -78,6 +81,27 @@ class DecodeSettings:
 
 
 # --- state ----------------------------------------------------------------------------------------------
+
+@dataclass
+class BlockContext:
+    """A DFlash drafter's context while decoding: per layer, the keys and values of every committed position the
+    target has seen (`DFlashDrafter.context_kv`, made once per position, as vLLM's precompute); which slots a row
+    sees is `DecodeState.drafter_valid`. Nothing provisional is ever cached: a block's own keys are not kept."""
+
+    layers: list[DrafterCache]
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length
+
+    def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Add each layer's new slots (B, nkv, n, hd); return every layer's keys and values."""
+        return [cache.append(k, v) for cache, (k, v) in zip(self.layers, kv)]
+
+    def select(self, rows: torch.Tensor) -> None:
+        for cache in self.layers:
+            cache.select(rows)
+
 
 @dataclass
 class ForwardTimes:
@@ -309,6 +333,37 @@ def draft(drafter: Eagle3Drafter | None, state: DecodeState, settings: DecodeSet
 
 
 @torch.inference_mode()
+def draft_block(drafter: DFlashDrafter, state: DecodeState, settings: DecodeSettings, embed: torch.Tensor,
+                head: torch.Tensor) -> DraftTree:
+    """DFlash: cache the pending positions' context keys and values, then draft the block [root, MASK x k] at
+    positions root_pos .. root_pos + k in one drafter forward; its positions 1..k are the chain to verify (vLLM's
+    DFlash proposer: K mask queries plus the bonus token's; llama.cpp clamps K to block size - 1)."""
+    p = state.pending
+    if not isinstance(state.drafter_cache, BlockContext):
+        state.drafter_cache = BlockContext([DrafterCache() for _ in drafter.layers])
+    with timed(state.timings, "drafter", p.ids.device):
+        kv = state.drafter_cache.append(drafter.context_kv(p.aux, p.pos))
+        state.drafter_valid = torch.cat([state.drafter_valid, p.valid], dim=1)
+        block = drafter.propose_over(kv, state.drafter_valid, state.root, state.root_pos, settings.k, embed, head)
+    return chain_tree(state.root, block.tokens)
+
+
+def check_block_settings(drafter: DFlashDrafter, settings: DecodeSettings) -> None:
+    """A DFlash block is a chain of at most block size - 1 drafts."""
+    most = drafter.config.block_size - 1
+    if settings.topk != 1 or not 0 <= settings.k <= most:
+        raise DraftsmithError("a DFlash drafter drafts one chain of at most block size - 1 tokens per block",
+                              got=f"k={settings.k}, topk={settings.topk}",
+                              expected=f"k in 1..{most} (block size {drafter.config.block_size}), topk 1",
+                              fix=f"--k between 1 and {most}, without --topk / --draft-tokens")
+
+
+def target_embed_head(target) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's token embedding and LM head weights (V, H), which a DFlash drafter shares, frozen."""
+    return target.get_input_embeddings().weight, target.get_output_embeddings().weight
+
+
+@torch.inference_mode()
 def verify(target, state: DecodeState, tree: DraftTree, aux_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """Target over the tree's nodes, each seeing the context and its own root path: logits (B, N, V), aux (B, N, 3Ht)."""
     pos = state.root_pos[:, None] + tree.depth
@@ -401,16 +456,20 @@ class BatchDecodeResult:
     drafter_seconds: float
 
 
-def decode_batch(target, drafter: Eagle3Drafter | None, prompts: list[list[int]], aux_ids: tuple[int, ...],
+def decode_batch(target, drafter: Eagle3Drafter | DFlashDrafter | None, prompts: list[list[int]], aux_ids: tuple[int, ...],
                  settings: DecodeSettings, seed: int = 0) -> BatchDecodeResult:
     """Decode prompts together with speculation (or plain, with settings.k = 0 and no drafter)."""
     device = next(target.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed) if settings.temperature > 0 else None
     t0 = time.perf_counter()
+    blocks = isinstance(drafter, DFlashDrafter) and settings.k > 0
+    if blocks:
+        check_block_settings(drafter, settings)
+        shared = target_embed_head(target)
     state = prefill(target, prompts, aux_ids, settings, generator)
     drop_finished(state, settings)  # the first token may already finish a row
     while state.rows:
-        tree = draft(drafter, state, settings)
+        tree = draft_block(drafter, state, settings, *shared) if blocks else draft(drafter, state, settings)
         logits, aux = verify(target, state, tree, aux_ids)
         path = accept_path(tree, choose(logits, settings.temperature, generator))
         record(state, commit(state, tree, aux, settings, path), settings)
@@ -420,9 +479,10 @@ def decode_batch(target, drafter: Eagle3Drafter | None, prompts: list[list[int]]
                              drafter_seconds=state.timings.drafter)
 
 
-def speculative_decode(target, drafter: Eagle3Drafter, prompt: list[int], aux_ids: tuple[int, ...],
+def speculative_decode(target, drafter: Eagle3Drafter | DFlashDrafter, prompt: list[int], aux_ids: tuple[int, ...],
                        settings: DecodeSettings, seed: int = 0) -> DecodeResult:
-    """Decode one prompt with EAGLE-3 drafting (chain or tree); returns the tokens and per-step acceptance."""
+    """Decode one prompt with EAGLE-3 drafting (chain or tree) or DFlash blocks; returns the tokens and per-step
+    acceptance."""
     res = decode_batch(target, drafter, [prompt], aux_ids, settings, seed)
     return DecodeResult(res.tokens[0], res.accepted[0], res.seconds, res.target_seconds, res.drafter_seconds)
 

@@ -153,15 +153,21 @@ class DFlashAttention(nn.Module):
         B, L, _ = x.shape
         return x.view(B, L, n, self.hd).transpose(1, 2)
 
-    def forward(self, h: torch.Tensor, c: torch.Tensor, rope_c: tuple, rope_q: tuple, mask) -> torch.Tensor:
-        """h (B, Q, H) the normed block, c (B, S, H) the context features; rope_c / rope_q: cos, sin (B, 1, S|Q, hd);
+    def context_kv(self, c: torch.Tensor, rope_c: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """The context's keys and values: c (B, S, H) -> k_c, v_c (B, nkv, S, hd), k_c normed and rotated at the
+        context positions (rope_c: cos, sin (B, 1, S, hd)). What vLLM precomputes into its cache once per token."""
+        k_c = apply_rope(self.k_norm(self.heads(self.k_proj(c), self.nkv)), *rope_c)  # (B, nkv, S, hd)
+        return k_c, self.heads(self.v_proj(c), self.nkv)
+
+    def forward(self, h: torch.Tensor, kv_c: tuple[torch.Tensor, torch.Tensor], rope_q: tuple, mask) -> torch.Tensor:
+        """h (B, Q, H) the normed block; kv_c: `context_kv`'s (B, nkv, S, hd) pair; rope_q: cos, sin (B, 1, Q, hd);
         mask: `attend`'s, over the S context keys then the Q block keys. Returns (B, Q, H)."""
         B, Q, _ = h.shape
+        k_c, v_c = kv_c
         q = apply_rope(self.q_norm(self.heads(self.q_proj(h), self.nh)), *rope_q)  # (B, nh, Q, hd)
         k_q = apply_rope(self.k_norm(self.heads(self.k_proj(h), self.nkv)), *rope_q)  # (B, nkv, Q, hd)
-        k_c = apply_rope(self.k_norm(self.heads(self.k_proj(c), self.nkv)), *rope_c)  # (B, nkv, S, hd)
         k = torch.cat([k_c, k_q.to(k_c.dtype)], dim=2)  # (B, nkv, S+Q, hd)
-        v = torch.cat([self.heads(self.v_proj(c), self.nkv), self.heads(self.v_proj(h), self.nkv)], dim=2)
+        v = torch.cat([v_c, self.heads(self.v_proj(h), self.nkv).to(v_c.dtype)], dim=2)
         out = attend(q, k.to(q.dtype), v.to(q.dtype), mask)  # (B, nh, Q, hd)
         return self.o_proj(out.transpose(1, 2).reshape(B, Q, -1))  # (B, Q, H)
 
@@ -176,8 +182,8 @@ class DFlashLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, c: torch.Tensor, rope_c: tuple, rope_q: tuple, mask) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x).to(x.dtype), c, rope_c, rope_q, mask)  # (B, Q, H)
+    def forward(self, x: torch.Tensor, kv_c: tuple[torch.Tensor, torch.Tensor], rope_q: tuple, mask) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x).to(x.dtype), kv_c, rope_q, mask)  # (B, Q, H)
         return x + self.mlp(self.post_attention_layernorm(x).to(x.dtype))
 
 
@@ -226,11 +232,22 @@ class DFlashDrafter(nn.Module):
         Returns:
             norm(x) (B, Q, H) in the residual stream's dtype: the head's input.
         """
+        return self.blocks_over(self.context_kv(aux, ctx_positions), block_ids, block_positions, mask, embed)
+
+    def context_kv(self, aux: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the keys and values of context positions: aux (B, S, n Ht) at positions (B, S) -> a list of
+        (B, nkv, S, hd) pairs. A decoder computes them once per committed token and caches them."""
         c = self.hidden_norm(self.fc(aux))  # (B, S, H)
+        rope_c = self.rope(positions)
+        return [layer.self_attn.context_kv(c, rope_c) for layer in self.layers]
+
+    def blocks_over(self, kv_c: list[tuple[torch.Tensor, torch.Tensor]], block_ids: torch.Tensor,
+                    block_positions: torch.Tensor, mask, embed: torch.Tensor) -> torch.Tensor:
+        """`blocks` from the context's keys and values (`context_kv`, per layer): norm(x) (B, Q, H)."""
         x = F.embedding(block_ids, embed)  # (B, Q, H)
-        rope_c, rope_q = self.rope(ctx_positions), self.rope(block_positions)
-        for layer in self.layers:
-            x = layer(x, c, rope_c, rope_q, mask)  # (B, Q, H)
+        rope_q = self.rope(block_positions)
+        for layer, kv in zip(self.layers, kv_c):
+            x = layer(x, kv, rope_q, mask)  # (B, Q, H)
         return self.norm(x).to(x.dtype)
 
     def forward(self, aux: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, embed: torch.Tensor,
@@ -291,13 +308,22 @@ class DFlashDrafter(nn.Module):
                                   expected=f"1 <= k <= {cfg.block_size - 1} (block size {cfg.block_size})",
                                   fix=f"draft k <= {cfg.block_size - 1} tokens per block")
         B, C = ctx_aux.shape[:2]
-        j = torch.arange(k + 1, device=anchor_ids.device)
-        ids = torch.cat([anchor_ids[:, None], anchor_ids.new_full((B, k), cfg.mask_token_id)], dim=1)  # (B, k+1)
         if ctx_valid is None:
             ctx_valid = torch.ones(B, C, dtype=torch.bool, device=ctx_aux.device)
+        return self.propose_over(self.context_kv(ctx_aux, ctx_positions), ctx_valid, anchor_ids, anchor_positions,
+                                 k, embed, head)
+
+    def propose_over(self, kv_c: list[tuple[torch.Tensor, torch.Tensor]], ctx_valid: torch.Tensor,
+                     anchor_ids: torch.Tensor, anchor_positions: torch.Tensor, k: int, embed: torch.Tensor,
+                     head: torch.Tensor) -> Proposal:
+        """`propose` from cached context keys and values (`context_kv`, per layer, over C slots; ctx_valid (B, C))."""
+        cfg = self.config
+        B, C = ctx_valid.shape
+        j = torch.arange(k + 1, device=anchor_ids.device)
+        ids = torch.cat([anchor_ids[:, None], anchor_ids.new_full((B, k), cfg.mask_token_id)], dim=1)  # (B, k+1)
         mask = torch.cat([ctx_valid[:, None, :].expand(B, k + 1, C),
                           ctx_valid.new_ones(B, k + 1, k + 1)], dim=-1)  # (B, k+1, C+k+1)
-        x = self.blocks(ctx_aux, ctx_positions, ids, anchor_positions[:, None] + j, mask, embed)  # (B, k+1, H)
+        x = self.blocks_over(kv_c, ids, anchor_positions[:, None] + j, mask, embed)  # (B, k+1, H)
         logits = x[:, 1:] @ head.T.to(x.dtype)  # (B, k, V)
         return Proposal(tokens=logits.argmax(dim=-1), logits=logits)
 
