@@ -39,6 +39,13 @@ Norm variants (`NORMS_READ`, `unread_norms`, `unread_by_format`): the optional n
 which format's engine computes which; export refuses a format that would drop one, `run` picks its recipe and its
 starting drafter by them, train names the engines that serve what it trains.
 
+Drafter families (`drafter_family`, `DFLASH`): a draftsmith drafter folder names its family in the
+`draftsmith.drafter` block (`"family": "dflash"`); a folder without it is the EAGLE-3 chain. DFlash keeps the
+same boundary ids (`aux_layer_ids_boundary`) and writes them per consumer: vLLM's and z-lab's
+`dflash_config.target_layer_ids` are layer outputs (vLLM adds 1: gpu_model_runner.py:5270-5277), speculators'
+`aux_hidden_state_layer_ids` are boundaries (vLLM subtracts 1: configs/speculators/algos.py `update_dflash`),
+llama.cpp's GGUF `dflash.target_layers` are boundaries (its converter adds 1: conversion/qwen.py:735-738).
+
 Model families: `MLA_MODEL_TYPES`, `MLA_DRAFTER_ARCHITECTURES`, `TEXT_CONFIG_PATHS` (multimodal wrappers)
 and `IMAGE_TOKEN_FIELDS`, each with its source below.
 """
@@ -364,3 +371,32 @@ MLA_DRAFTER_ARCHITECTURES = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3For
 TEXT_CONFIG_PATHS = (("text_config",), ("language_config",), ("llm_config",), ("thinker_config", "text_config"))
 # Image-token attributes the engines' drafter loaders probe on multimodal targets (docs/engines.md §1.6).
 IMAGE_TOKEN_FIELDS = ("image_token_index", "image_token_id", "media_placeholder_token_id")
+
+
+# ---------------------------------------------------------------- drafter families
+
+EAGLE3 = "eagle3"
+DFLASH = "dflash"
+DRAFTER_FAMILIES = (EAGLE3, DFLASH)
+
+
+def drafter_family(config: dict[str, Any]) -> str:
+    """The family of a drafter config.json: its `draftsmith.drafter.family`, else `dflash` for a DFlash layout
+    (vLLM / z-lab `DFlashDraftModel`, speculators `dflash`), else the EAGLE-3 chain."""
+    block = (config.get("draftsmith") or {}).get("drafter") or {}
+    if isinstance(block, dict) and block.get("family"):
+        return str(block["family"])
+    archs = config.get("architectures") or []
+    if config.get("speculators_model_type") == DFLASH or any(str(a).startswith("DFlash") for a in archs):
+        return DFLASH
+    return EAGLE3
+
+
+def dflash_target_layer_ids(boundary: tuple[int, ...] | list[int]) -> list[int]:
+    """Boundary ids as DFlash's `target_layer_ids` (vLLM / z-lab): layer-output ids, boundary - 1."""
+    return from_boundary(tuple(boundary), "layer-output")
+
+
+def dflash_boundary(target_layer_ids: list[int] | tuple[int, ...]) -> tuple[int, ...]:
+    """DFlash's `target_layer_ids` (layer outputs) as boundary ids, + 1."""
+    return to_boundary(list(target_layer_ids), "layer-output")

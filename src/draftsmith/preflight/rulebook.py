@@ -136,9 +136,10 @@ class RuleBook(BaseModel):
     """Version tables the facts are computed from (targets with EAGLE-3 support, probes, ...)."""
 
 
-def load_rules(engine: str) -> RuleBook:
-    """Parse `rules/<engine>.yaml` and validate it against `RuleBook`; every problem is reported at once."""
-    path = RULES_DIR / f"{engine}.yaml"
+def load_rules(engine: str, family: str = "eagle3") -> RuleBook:
+    """Parse `rules/<engine>.yaml` (another drafter family: `rules/<engine>-<family>.yaml`) and validate it against
+    `RuleBook`; every problem is reported at once."""
+    path = RULES_DIR / (f"{engine}.yaml" if family == "eagle3" else f"{engine}-{family}.yaml")
     try:
         return RuleBook.model_validate({**(yaml.safe_load(path.read_text()) or {}), "engine": engine})
     except ValidationError as exc:
