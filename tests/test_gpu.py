@@ -197,3 +197,54 @@ def test_compiled_training_steps_with_cuda_graphs_follow_the_eager_ones(monkeypa
         assert torch.allclose(b, a, rtol=5e-3), (step, a, b)  # a stale replay output would be the other batch's
     for (key, a), b in zip(eager.named_parameters(), graphs.parameters()):
         assert rel(b, a) < 3e-2, key  # Adam's normalised steps amplify rounding where a gradient is near 0
+
+
+def dflash_case(seed: int = 0, S: int = 1024, A: int = 96):
+    """A DFlash drafter at SmolLM2-like head layout (hd 64, 9 / 3 heads) over a packed row of S tokens."""
+    from draftsmith.model.dflash import DFlashConfig, DFlashDrafter, sample_anchors
+
+    cfg = DFlashConfig(hidden_size=576, intermediate_size=1536, num_layers=2, num_heads=9, num_kv_heads=3,
+                       head_dim=64, vocab_size=4096, target_hidden_size=576, target_num_layers=30,
+                       aux_layer_ids=(2, 15, 28), block_size=16, mask_token_id=4095)
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(cfg).cuda()
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    aux = torch.randn(1, S, 3 * 576, device="cuda", generator=g)
+    ids = torch.randint(0, 4095, (1, S), device="cuda", generator=g)
+    loss_mask = torch.ones(1, S, dtype=torch.long, device="cuda")
+    documents = (torch.arange(S, device="cuda") // 300)[None]  # four documents in the row
+    embed = torch.randn(4096, 576, device="cuda", generator=g)
+    head = torch.randn(4096, 576, device="cuda", generator=g) / 8
+    anchors = sample_anchors(loss_mask, documents, 16, A, torch.Generator(device="cuda").manual_seed(1))
+    return drafter, aux, ids, loss_mask, documents, embed, head, anchors
+
+
+def test_dflash_flex_mask_training_equals_the_sdpa_mask_in_loss_and_gradients():
+    """CUDA trains DFlash through a FlexAttention block mask; the boolean SDPA mask of the CPU path is the
+    reference (fp32 both), so a wrong mask_mod (another block, the anchor's own position, another document) fails."""
+    from draftsmith.model import dflash
+
+    drafter, aux, ids, loss_mask, documents, embed, head, anchors = dflash_case()
+    out = drafter(aux, ids, loss_mask, embed, head, anchors=anchors, documents=documents)
+    out.loss.backward()
+    flex_grads = {n: p.grad.clone() for n, p in drafter.named_parameters()}
+    drafter.zero_grad()
+    mask = dflash.block_attention_mask(anchors.positions, documents, 16, flex_mask=False)
+    ref = dflash.dflash_unroll(drafter, aux, ids, loss_mask, embed, head, anchors, dflash.DFLASH_LOSS_GAMMA, None,
+                               documents, mask, None)
+    ref.loss.backward()
+    assert rel(out.loss, ref.loss) < 1e-4
+    assert torch.equal(out.valid, ref.valid)
+    for n, p in drafter.named_parameters():
+        assert rel(flex_grads[n], p.grad) < 2e-3, n
+
+
+def test_dflash_compiled_training_forward_equals_eager():
+    from draftsmith.model.dflash import compile_for_training
+
+    drafter, aux, ids, loss_mask, documents, embed, head, anchors = dflash_case(seed=2)
+    eager = drafter(aux, ids, loss_mask, embed, head, anchors=anchors, documents=documents)
+    compile_for_training(drafter)
+    compiled = drafter(aux, ids, loss_mask, embed, head, anchors=anchors, documents=documents)
+    assert rel(compiled.loss, eager.loss) < 1e-3
+    assert (compiled.correct == eager.correct).float().mean() > 0.99

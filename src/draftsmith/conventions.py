@@ -279,7 +279,16 @@ def engine_reads(config: dict[str, Any], num_layers: int, engine: str,
     """The boundary indices `engine` captures for a drafter config.json (its default when it finds no ids)."""
     reading = aux_reading(engine, version)
     ids, _ = find_aux_ids(config, reading.locations)
-    return to_boundary(ids, reading.convention) if ids else engine_default_aux_ids(num_layers)
+    if ids:  # vLLM reads explicit EAGLE ids before a DFlash drafter's own (gpu_model_runner.py, DFlash aux layers)
+        return to_boundary(ids, reading.convention)
+    return dflash_config_boundary(config) or engine_default_aux_ids(num_layers)
+
+
+def dflash_config_boundary(config: dict[str, Any]) -> tuple[int, ...] | None:
+    """A DFlash drafter config's `dflash_config.target_layer_ids` as boundary ids (None without them)."""
+    dflash = config.get("dflash_config")
+    ids = dflash.get("target_layer_ids") if isinstance(dflash, dict) else None
+    return dflash_boundary(ids) if ids else None
 
 
 def engine_aux_ids(config: dict[str, Any], num_layers: int, reader: str) -> tuple[int, ...]:
@@ -289,7 +298,7 @@ def engine_aux_ids(config: dict[str, Any], num_layers: int, reader: str) -> tupl
         return engine_reads(config, num_layers, reader)
     recorded = (config.get("draftsmith") or {}).get("aux_layer_ids_boundary")
     ids, _ = find_aux_ids(config)
-    return tuple(recorded or ids or engine_default_aux_ids(num_layers))
+    return tuple(recorded or ids or dflash_config_boundary(config) or engine_default_aux_ids(num_layers))
 
 
 def aux_ids_for_format(boundary: tuple[int, ...], fmt: str) -> list[int]:
