@@ -81,6 +81,9 @@ def item_type(annotation: Any) -> Any:
 
 
 def describe(annotation: Any) -> str:
+    if base_type(annotation) is tuple:  # as the command line and dotted overrides take it
+        each = item_bounds(annotation)
+        return f"a comma list of {describe(item_type(annotation))}" + (f" (each {each})" if each else "")
     text = str(annotation).replace("typing.", "") if not isinstance(annotation, type) else annotation.__name__
     return re.sub(r"Annotated\[(\w+), [^\]]*\]", r"\1", text)
 
@@ -151,8 +154,9 @@ def problem(cls: type[Settings], err: dict, flags: dict[str, str] | None = None)
         return out_of_bounds(flag or key, field, err["input"], flag is not None)
     example = EXAMPLE_VALUES.get(base_type(field.annotation), "1,2,3")
     expected = "a finite number" if err["type"] == "finite_number" else describe(field.annotation)
+    flag = None if flags is None else flags.get(key, "--" + key.replace("_", "-"))
     return DraftsmithError(f"bad value for {key}", got=repr(err["input"]), expected=expected,
-                           fix=f"e.g. {key}={example}")
+                           fix=f"e.g. {flag} {example}" if flag else f"e.g. {key}={example}")
 
 
 def out_of_bounds(key: str, field: FieldInfo, value: Any, flag: bool) -> DraftsmithError:

@@ -16,7 +16,8 @@ from typing import Protocol
 
 import torch
 
-from draftsmith.capture.local import TargetFeatures, pad_batch, target_features, target_identity, tokenized_conversations
+from draftsmith.capture.local import (TargetFeatures, pad_batch, require_conversations, target_features, target_identity,
+                                      tokenized_conversations)
 from draftsmith.regenerate.chat import TokenizedSample
 from draftsmith.capture.store import FeatureStore, Sample
 from draftsmith.target import TargetSpec, describe_target, load_target, read_config, resolve_target, target_aux_ids
@@ -160,6 +161,7 @@ class OnlineSource:
         self.target_name = target
         self.identity = target_identity(model_dir, target)
         self.aux_ids = target_aux_ids(target, self.target_spec, aux_ids)
+        require_conversations(conversations)  # a bad line is named before the target loads
         dtype = "bfloat16" if device.type == "cuda" else "float32"
         self.model, self.tokenizer = load_target(model_dir, dtype=dtype, device=str(device))
         self.samples: list[TokenizedSample] = [s for _, s in tokenized_conversations(conversations, self.tokenizer, max_length)]
