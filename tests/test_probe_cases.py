@@ -375,7 +375,7 @@ def test_the_run_summary_names_the_drafter_that_exists(checkpoint, tmp_path):
     (["eval", "--drafter", "smollm2", "--depth", "1.5"], ("--depth", "'1.5'", "an integer")),
     (["capture", "--out", "S", "--shard-tokens", "1e3"], ("--shard-tokens", "'1e3'", "an integer")),
     (["eval", "--drafter", "smollm2", "--k", "1.5"], ("bad --k", "1.5")),
-    (["bench", "--endpoint", "http://127.0.0.1:9/v1", "--concurrency", "x"], ("a comma list of int", "--concurrency")),
+    (["bench", "--endpoint", "http://127.0.0.1:9/v1", "--concurrency", "x"], ("bad value for concurrency", "a comma list of int")),
 ])
 def test_a_flag_of_the_wrong_type_is_a_named_error(tmp_path, capsys, argv, words):
     err = refused(capsys, argv, tmp_path, snapshot(tmp_path), *words)
@@ -399,3 +399,34 @@ def test_trains_end_line_says_tau_was_not_measured_without_held_back_samples():
         "no held-back samples: simulated tau not measured"
     assert held_back_line(EvalResult(acc=[0.5] * 7, tau={k: 1 + k / 10 for k in range(1, 8)}, loss=1.0)) \
         .startswith("simulated tau at k=4: 1.40")
+
+
+@pytest.mark.parametrize("record, words", [('{"regenerate":', ("is not valid JSON",)),
+                                           ('{"regenerate": 3}', ("is malformed", "stage regenerate: 3"))])
+def test_a_damaged_stage_record_is_named_not_a_traceback(tmp_path, capsys, record, words):
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "stages.json").write_text(record)
+    before = snapshot(tmp_path)
+    refused(capsys, ["run", "--out", str(tmp_path / "r"), "skip=regenerate,capture,train,export,eval,check,launch,bench"],
+            tmp_path, before, "stages.json", *words)
+
+
+@pytest.mark.parametrize("device, words", [("tpu", ("unknown device", "'tpu'")), ("cuda:99", ("no CUDA device cuda:99",))])
+def test_a_device_this_machine_lacks_is_named_before_any_work(checkpoint, tmp_path, capsys, monkeypatch, device, words):
+    import draftsmith.target
+
+    _, drafter = checkpoint
+    target_must_not_load(monkeypatch, draftsmith.target)
+    before = snapshot(tmp_path)
+    refused(capsys, ["eval", "--drafter", str(drafter), "--target", "smollm2", "--device", device, "--limit", "2"],
+            tmp_path, before, *words)
+    refused(capsys, ["run", "--out", str(tmp_path / "r"), f"eval.device={device}"], tmp_path, before, *words)
+
+
+def test_check_names_a_cut_drafter_weights_file(checkpoint, tiny_target, tmp_path, capsys):
+    _, drafter = checkpoint
+    weights = drafter / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    before = snapshot(tmp_path)
+    refused(capsys, ["check", "--target", str(tiny_target), "--drafter", str(drafter), "--engine", "vllm"], tmp_path,
+            before, "cut or padded safetensors file")

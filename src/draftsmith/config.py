@@ -154,9 +154,8 @@ def problem(cls: type[Settings], err: dict, flags: dict[str, str] | None = None)
         return out_of_bounds(flag or key, field, err["input"], flag is not None)
     example = EXAMPLE_VALUES.get(base_type(field.annotation), "1,2,3")
     expected = "a finite number" if err["type"] == "finite_number" else describe(field.annotation)
-    flag = None if flags is None else flags.get(key, "--" + key.replace("_", "-"))
     return DraftsmithError(f"bad value for {key}", got=repr(err["input"]), expected=expected,
-                           fix=f"e.g. {flag} {example}" if flag else f"e.g. {key}={example}")
+                           fix=f"e.g. {key}={example}")
 
 
 def out_of_bounds(key: str, field: FieldInfo, value: Any, flag: bool) -> DraftsmithError:

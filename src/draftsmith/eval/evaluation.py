@@ -209,7 +209,7 @@ def run_eval(target_name: str, drafter_dir: Path, s: EvalSettings) -> list[KResu
     from draftsmith.eval.decoder import DecodeSettings, decode_batch, first_divergence, masked_gqa, target_decode
     from draftsmith.progress import progress_bar
     from draftsmith.regenerate.prompts import load_prompts
-    from draftsmith.target import describe_target, load_target, read_config, resolve_target
+    from draftsmith.target import describe_target, load_target, pick_device, read_config, resolve_target
 
     ks, limit, temperature, max_new_tokens = list(s.k), s.limit, s.temperature, s.max_new_tokens
     engine, dtype, baseline, device, seed = s.engine, s.dtype, s.baseline, s.device, s.seed
@@ -218,6 +218,7 @@ def run_eval(target_name: str, drafter_dir: Path, s: EvalSettings) -> list[KResu
     spec = describe_target(read_config(model_dir))
     # the inputs first: a bad prompts file or a cut drafter is named before the target loads
     prompts = load_prompts(s.prompts, limit)
+    pick_device(device)
     drafter_config = read_drafter_config(Path(drafter_dir))
     drafter = load_drafter(drafter_dir)
     check_drafter_fits(drafter, spec, target_name, drafter_dir)

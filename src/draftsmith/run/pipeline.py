@@ -103,14 +103,19 @@ def pending_stages(cfg: RunConfig, out: Path, python: Path | None) -> list[str]:
 
 
 def check_inputs(cfg: RunConfig, stages: list[str]) -> None:
-    """Read every prompt set a pending stage will read, and check the draft vocabulary against the target's, so
-    that a bad file or size is named before the first stage (not after regenerate, capture and train have run)."""
+    """Read every prompt set a pending stage will read, check every device it will run on and the draft vocabulary
+    against the target's, so that a bad file, device or size is named before the first stage (not after
+    regenerate, capture and train have run)."""
     from draftsmith.regenerate.prompts import SELF, load_prompts
+    from draftsmith.target import pick_device
 
     sources = {"regenerate": cfg.regenerate.prompts, "eval": cfg.eval.prompts, "bench": cfg.bench.prompts}
     for stage, source in sources.items():
         if stage in stages and source != SELF:
             load_prompts(source)
+    for stage in stages:
+        if isinstance(device := getattr(getattr(cfg, stage, None), "device", None), str):
+            pick_device(device)
     if "train" in stages and cfg.train.draft_vocab_size is not None:
         from draftsmith.target import describe_target, read_config, resolve_target
         from draftsmith.train.drafter import check_draft_vocab_size
