@@ -272,3 +272,161 @@ def test_train_refuses_its_store_as_its_out_even_with_overwrite(tiny_target, tmp
     before = snapshot(tmp_path)
     refused(capsys, ["train", "--store", str(store), "--out", str(store), "--overwrite"], tmp_path, before,
             "overlaps the source")
+
+
+# The fourth blind probe's cases.
+
+def target_must_not_load(monkeypatch, *modules):
+    """Loading the target in any of `modules` fails the test: a refusal must come before it."""
+    def loaded(*args, **kwargs):
+        raise AssertionError("the target was loaded before the bad input was refused")
+
+    for module in modules:
+        monkeypatch.setattr(module, "load_target", loaded)
+
+
+@pytest.mark.parametrize("damage, words", [
+    ("prompts", ("line 2 is not valid JSON", "bad.jsonl")),
+    ("cut weights", ("corrupt drafter weights", "model.safetensors")),
+    ("garbled header", ("corrupt drafter weights",)),
+    ("config", ("is not valid JSON",)),
+    ("another target's drafter", ("was not made for the target", "vocab 96")),
+])
+def test_eval_refuses_bad_prompts_and_a_bad_drafter_before_the_target_loads(checkpoint, tiny_target, tmp_path, capsys,
+                                                                            monkeypatch, damage, words):
+    import draftsmith.target
+
+    _, drafter = checkpoint
+    prompts = tmp_path / "bad.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a question"}) + "\nnot json\n")
+    weights = drafter / "model.safetensors"
+    if damage == "cut weights":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif damage == "garbled header":
+        weights.write_bytes(weights.read_bytes()[:8] + b"garbage!" + weights.read_bytes()[16:])
+    elif damage == "config":
+        (drafter / "config.json").write_text('{"architectures": [')
+    target_must_not_load(monkeypatch, draftsmith.target)
+    before = snapshot(tmp_path)
+    refused(capsys, ["eval", "--target", str(tiny_target), "--drafter", str(drafter), "--limit", "2",
+                     "--max-new-tokens", "8", *(["--prompts", str(prompts)] if damage == "prompts" else [])],
+            tmp_path, before, *words)
+
+
+def test_online_train_refuses_bad_conversations_before_the_target_loads(tiny_target, tmp_path, capsys, monkeypatch):
+    import draftsmith.train.features
+
+    conv = write_conversations(tmp_path / "conv.jsonl", n=2)
+    conv.write_text(conv.read_text() + json.dumps({"id": "x", "messages": [{"role": "user"}]}) + "\n")
+    target_must_not_load(monkeypatch, draftsmith.train.features)
+    before = snapshot(tmp_path)
+    refused(capsys, ["train", "--target", str(tiny_target), "--conversations", str(conv), "--out",
+                     str(tmp_path / "t"), "--max-steps", "2"], tmp_path, before, "conv.jsonl:3")
+
+
+@pytest.mark.parametrize("override, words", [
+    ("eval.prompts={bad}", ("line 2 is not valid JSON",)),
+    ("bench.prompts={missing}", ("unknown prompt source", "missing.jsonl")),
+    ("train.draft_vocab_size=100000", ("larger than the target's vocabulary", "100000")),
+])
+def test_run_refuses_a_bad_prompt_set_or_draft_vocabulary_before_its_first_stage(tiny_target, tmp_path, capsys,
+                                                                                 monkeypatch, override, words):
+    from draftsmith.run import pipeline
+
+    def ran(ctx):
+        raise AssertionError("a stage ran before the bad input was refused")
+
+    monkeypatch.setattr(pipeline, "RUNNERS", {stage: ran for stage in pipeline.RUNNERS})
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "a question"}) + "\nnot json\n")
+    before = snapshot(tmp_path)
+    refused(capsys, ["run", "--out", str(tmp_path / "r"), f"target={tiny_target}", "engine_python=/nonexistent/python",
+                     override.format(bad=bad, missing=tmp_path / "missing.jsonl")], tmp_path, before, *words)
+
+
+def test_a_run_that_built_no_drafter_names_none(tmp_path, capsys):
+    out = tmp_path / "r"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine\n")
+    config = tmp_path / "skip.yaml"
+    config.write_text("skip: [regenerate, capture, train, export, eval, check, launch, bench]\n")
+    assert main(["run", str(config), "--out", str(out), "--overwrite"]) == 0
+    printed = capsys.readouterr().out
+    assert "no drafter was built" in printed and "export-vllm" not in printed
+    assert json.loads((out / "summary.json").read_text())["drafter"] is None
+
+
+def test_the_run_summary_names_the_drafter_that_exists(checkpoint, tmp_path):
+    from draftsmith.run.pipeline import built_drafter
+
+    _, drafter = checkpoint
+    out = tmp_path / "r"
+    (out / "train").mkdir(parents=True)
+    drafter.rename(out / "train" / "drafter")
+    assert built_drafter(out) == str(out / "train" / "drafter")
+    (out / "export-speculators").mkdir()
+    (out / "export-speculators" / "config.json").write_text("{}")
+    assert built_drafter(out) == str(out / "export-speculators")
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["train", "--store", "S", "--out", "T", "--batch-tokens", "abc"], ("--batch-tokens", "'abc'", "an integer >= 1")),
+    (["train", "--store", "S", "--out", "T", "--lr", "x"], ("--lr", "'x'", "a number > 0")),
+    (["eval", "--drafter", "smollm2", "--depth", "1.5"], ("--depth", "'1.5'", "an integer")),
+    (["capture", "--out", "S", "--shard-tokens", "1e3"], ("--shard-tokens", "'1e3'", "an integer")),
+    (["eval", "--drafter", "smollm2", "--k", "1.5"], ("bad --k", "1.5")),
+    (["bench", "--endpoint", "http://127.0.0.1:9/v1", "--concurrency", "x"], ("bad value for concurrency", "a comma list of int")),
+])
+def test_a_flag_of_the_wrong_type_is_a_named_error(tmp_path, capsys, argv, words):
+    err = refused(capsys, argv, tmp_path, snapshot(tmp_path), *words)
+    assert not err.startswith("usage:")
+
+
+def test_trains_end_line_gives_tau_at_a_k_the_drafter_was_trained_for(tiny_target, tmp_path, capsys):
+    store = tiny_store(tiny_target, tmp_path)
+    capsys.readouterr()
+    assert main(["train", "--store", str(store), "--out", str(tmp_path / "t"), "--max-steps", "2", "--ttt-steps", "2",
+                 "--quiet"]) == 0
+    end = [line for line in capsys.readouterr().out.splitlines() if line.startswith("train: drafter")]
+    assert len(end) == 1 and "simulated tau at k=2: " in end[0] and "nan" not in end[0]
+
+
+def test_trains_end_line_says_tau_was_not_measured_without_held_back_samples():
+    from draftsmith.train.command import held_back_line
+    from draftsmith.train.trainer import EvalResult
+
+    assert held_back_line(EvalResult(acc=[0.0, 0.0], tau={}, loss=0.0)) == \
+        "no held-back samples: simulated tau not measured"
+    assert held_back_line(EvalResult(acc=[0.5] * 7, tau={k: 1 + k / 10 for k in range(1, 8)}, loss=1.0)) \
+        .startswith("simulated tau at k=4: 1.40")
+
+
+@pytest.mark.parametrize("record, words", [('{"regenerate":', ("is not valid JSON",)),
+                                           ('{"regenerate": 3}', ("is malformed", "stage regenerate: 3"))])
+def test_a_damaged_stage_record_is_named_not_a_traceback(tmp_path, capsys, record, words):
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "stages.json").write_text(record)
+    before = snapshot(tmp_path)
+    refused(capsys, ["run", "--out", str(tmp_path / "r"), "skip=regenerate,capture,train,export,eval,check,launch,bench"],
+            tmp_path, before, "stages.json", *words)
+
+
+@pytest.mark.parametrize("device, words", [("tpu", ("unknown device", "'tpu'")), ("cuda:99", ("no CUDA device cuda:99",))])
+def test_a_device_this_machine_lacks_is_named_before_any_work(checkpoint, tmp_path, capsys, monkeypatch, device, words):
+    import draftsmith.target
+
+    _, drafter = checkpoint
+    target_must_not_load(monkeypatch, draftsmith.target)
+    before = snapshot(tmp_path)
+    refused(capsys, ["eval", "--drafter", str(drafter), "--target", "smollm2", "--device", device, "--limit", "2"],
+            tmp_path, before, *words)
+    refused(capsys, ["run", "--out", str(tmp_path / "r"), f"eval.device={device}"], tmp_path, before, *words)
+
+
+def test_check_names_a_cut_drafter_weights_file(checkpoint, tiny_target, tmp_path, capsys):
+    _, drafter = checkpoint
+    weights = drafter / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    before = snapshot(tmp_path)
+    refused(capsys, ["check", "--target", str(tiny_target), "--drafter", str(drafter), "--engine", "vllm"], tmp_path,
+            before, "cut or padded safetensors file")

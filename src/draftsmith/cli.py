@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 
 from draftsmith.errors import DraftsmithError
@@ -34,9 +35,33 @@ VERBS = {
 }
 
 
+TYPE_NAMES = {int: "an integer", float: "a number"}
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with a value of the wrong type (`--lr x`, `--batch-tokens abc`) a named error like every other bad
+    input: the flag, the text, the type and the flag's bounds (the `[>= 1]` its help ends with), an example.
+    Sub-parsers are of this class too (argparse makes them of their parent's)."""
+
+    def _get_value(self, action, arg_string):
+        try:
+            return super()._get_value(action, arg_string)
+        except argparse.ArgumentError as err:
+            from draftsmith.config import EXAMPLE_VALUES
+
+            flag = "/".join(action.option_strings) or action.metavar or action.dest
+            kind = TYPE_NAMES.get(action.type, getattr(action.type, "__name__", "a value"))
+            bounds = re.search(r"\[([^\]]+)\]$", action.help or "")
+            example = action.default if type(action.default) is action.type else EXAMPLE_VALUES.get(action.type, "")
+            raise DraftsmithError(f"bad value for {flag}", got=repr(arg_string),
+                                  expected=kind + (f" {bounds.group(1)}" if bounds else ""),
+                                  fix=f"e.g. {action.option_strings[0] if action.option_strings else ''} "
+                                      f"{example}".strip()) from err
+
+
 def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     """The parser; only `verb`'s module registers its full sub-parser (all of them when verb is None)."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="draftsmith",
         description="Train EAGLE-3 drafters and ship them to vLLM and SGLang without surprises.",
         epilog="Run `draftsmith VERB --help` for a worked example of each verb.",
@@ -54,15 +79,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     verb = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(verb if verb in VERBS else "")
-    args, extra = parser.parse_known_args(argv)
-    if extra and isinstance(getattr(args, "overrides", None), list) and all("=" in a and a[0] != "-" for a in extra):
-        args.overrides += extra  # `run CONFIG --out DIR key=value`: overrides after an option are still overrides
-    elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
     try:
+        args, extra = parser.parse_known_args(argv)
+        if extra and isinstance(getattr(args, "overrides", None), list) and all("=" in a and a[0] != "-" for a in extra):
+            args.overrides += extra  # `run CONFIG --out DIR key=value`: overrides after an option are still overrides
+        elif extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 2
         return int(args.func(args) or 0)
     except DraftsmithError as err:
         from draftsmith.client import redact

@@ -81,6 +81,9 @@ def item_type(annotation: Any) -> Any:
 
 
 def describe(annotation: Any) -> str:
+    if base_type(annotation) is tuple:  # as the command line and dotted overrides take it
+        each = item_bounds(annotation)
+        return f"a comma list of {describe(item_type(annotation))}" + (f" (each {each})" if each else "")
     text = str(annotation).replace("typing.", "") if not isinstance(annotation, type) else annotation.__name__
     return re.sub(r"Annotated\[(\w+), [^\]]*\]", r"\1", text)
 

@@ -249,12 +249,26 @@ def read_config(model_dir: Path) -> dict[str, Any]:
 
 
 def pick_device(name: str):
-    """`auto` (cuda if available), cpu, cuda, cuda:1, ... -> torch.device."""
+    """`auto` (cuda if available), cpu, cuda, cuda:1, ... -> torch.device.
+
+    Raises:
+        DraftsmithError: a name torch does not know, or a CUDA device this machine does not have.
+    """
     import torch
 
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as exc:
+        raise DraftsmithError("unknown device", got=repr(name), expected="cpu, cuda, cuda:N or auto",
+                              fix="e.g. --device cpu (or auto: cuda when there is one)") from exc
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.type == "cuda" and (device.index or 0) >= count:
+        raise DraftsmithError(f"no CUDA device {name} on this machine", got=f"{count} CUDA device(s)"
+                              + ("" if count or torch.backends.cuda.is_built() else "; this torch is built without CUDA"),
+                              expected="a device this machine has", fix="--device cpu, or auto (cuda when there is one)")
+    return device
 
 
 def compute_dtype(dtype: str, device) -> str:

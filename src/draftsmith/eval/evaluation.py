@@ -179,6 +179,20 @@ class EvalSettings(Settings):
                 "cpu_pack": self.cpu_pack}
 
 
+def check_drafter_fits(drafter, spec, target_name: str, drafter_dir: Path) -> None:
+    """A drafter trained for another target (its embedding, the target's, or the hidden states it reads differ)
+    is named from the configs, before the target loads."""
+    cfg = drafter.config
+    theirs = (cfg.vocab_size, cfg.hidden_size, cfg.target_hidden_size)
+    if theirs != (spec.vocab_size, spec.hidden_size, spec.hidden_size):
+        raise DraftsmithError(f"the drafter {drafter_dir} was not made for the target {target_name}",
+                              got=f"drafter: vocab {cfg.vocab_size}, embedding width {cfg.hidden_size}, reads hidden "
+                                  f"states of width {cfg.target_hidden_size}",
+                              expected=f"the target's vocab {spec.vocab_size} and hidden size {spec.hidden_size}",
+                              fix="pass the drafter's own target with --target (its config.json's draftsmith.target "
+                                  "names it)")
+
+
 def run_eval(target_name: str, drafter_dir: Path, s: EvalSettings) -> list[KResult]:
     """Decode the prompt set with speculation for each k (the tree depth when topk > 1) and without.
 
@@ -195,23 +209,28 @@ def run_eval(target_name: str, drafter_dir: Path, s: EvalSettings) -> list[KResu
     from draftsmith.eval.decoder import DecodeSettings, decode_batch, first_divergence, masked_gqa, target_decode
     from draftsmith.progress import progress_bar
     from draftsmith.regenerate.prompts import load_prompts
-    from draftsmith.target import describe_target, load_target, read_config, resolve_target
+    from draftsmith.target import describe_target, load_target, pick_device, read_config, resolve_target
 
     ks, limit, temperature, max_new_tokens = list(s.k), s.limit, s.temperature, s.max_new_tokens
     engine, dtype, baseline, device, seed = s.engine, s.dtype, s.baseline, s.device, s.seed
     batch_size, topk, draft_tokens = s.batch_size, s.topk, s.draft_tokens
     model_dir = resolve_target(target_name)
     spec = describe_target(read_config(model_dir))
-    target, tokenizer = load_target(model_dir, dtype=dtype, device=device)
-    drafter = load_drafter(drafter_dir, target.get_input_embeddings().weight.detach().float().cpu())
-    drafter = drafter.to(device=target.device, dtype=getattr(torch, dtype)).eval()
+    # the inputs first: a bad prompts file or a cut drafter is named before the target loads
+    prompts = load_prompts(s.prompts, limit)
+    pick_device(device)
     drafter_config = read_drafter_config(Path(drafter_dir))
+    drafter = load_drafter(drafter_dir)
+    check_drafter_fits(drafter, spec, target_name, drafter_dir)
     aux_ids = engine_aux_ids(drafter_config, spec.num_layers, engine)
     if max(aux_ids) >= spec.num_layers:
         raise DraftsmithError(f"{engine} would read aux ids {list(aux_ids)}, past the target's {spec.num_layers} layers",
                               got=str(drafter_config.get("eagle_config")), expected="ids inside the target",
                               fix="re-export the drafter for this engine: draftsmith export --format " + engine)
-    prompts = load_prompts(s.prompts, limit)
+    target, tokenizer = load_target(model_dir, dtype=dtype, device=device)
+    with torch.no_grad():  # the frozen embedding is the target's
+        drafter.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
+    drafter = drafter.to(device=target.device, dtype=getattr(torch, dtype)).eval()
     masked_gqa(target.device)
     if s.cpu_pack and target.device.type == "cpu":
         nodes = [DecodeSettings(k=k, topk=topk, draft_tokens=draft_tokens).nodes for k in ks]

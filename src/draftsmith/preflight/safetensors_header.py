@@ -77,11 +77,19 @@ def read_header(path: Path) -> dict:
                                   fix="re-download or re-export the file")
         raw = f.read(length)
     try:
-        return json.loads(raw)
+        header = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise DraftsmithError("corrupt safetensors header", got=f"{path}: {exc}",
                               expected="a JSON object after the 8-byte length",
                               fix="re-download or re-export the file") from exc
+    ends = [meta["data_offsets"][1] for meta in header.values() if isinstance(meta, dict)
+            and isinstance(meta.get("data_offsets"), list) and len(meta["data_offsets"]) == 2] \
+        if isinstance(header, dict) else []
+    if ends and 8 + length + max(ends) != size:  # what safetensors' own loader (and with it every engine) refuses
+        raise DraftsmithError("cut or padded safetensors file", got=f"{path}: {size} bytes",
+                              expected=f"{8 + length + max(ends)} bytes: the 8-byte length, the header and the "
+                                       "tensor data its offsets cover", fix="re-download or re-export the file")
+    return header
 
 
 def tensors_of(path: Path) -> dict[str, TensorInfo]:

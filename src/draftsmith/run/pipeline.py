@@ -33,7 +33,7 @@ import yaml
 from draftsmith.client import redact
 from draftsmith.errors import DraftsmithError
 from draftsmith.outputs import check_output, mark
-from draftsmith.run.settings import STAGES, RunConfig, plain, resolve_config
+from draftsmith.run.settings import EXPORT_FORMATS, STAGES, RunConfig, plain, resolve_config
 from draftsmith.run.state import (RunState, is_run_dir, remove, skip_reason, stage_hash, stage_outputs,
                                   stage_settings, unrecorded_outputs)
 from draftsmith.run.stages import RUNNERS, RunContext, engine_interpreter
@@ -52,6 +52,7 @@ def run_pipeline(cfg: RunConfig, overwrite: bool = False) -> dict:
     check_llamacpp_built(cfg)
     out = Path(cfg.out)
     python = engine_interpreter(cfg)
+    check_inputs(cfg, pending_stages(cfg, out, python))
     claim_run_dir(out, cfg, python, overwrite)
     shown = redact(plain(cfg))  # the endpoints' credentials stay in cfg for the stages, never in a file
     (out / "run_config.json").write_text(json.dumps(shown, indent=2) + "\n")
@@ -88,6 +89,38 @@ def run_pipeline(cfg: RunConfig, overwrite: bool = False) -> dict:
         finally:
             write_summary(out, summary)
     return summary
+
+
+def pending_stages(cfg: RunConfig, out: Path, python: Path | None) -> list[str]:
+    """The stages this run will start: not skipped, and not finished earlier with the same settings."""
+    state = RunState.load(out) if is_run_dir(out) else RunState(out)
+    pending, upstream = [], ""
+    for stage in STAGES:
+        upstream = stage_hash(upstream, stage, stage_settings(cfg, stage, python))
+        if not skip_reason(cfg, stage, python) and not state.finished(stage, upstream):
+            pending.append(stage)
+    return pending
+
+
+def check_inputs(cfg: RunConfig, stages: list[str]) -> None:
+    """Read every prompt set a pending stage will read, check every device it will run on and the draft vocabulary
+    against the target's, so that a bad file, device or size is named before the first stage (not after
+    regenerate, capture and train have run)."""
+    from draftsmith.regenerate.prompts import SELF, load_prompts
+    from draftsmith.target import pick_device
+
+    sources = {"regenerate": cfg.regenerate.prompts, "eval": cfg.eval.prompts, "bench": cfg.bench.prompts}
+    for stage, source in sources.items():
+        if stage in stages and source != SELF:
+            load_prompts(source)
+    for stage in stages:
+        if isinstance(device := getattr(getattr(cfg, stage, None), "device", None), str):
+            pick_device(device)
+    if "train" in stages and cfg.train.draft_vocab_size is not None:
+        from draftsmith.target import describe_target, read_config, resolve_target
+        from draftsmith.train.drafter import check_draft_vocab_size
+
+        check_draft_vocab_size(cfg.train.draft_vocab_size, describe_target(read_config(resolve_target(cfg.target))).vocab_size)
 
 
 def claim_run_dir(out: Path, cfg: RunConfig, python: Path | None, overwrite: bool) -> None:
@@ -127,6 +160,15 @@ def check_llamacpp_built(cfg: RunConfig) -> None:
                                   "bench.llamacpp_k=[] (or skip=bench)")
 
 
+def built_drafter(out: Path) -> str | None:
+    """The drafter this run directory holds, the form an engine serves first: its vLLM export, another export, or
+    the trained checkpoint; None when no stage built one."""
+    for path in [out / f"export-{f}" for f in EXPORT_FORMATS] + [out / "train" / "drafter"]:
+        if (path / "config.json").is_file():
+            return str(path)
+    return None
+
+
 def write_summary(out: Path, summary: dict) -> None:
     """summary.json (headline numbers, stage timings) and the report, also after a failed stage. When a stage
     failed, an error in the report does not hide the stage's own: it is printed as a note and the stage's error
@@ -138,7 +180,7 @@ def write_summary(out: Path, summary: dict) -> None:
         for name, key in (("eval.json", "eval"), ("check.json", "check")):
             if (out / name).exists():
                 summary[key] = json.loads((out / name).read_text())
-        summary["drafter"] = str(out / "export-vllm")
+        summary["drafter"] = built_drafter(out)
         (out / "summary.json").write_text(json.dumps(redact(summary), indent=2) + "\n")
         from draftsmith.run.report import write_report
 
@@ -179,7 +221,8 @@ def run_cli(args) -> int:
     s = run_pipeline(cfg, args.overwrite)
     from draftsmith.run.report import headline
 
-    print(f"\nrun: drafter -> {s['drafter']}")
+    print(f"\nrun: drafter -> {s['drafter']}" if s.get("drafter") else "\nrun: no drafter was built (every stage "
+          "that makes one was skipped)")
     print(headline(json.loads((Path(cfg.out) / "report.json").read_text())))
     print(f"run: report -> {s['report']} (and report.html)")
     print(f"run: wall time {time.perf_counter() - t:.0f} s")

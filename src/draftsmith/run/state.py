@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from draftsmith.errors import DraftsmithError
+from draftsmith.files import read_json
 from draftsmith.run.settings import ENGINE_STAGES, EXPORT_FORMATS, RunConfig
 
 STATE_FILE = "stages.json"
@@ -33,8 +35,21 @@ class RunState:
 
     @classmethod
     def load(cls, out: Path) -> RunState:
+        """The run's record; none yet: empty.
+
+        Raises:
+            DraftsmithError: a record that is not JSON, or whose entries are not stage: {hash, complete}.
+        """
         path = out / STATE_FILE
-        return cls(path, json.loads(path.read_text()) if path.exists() else {})
+        if not path.exists():
+            return cls(path)
+        fix = f"restore {path}, or start over: pass another --out (every stage then runs again)"
+        done = read_json(path, "the run's stage record", fix=fix)
+        if bad := [stage for stage, entry in done.items() if not isinstance(entry, dict)]:
+            raise DraftsmithError(f"the run's stage record {path} is malformed", got=f"stage {bad[0]}: "
+                                  f"{json.dumps(done[bad[0]])[:80]}", expected='{"STAGE": {"hash": ..., "complete": '
+                                  'true|false}, ...}', fix=fix)
+        return cls(path, done)
 
     def started(self, stage: str) -> bool:
         """The run started `stage` before (so what lies at its outputs is the run's)."""

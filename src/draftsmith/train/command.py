@@ -41,7 +41,16 @@ def run_train(args) -> int:
     with Trainer(cfg) as trainer:
         result = trainer.run(progress=not args.quiet)
         if trainer.rank == 0:
-            k = cfg.block_size - 1 if cfg.family == "dflash" else 4
-            print(f"train: drafter -> {Path(args.out) / 'drafter'} | simulated tau at k={k}: "
-                  f"{result.tau.get(k, float('nan')):.2f} | acc {' '.join(f'{a:.2f}' for a in result.acc)}")
+            k_shown = cfg.block_size - 1 if cfg.family == "dflash" else 4
+            print(f"train: drafter -> {Path(args.out) / 'drafter'} | {held_back_line(result, k_shown)}")
     return 0
+
+
+def held_back_line(result, k_shown: int = 4) -> str:
+    """The held-back figures of the end line: simulated tau at k_shown (4; DFlash: block size - 1), or at
+    the deepest k the drafter was trained for when --ttt-steps is below 4 (a chain past it has no teacher-forced steps
+    to simulate)."""
+    if not result.tau:
+        return "no held-back samples: simulated tau not measured"
+    k = min(k_shown, max(result.tau))
+    return f"simulated tau at k={k}: {result.tau[k]:.2f} | acc {' '.join(f'{a:.2f}' for a in result.acc)}"

@@ -16,7 +16,8 @@ from typing import Protocol
 
 import torch
 
-from draftsmith.capture.local import TargetFeatures, pad_batch, target_features, target_identity, tokenized_conversations
+from draftsmith.capture.local import (TargetFeatures, pad_batch, require_conversations, target_features, target_identity,
+                                      tokenized_conversations)
 from draftsmith.conventions import default_dflash_aux_ids, validate_dflash_aux_ids
 from draftsmith.regenerate.chat import TokenizedSample
 from draftsmith.capture.store import FeatureStore, Sample
@@ -166,6 +167,7 @@ class OnlineSource:
             self.aux_ids = validate_dflash_aux_ids(tuple(aux_ids), n) if aux_ids else default_dflash_aux_ids(n)
         else:
             self.aux_ids = target_aux_ids(target, self.target_spec, aux_ids)
+        require_conversations(conversations)  # a bad line is named before the target loads
         dtype = "bfloat16" if device.type == "cuda" else "float32"
         self.model, self.tokenizer = load_target(model_dir, dtype=dtype, device=str(device))
         self.samples: list[TokenizedSample] = [s for _, s in tokenized_conversations(conversations, self.tokenizer, max_length)]

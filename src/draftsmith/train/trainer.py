@@ -445,9 +445,9 @@ class Trainer:
                     s, c = fn(out.correct, out.valid, k)
                     sums[k][0] += s
                     sums[k][1] += c
-        return EvalResult(acc=(correct / count.clamp(min=1)).tolist(),
-                          tau={k: s / max(c, 1) for k, (s, c) in walk.items()}, loss=loss / max(n, 1),
-                          tau_all_starts={k: s / max(c, 1) for k, (s, c) in every.items()})
+        return EvalResult(acc=(correct / count.clamp(min=1)).tolist(),  # tau: only where a chain was measured
+                          tau={k: s / c for k, (s, c) in walk.items() if c}, loss=loss / max(n, 1),
+                          tau_all_starts={k: s / c for k, (s, c) in every.items() if c})
 
     # -- checkpoints ----------------------------------------------------------------------------------
 
