@@ -43,9 +43,10 @@ class TaskKind:
     """Seed phrases a user turn starts with (kept in the turn); one is drawn per turn. Empty: none."""
 
 
-# Wording after Magpie's task-specific system prompts (Xu et al. 2024, arXiv 2406.08464, appendix "system prompt
-# steering"): say what the user will ask. Openers measured on SmolLM2-135M-Instruct (docs/regenerate.md): the
-# system turn alone drifts back to advice questions in about half the turns; with an opener most stay on kind.
+# Wording after Magpie's task-specific system prompts (Xu et al. 2024, arXiv 2406.08464, "system prompt steering"):
+# say what the user will ask. On SmolLM2-135M-Instruct the system turn alone drifts back to advice questions (2 of
+# 4 math turns on kind in a first probe, as with an opener alone); with both, nearly all kept turns are on kind
+# (read by hand over the chat-kinds set's samples). Unsteered (general), nearly every turn asks for advice or a plan.
 TASK_KINDS: dict[str, TaskKind] = {k.name: k for k in (
     TaskKind("writing", "You are an AI assistant that helps people with creative and professional writing. The user "
              "will ask you to write stories, poems, essays, emails, speeches or other texts, or to edit and improve "
