@@ -10,7 +10,10 @@
 #   build.json; new seeds for a new build)
 #
 # Stages (STAGES, space-separated, default all): setup evalset data train export eval pack. Knobs: SELF_COUNT
-# (first-turn samples per self wave, 24000), WAVES (self waves as SEED:ANSWER_TEMPERATURE, default "1:0 2:0.7"),
+# (first-turn samples per self wave, 24000), KINDS (the task-kind mix of self waves' first turns, `--self-kinds`:
+# all, or KIND[:WEIGHT],... of writing roleplay reasoning math coding extraction stem humanities general; default
+# all; general alone is the unsteered waves of drafters 1-5), KINDS_EVAL_COUNT (first turns sampled for the
+# held-out chat-kinds set, 600: 88% were kept on the CPU), WAVES (self waves as SEED:ANSWER_TEMPERATURE, default "1:0 2:0.7"),
 # PARALLEL (self waves run at once on the one GPU, 1; at ROWS 2048 a wave holds about 95 GiB of an H200, so more than one needs ROWS 1024), ROWS (1024), MAX_NEW (512), EPOCHS (3), LR (8e-4),
 # BATCH_TOKENS (32768), DRAFT_VOCAB (8192; a from-scratch build may take more, up to the 25 MB package limit: 12288; with INIT_FROM a size above the start's grows its vocabulary), TRAIN_TIMEOUT (s, 3000), INIT_FROM (a drafter to fine-tune, e.g. smollm2 for the shipped
 # one; empty: from scratch), RECIPE (a new drafter's layout, normed: drafter 4
@@ -22,12 +25,13 @@
 # files of 16 MiB): the export's weights in 15 MB parts with their sha256, config.json, README.md and one
 # build.tgz of summaries, logs, metrics and evals; join them here with `bash scripts/device/device_carry.sh join DIR DEST`.
 # What to commit afterwards (only when the new drafter beats the shipped one on chat-eval): $W/export/* into
-# src/draftsmith/data/drafters/smollm2/, and $W/chat_eval.jsonl into src/draftsmith/data/ if it changed.
+# src/draftsmith/data/drafters/smollm2/, and $W/chat_eval.jsonl and $W/chat_eval_kinds.jsonl into
+# src/draftsmith/data/ if they changed. Tau per kind: `draftsmith eval --prompts chat-kinds:KIND` for each kind.
 set -euo pipefail
 W=${W:-/tmp/ds}; STAGES=${STAGES:-setup evalset data train export eval pack}; PACK=${PACK:-}
 SELF_COUNT=${SELF_COUNT:-24000}; ROWS=${ROWS:-1024}; MAX_NEW=${MAX_NEW:-512}; EPOCHS=${EPOCHS:-3}; LR=${LR:-8e-4}
 BATCH_TOKENS=${BATCH_TOKENS:-32768}; DRAFT_VOCAB=${DRAFT_VOCAB:-8192}; TRAIN_TIMEOUT=${TRAIN_TIMEOUT:-3000}; DEVICE=${DEVICE:-cuda}
-WAVES=${WAVES:-1:0 2:0.7}; PARALLEL=${PARALLEL:-1}; INIT_FROM=${INIT_FROM:-}; EVALS=${EVALS:-chat tree humaneval}; RECIPE=${RECIPE:-normed}
+KINDS=${KINDS:-all}; KINDS_EVAL_COUNT=${KINDS_EVAL_COUNT:-600}; WAVES=${WAVES:-1:0 2:0.7}; PARALLEL=${PARALLEL:-1}; INIT_FROM=${INIT_FROM:-}; EVALS=${EVALS:-chat tree humaneval}; RECIPE=${RECIPE:-normed}
 EVAL_COUNT=${EVAL_COUNT:-600}; EVAL_LIMIT=${EVAL_LIMIT:-200}; EVAL_TOKENS=${EVAL_TOKENS:-192}; TRAIN_LIMIT=${TRAIN_LIMIT:-}; MAX_STEPS=${MAX_STEPS:-}; DTYPE=${DTYPE:-bfloat16}
 TRAIN_ARGS=${TRAIN_ARGS:-}
 FAMILY=${FAMILY:-eagle3}; BLOCK=${BLOCK:-16}; MASK_TOKEN=${MASK_TOKEN:-16}; LAYERS=${LAYERS:-3}; ANCHORS=${ANCHORS:-512}
@@ -59,13 +63,17 @@ if has evalset; then  # held-out chat prompts: another seed than any training wa
   $DS regenerate --prompts self --prompts-only --self-count "$EVAL_COUNT" --self-seed 9001 $GEN --out "$W/chat_eval_all.jsonl"
   head -n 200 "$W/chat_eval_all.jsonl" > "$W/chat_eval.jsonl"
   mkdir -p src/draftsmith/data && cp "$W/chat_eval.jsonl" src/draftsmith/data/chat_eval.jsonl  # training waves drop prompts that overlap it
+  stamp "evalset: self-written chat-kinds prompts by kind (seed 9002, deduplicated against chat-eval)"
+  $DS regenerate --prompts self --prompts-only --self-kinds all --self-count "$KINDS_EVAL_COUNT" --self-seed 9002 $GEN \
+      --out "$W/chat_eval_kinds.jsonl" --overwrite
+  cp "$W/chat_eval_kinds.jsonl" src/draftsmith/data/chat_eval_kinds.jsonl  # training waves drop prompts that overlap it
 fi
 
 if has data; then
   wave() {  # one self wave: SEED:T -> $W/self_s$SEED.jsonl (answers greedy at T 0, sampled with seed SEED otherwise)
     local seed=${1%%:*} temp=${1##*:}
-    stamp "data: self-written conversations, seed $seed, answers at T $temp"
-    $DS regenerate --prompts self --self-count "$SELF_COUNT" --self-seed "$seed" --temperature "$temp" --seed "$seed" $GEN \
+    stamp "data: self-written conversations, seed $seed, kinds $KINDS, answers at T $temp"
+    $DS regenerate --prompts self --self-count "$SELF_COUNT" --self-kinds "$KINDS" --self-seed "$seed" --temperature "$temp" --seed "$seed" $GEN \
         --out "$W/self_s$seed.jsonl" --json > "$W/self_s$seed.summary.json"
     stamp "data: wave seed $seed done"
   }

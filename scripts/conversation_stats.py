@@ -3,7 +3,8 @@
     python3 scripts/conversation_stats.py CONVERSATIONS.jsonl --out data_summary.json [--target smollm2]
     python3 scripts/conversation_stats.py --training-curve RUN/metrics.jsonl --out training_curve.json
 
-The data summary counts conversations by source (`meta.prompts`, temperature), multi-turn share, tokens and
+The data summary counts conversations by source (`meta.prompts`, temperature), by task kind of self-written
+ones (`meta.kind`, `--self-kinds`), multi-turn share, tokens and
 supervised tokens as the trainer tokenizes them, and a histogram of tokenized lengths (bins of 64 tokens:
 the length distribution that benchmarks of packed training draw from). The curve lists every eval record
 (step, epoch, simulated tau per k, per-step accuracy, loss).
@@ -25,15 +26,18 @@ def data_summary(path: Path, target: str, max_length: int) -> dict:
     from draftsmith.target import load_target, resolve_target
 
     _, tokenizer = load_target(resolve_target(target), device="cpu")
+    sources: Counter = Counter()
     kinds: Counter = Counter()
     n = multi = 0
     for conv in read_conversations(path):
         n += 1
         multi += sum(m["role"] == "user" for m in conv.messages) > 1
-        kinds[f"{conv.meta.get('prompts', 'builtin')}, T {conv.meta.get('temperature')}"] += 1
+        sources[f"{conv.meta.get('prompts', 'builtin')}, T {conv.meta.get('temperature')}"] += 1
+        kinds[conv.meta.get("kind", "none recorded")] += 1
     samples = [s for _, s in tokenized_conversations(path, tokenizer, max_length)]
     lengths = Counter(len(s.input_ids) // BIN * BIN for s in samples)
-    return {"conversations": n, "multi_turn": multi, "multi_turn_share": multi / max(n, 1), "by_source": dict(kinds),
+    return {"conversations": n, "multi_turn": multi, "multi_turn_share": multi / max(n, 1), "by_source": dict(sources),
+            "by_kind": dict(kinds),
             "tokens": sum(len(s.input_ids) for s in samples), "supervised_tokens": sum(s.num_supervised for s in samples),
             "max_length": max_length,
             "length_histogram": {"bin_tokens": BIN, "counts": {str(k): v for k, v in sorted(lengths.items())}}}

@@ -65,7 +65,7 @@ def test_regenerate_self_writes_multi_turn_conversations_and_a_rerun_skips_them(
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(path)
     sp = SelfPromptSettings(count=24, max_turn_tokens=12, multi_turn=0.5, min_chars=2, seed=3)
-    ls = LocalSettings(max_new_tokens=10, batch_size=8, decoder=decoder, max_length=128)
+    ls = LocalSettings(max_new_tokens=10, batch_size=8, decoder=decoder, max_length=256)  # a kind's system turn
     out = tmp_path / "conv.jsonl"
     complete = LocalCompleter(model, tok, ls, end_of_turn_stops(tok)[0])
     with ConversationWriter(out) as w:

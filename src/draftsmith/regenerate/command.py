@@ -28,9 +28,9 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.progress import progress_bar
 from draftsmith.regenerate.prompts import SELF, Prompt, load_prompts, stable_id
 from draftsmith.regenerate.record import check_append, removed_if_unwritten, shaping
-from draftsmith.regenerate.selfprompt import (Completer, Continuation, FilterCounts, SelfPromptSettings, TurnFilter, end_of_turn_ids,
-                                   eval_prompt_texts,
-                                   user_turn_prefix)
+from draftsmith.regenerate.selfprompt import (ALL_KINDS, Completer, Continuation, FilterCounts,
+                                             SelfPromptSettings, TurnFilter, end_of_turn_ids, eval_prompt_texts,
+                                             parse_kinds, steer, user_turn_prefix)
 
 @dataclass(frozen=True)
 class LocalSettings:
@@ -212,14 +212,28 @@ def end_of_turn_stops(tokenizer) -> tuple[list[int], str]:
 
 
 def sample_user_turns(complete: Completer, tokenizer, histories: list[list[dict]], sp: SelfPromptSettings,
-                      flt: TurnFilter) -> tuple[list[str | None], int, float]:
-    """A sampled user turn after each history (None where the filter dropped it), tokens generated, seconds."""
-    prefixes = [user_turn_prefix(tokenizer, h)[0] for h in histories]
+                      flt: TurnFilter, openers: list[str] | None = None) -> tuple[list[str | None], int, float]:
+    """A sampled user turn after each history (None where the filter dropped it), tokens generated, seconds.
+
+    An opener is put at the start of the user turn and kept in it; a turn that adds nothing to it counts as empty.
+    """
+    openers = openers or [""] * len(histories)
+    prefixes = [user_turn_prefix(tokenizer, h)[0] + o for h, o in zip(histories, openers)]
     t0 = time.perf_counter()
     out = complete(prefixes, sp.max_turn_tokens, sp.temperature, sp.top_p, "user turns") if prefixes else []
     seconds = time.perf_counter() - t0
-    texts = [None if flt.reason(c.text.strip(), c.stopped) else c.text.strip() for c in out]
+    texts = [(o + c.text).strip() if c.text.strip() else "" for o, c in zip(openers, out)]
+    texts = [None if flt.reason(t, c.stopped) else t for t, c in zip(texts, out)]
     return texts, sum(c.tokens for c in out), seconds
+
+
+def sample_first_turns(complete: Completer, tokenizer, sp: SelfPromptSettings,
+                       flt: TurnFilter) -> tuple[list[tuple[str, str]], int, float]:
+    """First user turns steered by task kind (selfprompt.steer): (kind, text) of each kept one, tokens, seconds."""
+    steered = steer(sp.kinds, sp.count, sp.seed)
+    texts, tokens, seconds = sample_user_turns(complete, tokenizer, [t.history for t in steered], sp, flt,
+                                               [t.opener for t in steered])
+    return [(t.kind, text) for t, text in zip(steered, texts) if text is not None], tokens, seconds
 
 
 def answer_all(complete: Completer, tokenizer, convs: list[list[dict]], settings: LocalSettings) -> list[Continuation]:
@@ -241,11 +255,10 @@ def regenerate_self(complete: Completer, tokenizer, writer: ConversationWriter, 
     start = time.perf_counter()
     torch.manual_seed(sp.seed)
     flt = TurnFilter(sp, eval_texts if eval_texts is not None else eval_prompt_texts())
-    firsts, prompt_tokens, prompt_s = sample_user_turns(complete, tokenizer, [[]] * sp.count, sp, flt)
-    convs = [[{"role": "user", "content": t}] for t in firsts if t is not None]
-    ids = [stable_id("self", f"{sp.seed}:{t}") for t in firsts if t is not None]
-    todo = [i for i, cid in enumerate(ids) if cid not in writer.done]
-    convs, ids = [convs[i] for i in todo], [ids[i] for i in todo]
+    firsts, prompt_tokens, prompt_s = sample_first_turns(complete, tokenizer, sp, flt)
+    firsts = [(kind, t) for kind, t in firsts if stable_id("self", f"{sp.seed}:{t}") not in writer.done]
+    convs = [[{"role": "user", "content": t}] for _, t in firsts]
+    ids = [stable_id("self", f"{sp.seed}:{t}") for _, t in firsts]
     torch.manual_seed(sp.seed + 1)
     t0 = time.perf_counter()
     answers = answer_all(complete, tokenizer, convs, settings)
@@ -268,9 +281,10 @@ def regenerate_self(complete: Completer, tokenizer, writer: ConversationWriter, 
         convs[i].append(assistant_message(c.text, reasoning))
         answer_tokens += c.tokens
     answer_s += time.perf_counter() - t0
-    for cid, conv in zip(ids, convs):
+    for cid, (kind, _), conv in zip(ids, firsts, convs):
         writer.write(Conversation(cid, conv, {"backend": backend, "target": target_name, "prompts": "self",
-                                              "self_seed": sp.seed, "temperature": settings.temperature}))
+                                              "kind": kind, "self_seed": sp.seed,
+                                              "temperature": settings.temperature}))
     writer.sync()
     return SelfSummary(flt.counts, follow_flt.counts, len(convs), len(second), answer_tokens,
                        time.perf_counter() - start, (prompt_tokens + n_follow) / max(prompt_s + follow_s, 1e-9),
@@ -279,18 +293,18 @@ def regenerate_self(complete: Completer, tokenizer, writer: ConversationWriter, 
 
 def write_self_prompts(complete: Completer, tokenizer, out: Path, sp: SelfPromptSettings,
                        eval_texts: list[str] | None = None) -> FilterCounts:
-    """Sample and filter first user turns only, and write them as a prompt JSONL (`{"id", "prompt"}` per line)."""
+    """Sample and filter first user turns only, and write them as a prompt JSONL (`{"id", "prompt", "kind"}` per
+    line)."""
     torch.manual_seed(sp.seed)
     flt = TurnFilter(sp, eval_texts if eval_texts is not None else eval_prompt_texts())
-    texts, _, _ = sample_user_turns(complete, tokenizer, [[]] * sp.count, sp, flt)
+    firsts, _, _ = sample_first_turns(complete, tokenizer, sp, flt)
     with open(out, "w") as f:
-        for t in texts:
-            if t is not None:
-                f.write(json.dumps({"id": stable_id("self", f"{sp.seed}:{t}"), "prompt": t}) + "\n")
+        for kind, t in firsts:
+            f.write(json.dumps({"id": stable_id("self", f"{sp.seed}:{t}"), "prompt": t, "kind": kind}) + "\n")
     return flt.counts
 
 
-SELF_FIELDS = ("self_count", "self_temperature", "self_top_p", "self_seed", "multi_turn", "max_turn_tokens")
+SELF_FIELDS = ("self_count", "self_kinds", "self_temperature", "self_top_p", "self_seed", "multi_turn", "max_turn_tokens")
 ENDPOINT_FIELDS = ("model", "concurrency", "max_retries", "error_budget", "request_timeout_s")
 
 
@@ -325,6 +339,9 @@ class RegenerateSettings(Settings):
     """keep: store reasoning as `reasoning_content`; drop: the answer only."""
     self_count: int = Field(SelfPromptSettings.count, ge=1)
     """prompts: self: user turns to sample before filtering (thousands for a real drafter)."""
+    self_kinds: str = ALL_KINDS
+    """prompts: self: task kinds of the first user turns, all (equal weights) or KIND[:WEIGHT],... with KIND one of
+    writing, roleplay, reasoning, math, coding, extraction, stem, humanities, general (general: unsteered)."""
     self_temperature: float = Field(SelfPromptSettings.temperature, ge=0)
     """prompts: self: sampling temperature of user turns (Magpie: 1.0)."""
     self_top_p: float = Field(SelfPromptSettings.top_p, gt=0, le=1)
@@ -353,6 +370,7 @@ class RegenerateSettings(Settings):
     def check_choices(self) -> RegenerateSettings:
         check_choices(("--decoder", self.decoder, ("auto", "rows", "generate")),
                       ("--dtype", self.dtype, ("float32", "bfloat16")), ("--reasoning", self.reasoning, ("keep", "drop")))
+        parse_kinds(self.self_kinds)
         return self
 
     def local(self) -> LocalSettings:
@@ -366,7 +384,7 @@ class RegenerateSettings(Settings):
         """How `prompts: self` samples and filters user turns."""
         return SelfPromptSettings(count=self.self_count, temperature=self.self_temperature, top_p=self.self_top_p,
                                   seed=self.self_seed, multi_turn=self.multi_turn,
-                                  max_turn_tokens=self.max_turn_tokens)
+                                  max_turn_tokens=self.max_turn_tokens, kinds=parse_kinds(self.self_kinds))
 
     def endpoint(self) -> EndpointSettings:
         """How the endpoint backend talks to the servers."""

@@ -8,6 +8,11 @@ Sources:
 - `chat-eval`: built-in, general chat questions SmolLM2-135M-Instruct wrote itself (`--prompts self` with
   another seed than any training run, deduplicated against the embedded drafter's training prompts),
   shipped in `data/chat_eval.jsonl`.
+- `chat-kinds`: built-in, held-out chat questions by kind of task (writing, roleplay, reasoning, math, coding,
+  extraction, STEM, humanities, general) the target wrote itself, steered as `--prompts self --self-kinds all`
+  steers training waves, with a seed no training wave uses; each record has a `kind`
+  (`data/chat_eval_kinds.jsonl`). `chat-kinds:math,coding` keeps those kinds only (any set whose records
+  have a `kind` filters the same way).
 - `self`: not a file: `regenerate --prompts self` has the target write its own user turns (selfprompt.py).
 - a JSONL path whose records hold `{"prompt": str}`, OpenAI `{"messages": [...]}`, ShareGPT
   `{"conversations": [{"from", "value"}]}`, or MT-bench style `{"turns": [str, ...]}`.
@@ -31,11 +36,14 @@ from typing import Any
 from draftsmith.errors import DraftsmithError
 from draftsmith.files import read_jsonl
 
-BUILTIN_SETS = ("train", "eval", "humaneval", "chat-eval")
-EVAL_SETS = ("eval", "chat-eval")
+BUILTIN_SETS = ("train", "eval", "humaneval", "chat-eval", "chat-kinds")
+EVAL_SETS = ("eval", "chat-eval", "chat-kinds")
 """Prompt sets kept out of training: self-written prompts that overlap them are dropped."""
 SELF = "self"
 CHAT_EVAL_FILE = Path(__file__).parents[1] / "data" / "chat_eval.jsonl"
+CHAT_KINDS_FILE = Path(__file__).parents[1] / "data" / "chat_eval_kinds.jsonl"
+SHIPPED_FILES = {"chat-eval": CHAT_EVAL_FILE, "chat-kinds": CHAT_KINDS_FILE}
+"""Built-in prompt sets stored as JSONL in the package."""
 # Standard-library modules whose public functions seed the built-in training prompts. A fixed list
 # keeps the set stable; modules missing on a given Python are skipped.
 STDLIB_MODULES = (
@@ -62,6 +70,8 @@ class Prompt:
 
     id: str
     messages: list[dict[str, str]]
+    kind: str = ""
+    """The kind of task the prompt was written as (`--self-kinds`; empty: not recorded)."""
 
     @property
     def num_user_turns(self) -> int:
@@ -119,14 +129,15 @@ def prompt_from_record(obj: Any, default_id: str, where: str) -> Prompt:
                               expected='{"prompt": ...}, {"messages": [...]}, {"conversations": [...]} or {"turns": [...]}',
                               fix="fix that line")
     pid = str(obj.get("id") or obj.get("question_id") or default_id)
+    kind = obj.get("kind") if isinstance(obj.get("kind"), str) else ""
     if isinstance(obj.get("prompt"), str):
-        return Prompt(pid, [{"role": "user", "content": obj["prompt"]}])
+        return Prompt(pid, [{"role": "user", "content": obj["prompt"]}], kind)
     if isinstance(obj.get("turns"), list):
         if not obj["turns"] or not all(isinstance(t, str) for t in obj["turns"]):
             raise DraftsmithError(f"prompt record at {where}: turns is not a list of user turns",
                                   got=json.dumps(obj["turns"])[:120], expected='"turns": ["first user turn", ...]',
                                   fix="fix or remove that record")
-        return Prompt(pid, [{"role": "user", "content": t} for t in obj["turns"]])
+        return Prompt(pid, [{"role": "user", "content": t} for t in obj["turns"]], kind)
     if isinstance(obj.get("messages"), list):
         msgs = turns(obj["messages"], "role", "content", {"system": "system", "user": "user"}, where)
     elif isinstance(obj.get("conversations"), list):
@@ -138,7 +149,7 @@ def prompt_from_record(obj: Any, default_id: str, where: str) -> Prompt:
         raise DraftsmithError(f"no user turn in the prompt record at {where}", got=json.dumps(obj)[:120],
                               expected="a prompt, turns, messages or ShareGPT conversations with a user turn",
                               fix="fix or remove that record")
-    return Prompt(pid, msgs)
+    return Prompt(pid, msgs, kind)
 
 
 def require_text(prompt: Prompt, where: str) -> Prompt:
@@ -165,27 +176,46 @@ def turns(items: list, role_key: str, text_key: str, role_of: dict[str, str], wh
 
 
 def load_prompts(source: str, limit: int | None = None) -> list[Prompt]:
-    """Load a prompt set by name (`train`, `eval`, `humaneval`) or from a JSONL path."""
+    """Load a prompt set by name (`train`, `eval`, `humaneval`, `chat-eval`, `chat-kinds`) or from a JSONL path;
+    `SOURCE:KIND,...` keeps the prompts of those kinds (records with a `kind` field)."""
+    base, _, kinds = source.rpartition(":") if ":" in source and not Path(source).is_file() else (source, "", "")
+    prompts = of_kinds(load_source(base), kinds.split(","), source) if kinds else load_source(source)
+    return prompts[:limit] if limit else prompts
+
+
+def of_kinds(prompts: list[Prompt], kinds: list[str], source: str) -> list[Prompt]:
+    """The prompts whose kind is one of `kinds`; an unknown kind is refused, naming those the set has."""
+    have = sorted({p.kind for p in prompts if p.kind})
+    if unknown := [k for k in kinds if k not in have]:
+        raise DraftsmithError(f"--prompts {source}: no prompts of kind {', '.join(map(repr, unknown))}",
+                              got=f"kinds in the set: {', '.join(have) or 'none recorded'}",
+                              expected="kinds the set's records hold in their `kind` field",
+                              fix=f"e.g. --prompts {source.rpartition(':')[0]}:{have[0] if have else 'KIND'}")
+    return [p for p in prompts if p.kind in kinds]
+
+
+def load_source(source: str) -> list[Prompt]:
+    """Every prompt of a named set or a JSONL path."""
     if source == "train":
-        prompts = stdlib_function_prompts()
-    elif source in ("eval", "humaneval"):
-        prompts = humaneval_prompts()
-    elif source == "chat-eval":
-        prompts = [prompt_from_record(obj, f"chat-eval-{n}", f"{CHAT_EVAL_FILE}:{n}") for n, obj in read_jsonl(CHAT_EVAL_FILE, "prompt file")]
-    elif source == SELF:
+        return stdlib_function_prompts()
+    if source in ("eval", "humaneval"):
+        return humaneval_prompts()
+    if source in SHIPPED_FILES:
+        path = SHIPPED_FILES[source]
+        return [prompt_from_record(obj, f"{source}-{n}", f"{path}:{n}") for n, obj in read_jsonl(path, "prompt file")]
+    if source == SELF:
         raise DraftsmithError("--prompts self is written by the target at regeneration time", got="load_prompts('self')",
                               expected="a prompt set name or file", fix="use it with `draftsmith regenerate --prompts self`")
-    else:
-        path = Path(source)
-        if not path.is_file():
-            raise DraftsmithError("unknown prompt source", got=repr(source),
-                                  expected=f"one of {BUILTIN_SETS} or a JSONL file",
-                                  fix="pass --prompts train|eval|chat-eval or the path to a .jsonl file")
-        prompts = [require_text(prompt_from_record(obj, f"{path.stem}-{n}", f"{path}:{n}"), f"{path}:{n}")
-                   for n, obj in read_jsonl(path, "prompt file")]
-        seen: set[str] = set()
-        dupes = [p.id for p in prompts if p.id in seen or seen.add(p.id)]
-        if dupes:
-            raise DraftsmithError(f"duplicate prompt ids in {path}", got=str(dupes[:5]),
-                                  expected="unique ids (they key resumable outputs)", fix="make the ids unique")
-    return prompts[:limit] if limit else prompts
+    path = Path(source)
+    if not path.is_file():
+        raise DraftsmithError("unknown prompt source", got=repr(source),
+                              expected=f"one of {BUILTIN_SETS} (SET:KIND,... for some kinds) or a JSONL file",
+                              fix="pass --prompts train|eval|chat-eval|chat-kinds or the path to a .jsonl file")
+    prompts = [require_text(prompt_from_record(obj, f"{path.stem}-{n}", f"{path}:{n}"), f"{path}:{n}")
+               for n, obj in read_jsonl(path, "prompt file")]
+    seen: set[str] = set()
+    dupes = [p.id for p in prompts if p.id in seen or seen.add(p.id)]
+    if dupes:
+        raise DraftsmithError(f"duplicate prompt ids in {path}", got=str(dupes[:5]),
+                              expected="unique ids (they key resumable outputs)", fix="make the ids unique")
+    return prompts

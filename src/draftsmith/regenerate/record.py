@@ -25,7 +25,7 @@ ANSWERS = ("prompts", "max_new_tokens", "temperature", "top_p", "reasoning")
 """What every backend's answers depend on."""
 LOCAL = ("seed", "dtype")
 """The local target's answers also depend on these."""
-SELF = ("self_count", "self_temperature", "self_top_p", "self_seed", "multi_turn", "max_turn_tokens")
+SELF = ("self_count", "self_kinds", "self_temperature", "self_top_p", "self_seed", "multi_turn", "max_turn_tokens")
 """--prompts self: the user turns depend on these."""
 
 

@@ -6,14 +6,21 @@ temperature 1.0 / top-p 0.95 this yields varied questions on the target's own di
 no prompt data still gets a drafter trained on what the target answers. A follow-up turn is sampled the
 same way after the first answer (the history rendered, then a new user header).
 
+Left alone, a small instruct model writes mostly advice and how-to questions. Each first turn is therefore
+steered to a kind of task (TASK_KINDS: writing, roleplay, reasoning, math, coding, extraction, STEM,
+humanities, general): Magpie's system-prompt steering (a system turn saying what the user will ask replaces
+the template's default one, for the user turn's sampling only) plus a seed phrase the user turn starts with
+and keeps. The answer is generated under the template's default system prompt, as real traffic is.
+
 This module holds the pieces that are independent of how tokens are generated: the user-turn prefix of any
-chat template, the end-of-turn stop ids, and the filters (empty or cut-off turns, degenerate repetition,
+chat template, the task kinds and their mix, the end-of-turn stop ids, and the filters (empty or cut-off turns, degenerate repetition,
 near-duplicates by MinHash over word shingles, overlap with the eval prompt sets), each counted.
 `draftsmith regenerate --prompts self` (regenerate.py) runs the generation waves.
 """
 
 from __future__ import annotations
 
+import random
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
@@ -23,6 +30,105 @@ from draftsmith.errors import DraftsmithError
 
 SENTINEL = "DRAFTSMITHUSERTURNSENTINEL"
 WORD = re.compile(r"\w+", re.UNICODE)
+
+
+@dataclass(frozen=True)
+class TaskKind:
+    """How first user turns of one kind of task are steered."""
+
+    name: str
+    system: str | None
+    """The system turn the user turn is sampled under (None: the template's default, unsteered)."""
+    openers: tuple[str, ...]
+    """Seed phrases a user turn starts with (kept in the turn); one is drawn per turn. Empty: none."""
+
+
+# Wording after Magpie's task-specific system prompts (Xu et al. 2024, arXiv 2406.08464, "system prompt steering"):
+# say what the user will ask. On SmolLM2-135M-Instruct the system turn alone drifts back to advice questions (2 of
+# 4 math turns on kind in a first probe, as with an opener alone); with both, nearly all kept turns are on kind
+# (read by hand over the chat-kinds set's samples). Unsteered (general), nearly every turn asks for advice or a plan.
+TASK_KINDS: dict[str, TaskKind] = {k.name: k for k in (
+    TaskKind("writing", "You are an AI assistant that helps people with creative and professional writing. The user "
+             "will ask you to write stories, poems, essays, emails, speeches or other texts, or to edit and improve "
+             "a text.", ("Write", "Compose", "Draft", "Can you write", "Rewrite")),
+    TaskKind("roleplay", "You are an AI assistant that takes part in role-play. The user will ask you to play a "
+             "character, a historical figure or a professional, or to act out a scene or a conversation.",
+             ("Pretend you are", "Act as", "Let's role-play:", "Imagine you are", "You are")),
+    TaskKind("reasoning", "You are an AI assistant skilled in logical reasoning. The user will give you puzzles, "
+             "riddles, logic problems and questions that need careful step-by-step thinking.",
+             ("Solve this puzzle:", "If", "Here is a riddle:", "Which", "Three friends")),
+    TaskKind("math", "You are an AI assistant that solves math problems. The user will ask arithmetic, algebra, "
+             "geometry, probability and word problems with numbers, and wants a worked solution.",
+             ("Solve", "Calculate", "What is", "Find", "A train")),
+    TaskKind("coding", "You are an AI programming assistant. The user will ask you to write, explain, fix or review "
+             "code in Python, JavaScript, SQL, C++ or other languages.",
+             ("Write a Python function", "How do I", "Fix this code:", "Write a JavaScript", "Write a SQL query")),
+    TaskKind("extraction", "You are an AI assistant that extracts and organizes information. The user will paste a "
+             "text (an article, an email, a review, a table) and ask you to pull out names, dates, facts or fields, "
+             "summarize it, or turn it into a list or a table.",
+             ("Extract", "From the following text,", "Summarize the following", "List all", "Read this email")),
+    TaskKind("stem", "You are an AI assistant with expertise in science and engineering. The user will ask questions "
+             "about physics, chemistry, biology, medicine, computer science, engineering and technology.",
+             ("Explain how", "Why does", "What is the difference between", "How does")),
+    TaskKind("humanities", "You are an AI assistant with expertise in the humanities and social sciences. The user "
+             "will ask questions about history, philosophy, literature, art, religion, economics, law and politics.",
+             ("Discuss", "What were the causes of", "How did", "Compare")),
+    TaskKind("general", None, ()),
+)}
+ALL_KINDS = "all"
+
+
+def parse_kinds(spec: str) -> tuple[tuple[str, float], ...]:
+    """The task-kind mix of `--self-kinds`: `all` (every kind, equal weights) or `KIND[:WEIGHT],...`.
+
+    Raises:
+        DraftsmithError: an unknown kind, a repeated one, or a weight that is not a positive number.
+    """
+    if spec.strip() == ALL_KINDS:
+        return tuple((name, 1.0) for name in TASK_KINDS)
+    mix: dict[str, float] = {}
+    problems = []
+    for item in (i.strip() for i in spec.split(",")):
+        name, _, weight = item.partition(":")
+        try:
+            w = float(weight) if weight else 1.0
+        except ValueError:
+            w = -1.0
+        if name not in TASK_KINDS:
+            problems.append(f"unknown kind {name!r}")
+        elif name in mix:
+            problems.append(f"{name!r} given twice")
+        elif not w > 0 or w == float("inf"):
+            problems.append(f"weight {weight!r} of {name!r}")
+        else:
+            mix[name] = w
+    if problems or not mix:
+        raise DraftsmithError("--self-kinds: not a mix of task kinds", got=f"{spec!r}: {'; '.join(problems) or 'empty'}",
+                              expected=f"{ALL_KINDS!r} or KIND[:WEIGHT],... with KIND one of {', '.join(TASK_KINDS)} "
+                                       "and WEIGHT a positive number",
+                              fix="e.g. --self-kinds all, or --self-kinds writing,math:2,coding:2,general")
+    return tuple(mix.items())
+
+
+@dataclass(frozen=True)
+class SteeredTurn:
+    """Where one first user turn is sampled: its kind, the system turn it is sampled under, its opener."""
+
+    kind: str
+    history: list[dict[str, Any]]
+    opener: str
+
+
+def steer(kinds: tuple[tuple[str, float], ...], count: int, seed: int) -> list[SteeredTurn]:
+    """`count` first turns' kinds drawn from the mix and an opener for each, seeded (another seed: another draw)."""
+    rng = random.Random(seed)
+    names = rng.choices([n for n, _ in kinds], weights=[w for _, w in kinds], k=count)
+    turns = []
+    for name in names:
+        kind = TASK_KINDS[name]
+        history = [{"role": "system", "content": kind.system}] if kind.system else []
+        turns.append(SteeredTurn(name, history, rng.choice(kind.openers) if kind.openers else ""))
+    return turns
 
 
 @dataclass(frozen=True)
@@ -47,6 +153,8 @@ class SelfPromptSettings:
     """Estimated Jaccard similarity of word 3-gram shingles at or above which a turn is a near-duplicate."""
     num_perm: int = 64
     """MinHash permutations."""
+    kinds: tuple[tuple[str, float], ...] = tuple((name, 1.0) for name in TASK_KINDS)
+    """Task kinds of first turns and their mix weights (parse_kinds)."""
 
 
 @dataclass(frozen=True)
@@ -188,14 +296,13 @@ class TurnFilter:
 
 
 def eval_prompt_texts() -> list[str]:
-    """User texts of every built-in eval prompt set (self-written prompts that overlap them are dropped)."""
-    from draftsmith.regenerate.prompts import EVAL_SETS, load_prompts
-
-    from draftsmith.regenerate.prompts import CHAT_EVAL_FILE
+    """User texts of every built-in eval prompt set (self-written prompts that overlap them are dropped); a
+    shipped set not built yet is skipped (the first eval set is written before it exists)."""
+    from draftsmith.regenerate.prompts import EVAL_SETS, SHIPPED_FILES, load_prompts
 
     texts = []
     for name in EVAL_SETS:
-        if name == "chat-eval" and not CHAT_EVAL_FILE.is_file():
+        if name in SHIPPED_FILES and not SHIPPED_FILES[name].is_file():
             continue
         texts += [m["content"] for p in load_prompts(name, None) for m in p.messages if m["role"] == "user"]
     return texts
