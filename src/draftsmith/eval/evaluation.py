@@ -204,9 +204,12 @@ def run_eval(target_name: str, drafter_dir: Path, s: EvalSettings) -> list[KResu
     """
     from draftsmith.regenerate.chat import prompt_ids
     from draftsmith.model.checkpoint import load_drafter, read_drafter_config
+    from draftsmith.model.eagle3 import Eagle3Drafter
     from draftsmith.conventions import engine_aux_ids
     from draftsmith.eval.cpu_gemm import pack_linears
-    from draftsmith.eval.decoder import DecodeSettings, decode_batch, first_divergence, masked_gqa, target_decode
+    from draftsmith.eval.decoder import (DecodeSettings, check_block_settings, decode_batch, first_divergence,
+                                        masked_gqa, target_decode)
+    from draftsmith.model.dflash import DFlashDrafter
     from draftsmith.progress import progress_bar
     from draftsmith.regenerate.prompts import load_prompts
     from draftsmith.target import describe_target, load_target, pick_device, read_config, resolve_target
@@ -222,14 +225,18 @@ def run_eval(target_name: str, drafter_dir: Path, s: EvalSettings) -> list[KResu
     drafter_config = read_drafter_config(Path(drafter_dir))
     drafter = load_drafter(drafter_dir)
     check_drafter_fits(drafter, spec, target_name, drafter_dir)
+    if isinstance(drafter, DFlashDrafter):  # a block drafts at most block size - 1 tokens, as a chain
+        for k in ks:
+            check_block_settings(drafter, DecodeSettings(k=k, topk=topk, draft_tokens=draft_tokens))
     aux_ids = engine_aux_ids(drafter_config, spec.num_layers, engine)
     if max(aux_ids) >= spec.num_layers:
         raise DraftsmithError(f"{engine} would read aux ids {list(aux_ids)}, past the target's {spec.num_layers} layers",
                               got=str(drafter_config.get("eagle_config")), expected="ids inside the target",
                               fix="re-export the drafter for this engine: draftsmith export --format " + engine)
     target, tokenizer = load_target(model_dir, dtype=dtype, device=device)
-    with torch.no_grad():  # the frozen embedding is the target's
-        drafter.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
+    if isinstance(drafter, Eagle3Drafter):  # its frozen embedding is the target's (DFlash's forwards take the target's)
+        with torch.no_grad():
+            drafter.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
     drafter = drafter.to(device=target.device, dtype=getattr(torch, dtype)).eval()
     masked_gqa(target.device)
     if s.cpu_pack and target.device.type == "cpu":
