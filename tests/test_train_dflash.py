@@ -89,11 +89,10 @@ def test_a_trained_dflash_drafter_exports_and_evals_through_the_verbs(tiny_targe
                          "chat-eval", "--limit", "2", "--max-new-tokens", "12", "--k", "1,3", "--json", str(report)],
                         capture_output=True, text=True)
     assert ev.returncode == 0, ev.stderr[-2000:]
-    rows = json.loads(report.read_text())
-    rows = rows["results"] if isinstance(rows, dict) else rows
+    rows = json.loads(report.read_text())["sweep"]
     assert [r["k"] for r in rows] == [1, 3]
     for r in rows:
-        assert 1.0 <= r["tau"] <= r["k"] + 1 and r["identical"] is True
+        assert 1.0 <= r["tau"] <= r["k"] + 1 and r["identical_to_target"] is True
     too_long = subprocess.run([*run, "eval", "--target", str(tiny_target), "--drafter", str(exported), "--prompts",
                                "chat-eval", "--limit", "1", "--k", "4"], capture_output=True, text=True)
     assert too_long.returncode == 2 and "block size - 1" in too_long.stderr, too_long.stderr[-2000:]
