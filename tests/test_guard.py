@@ -1,0 +1,145 @@
+"""The acceptance guard without an engine: the expectation a drafter carries, the verdict on recorded metric
+texts, the deployment read from engine commands, and check's findings ranked as causes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import CFG
+from draftsmith.bench.guard import (EXPECTED_KEY, expected_from_eval, expected_from_eval_json, expected_record,
+                                    read_expected)
+from draftsmith.bench.metrics import acceptance_from_counters, parse_spec_counters
+from draftsmith.bench.verdict import GUARD_EXIT, decide_guard
+from draftsmith.export.convert import convert
+from draftsmith.export.formats import export
+from draftsmith.preflight.guard import Deployment, candidate_causes, deployment_from_command
+from guard_deployments import VLLM_BROKEN, vllm_deployments
+from public_layouts import write_specforge
+from safetensors.torch import load_file
+
+METRICS = Path(__file__).parent / "fixtures" / "metrics"
+EMBEDDED = (0.84, 0.68, 0.55)  # the order of the embedded drafter's held-back per-position acceptance at k=3
+
+
+def measured(name: str) -> tuple[float, ...]:
+    """Per-position acceptance of a recorded before/after pair of /metrics pages."""
+    source, before = parse_spec_counters((METRICS / f"{name}_before.prom").read_text())
+    _, after = parse_spec_counters((METRICS / f"{name}_after.prom").read_text())
+    return acceptance_from_counters(after.minus(before), source).per_position
+
+
+@pytest.mark.parametrize("name", ["vllm_cpu_spec", "llamacpp_spec"])
+def test_a_random_drafter_served_by_either_engine_is_collapsed(name):
+    got = measured(name)
+    v = decide_guard(EMBEDDED, got)
+    assert v.state == "collapsed" and v.exit_code == GUARD_EXIT["collapsed"] != 0
+    assert f"{got[0]:.2f}" in v.reasons[0] and "0.84" in v.reasons[0]
+    # with nothing to compare with, position 0 this low is still a collapse
+    assert decide_guard(None, got).state == "collapsed"
+
+
+@pytest.mark.parametrize("name", ["vllm_guard_correct"])
+def test_recorded_correct_deployments_accept_as_trained(name):
+    if not (METRICS / f"{name}_after.prom").is_file():
+        pytest.fail(f"missing recorded fixture {name}: written by tests/test_guard_engine.py (GUARD_RECORD)")
+    got = measured(name)
+    assert decide_guard(EMBEDDED, got).state == "as trained", got
+
+
+def test_a_moderate_drop_is_degraded_and_a_small_one_as_trained():
+    assert decide_guard(EMBEDDED, (0.60, 0.45, 0.30)).state == "degraded"
+    assert decide_guard(EMBEDDED, (0.78, 0.60, 0.49)).state == "as trained"
+    assert decide_guard(None, (0.78, 0.60, 0.49)).state == "unverified"
+    assert decide_guard(EMBEDDED, ()).state == "collapsed"
+
+
+def test_a_drop_within_the_sampling_error_of_few_drafts_is_not_degraded():
+    assert decide_guard(EMBEDDED, (0.62, 0.45, 0.30), drafts=15).state == "as trained"  # se ~0.095 at 15 drafts
+    assert decide_guard(EMBEDDED, (0.62, 0.45, 0.30), drafts=400).state == "degraded"
+    assert decide_guard(EMBEDDED, (0.05, 0.0, 0.0), drafts=15).state == "collapsed"
+
+
+def test_later_positions_do_not_decide():
+    # position 0 as trained, later ones low: the chain's tail is noisy over a few requests
+    assert decide_guard(EMBEDDED, (0.83, 0.30, 0.10)).state == "as trained"
+
+
+def test_the_expectation_at_a_served_k_the_record_lacks_takes_the_nearest():
+    config = {"draftsmith": {EXPECTED_KEY: expected_record({3: [0.8, 0.6, 0.5], 5: [0.7, 0.5, 0.4, 0.3, 0.2]}, 3,
+                                                           {"data": "x"})}}
+    assert read_expected(config, 3).per_position == (0.8, 0.6, 0.5)
+    assert read_expected(config, 2).per_position == (0.8, 0.6)  # k 3 is nearer than 5
+    four = read_expected(config, 4)
+    assert four.per_position == (0.7, 0.5, 0.4, 0.3) and four.measured_on["k_recorded"] == 5
+    assert read_expected({"draftsmith": {}}, 3) is None
+
+
+def test_the_trainer_eval_estimate_is_differences_of_walk_tau():
+    rec = expected_from_eval({"tau": {"1": 1.8, "2": 2.5, "3": 3.05}}, 3, {"data": "held-back"})
+    assert rec["by_k"]["3"]["per_position"] == pytest.approx([0.8, 0.7, 0.55])
+    assert "estimate" in rec["measured_on"]["method"]
+    assert expected_from_eval({"acc": [0.9]}, 3, {}) is None
+
+
+def test_export_records_the_expectation_at_the_exported_k(checkpoint, tmp_path):
+    _, ckpt = checkpoint
+    config = json.loads((ckpt / "config.json").read_text())
+    config["draftsmith"]["eval"] = {"tau": {"1": 1.5, "2": 1.8, "3": 2.0}}
+    (ckpt / "config.json").write_text(json.dumps(config))
+    out = export(ckpt, tmp_path / "out", "vllm", k=2)
+    rec = json.loads((out / "config.json").read_text())["draftsmith"][EXPECTED_KEY]
+    assert rec["k"] == 2 and rec["by_k"]["2"]["per_position"] == pytest.approx([0.5, 0.3])
+    assert read_expected(json.loads((out / "config.json").read_text()), None).per_position == pytest.approx((0.5, 0.3))
+
+
+def test_convert_records_none_unless_given_a_reference(checkpoint, tmp_path):
+    _, ckpt = checkpoint
+    src = write_specforge(load_file(str(ckpt / "model.safetensors")), CFG, tmp_path / "public")
+    plain = convert(src, tmp_path / "plain", "vllm", target_layers=30).out
+    assert EXPECTED_KEY not in json.loads((plain / "config.json").read_text())["draftsmith"]
+    ref = tmp_path / "eval.json"
+    ref.write_text(json.dumps({"settings": {"limit": 12, "max_new_tokens": 32, "dtype": "float32"},
+                               "sweep": [{"k": 3, "per_position": [0.7, 0.5, 0.3], "verify_steps": 90}]}))
+    with_ref = convert(src, tmp_path / "ref", "vllm", target_layers=30, reference=ref).out
+    rec = json.loads((with_ref / "config.json").read_text())["draftsmith"][EXPECTED_KEY]
+    assert rec["by_k"]["3"]["per_position"] == [0.7, 0.5, 0.3] and rec["measured_on"]["count"] == 12
+    with pytest.raises(Exception, match="per-position"):
+        expected_from_eval_json({"sweep": [{"k": 3}]}, 3, "x")
+
+
+def test_deployment_is_read_from_vllm_and_llama_server_commands(tmp_path):
+    spec = json.dumps({"method": "eagle3", "model": "/d/eagle", "num_speculative_tokens": 4})
+    dep = deployment_from_command(["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/t",
+                                   "--dtype", "float32", "--speculative-config", spec])
+    assert (dep.engine, dep.target, dep.drafter, dep.k) == ("vllm", "/t", Path("/d/eagle"), 4)
+    assert dep.engine_python == Path("/venv/bin/python") and dep.engine_args == "--dtype float32"
+    assert deployment_from_command(["vllm", "serve", "/t2", "--speculative-config", spec]).target == "/t2"
+    ll = deployment_from_command(["/b/llama-server", "-m", "/t.gguf", "-md", "/x/drafter-f32.gguf",
+                                  "--spec-type", "draft-eagle3", "--spec-draft-n-max", "3"])
+    assert (ll.engine, ll.target, ll.drafter, ll.k) == ("llamacpp", "/t.gguf", Path("/x"), 3)
+    with pytest.raises(Exception, match="no drafter"):
+        deployment_from_command(["vllm", "serve", "/t"])
+
+
+@pytest.fixture(scope="module")
+def broken(tmp_path_factory):
+    return vllm_deployments(tmp_path_factory.mktemp("deps"))
+
+
+@pytest.mark.parametrize("name", sorted(VLLM_BROKEN))
+def test_check_names_the_injected_cause_first(broken, name):
+    d = broken[name]
+    spec = json.dumps({"method": "eagle3", "model": str(d), "num_speculative_tokens": 3})
+    causes = candidate_causes(Deployment("vllm", "smollm2", d, 3, spec, None, "--dtype float32"))
+    assert causes[0]["rule"] == VLLM_BROKEN[name][1] and causes[0]["severity"] == "error"
+    assert causes[0]["fix"]
+
+
+def test_a_correct_deployment_has_no_check_cause_only_the_unnamed_candidates(broken):
+    d = broken["correct"]
+    spec = json.dumps({"method": "eagle3", "model": str(d), "num_speculative_tokens": 3})
+    causes = candidate_causes(Deployment("vllm", "smollm2", d, 3, spec, None, "--dtype float32"))
+    assert [c["severity"] for c in causes] == ["candidate"] * 3
