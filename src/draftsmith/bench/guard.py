@@ -35,8 +35,8 @@ GUARD_PROMPTS = "chat-eval"  # the built-in chat set; the embedded drafter's exp
 GUARD_REQUESTS = 8
 GUARD_MAX_TOKENS = 48
 GUARD_BUDGET_S = 40.0
-# Requests stop at GUARD_REQUESTS or once GUARD_BUDGET_S has passed (after at least one), so the guard ends within
-# a minute of readiness on a slow or busy CPU; 8 x 48 tokens give ~120 drafts at tau ~3, a standard error of
+# Requests stop at GUARD_REQUESTS or before one would run past GUARD_BUDGET_S (after at least one), so the guard
+# ends within a minute of readiness on a slow or busy CPU; 8 x 48 tokens give ~120 drafts at tau ~3, a standard error of
 # ~0.035 on position 0 (binomial, p ~0.8); a collapse (position 0 halved) shows after a single request.
 
 
@@ -163,7 +163,8 @@ def measure(url: str, prompts: str = GUARD_PROMPTS, requests: int = GUARD_REQUES
     model = served_model(url)
     sent = 0
     for p in load_prompts(prompts, requests):
-        if sent and time.monotonic() - t0 > budget_s:
+        spent = time.monotonic() - t0
+        if sent and spent + spent / sent > budget_s:  # the next request, as long as the mean so far, would overrun
             break
         chat(url, model, p.messages, max_tokens)
         sent += 1
