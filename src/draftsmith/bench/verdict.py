@@ -163,8 +163,8 @@ def decide_guard(expected: tuple[float, ...] | None, measured: tuple[float, ...]
         i, got_c, want_c = broken
         return GuardVerdict("degraded", [line + f"; but position {i} accepts {got_c:.2f} of the drafts whose "
                                                 f"position {i - 1} was accepted, against {want_c:.2f}: the chain "
-                                                "breaks after the first token, so the engine computes the drafter's "
-                                                "own step differently (a norm variant, its attention)"])
+                                                f"breaks after position {i - 1}, so the engine computes the drafter's "
+                                                "own step differently from training (a norm variant, its attention)"])
     return GuardVerdict("as trained", [line])
 
 
