@@ -95,7 +95,7 @@ REQUIRED_VALUES = {"check": {"engine": "vllm"}, "convert": {"src": Path("src"), 
                    "export-store": {"store": Path("no-such-store"), "out": Path("out")},
                    "report": {"run_dir": Path("no-such-run")}, "target": {"name": "no-such-target"}}
 # a value each verb's model refuses, and a word of the fix it prints
-BAD = {"regenerate": (["--decoder", "fast"], "--decoder auto"), "bench": (["--concurrency", "one"], "concurrency="),
+BAD = {"regenerate": (["--decoder", "fast"], "--decoder auto"), "bench": (["--concurrency", "one"], "--concurrency 1"),
        "launch": (["--timeout", "0"], "--timeout 1800"), "export": (["--format", "onnx"], "--format vllm,sglang"),
        "check": (["--engine", "trt"], "--engine vllm"), "capture": (["--engine", "sglang"], "--engine transformers"),
        "convert": (["--to", "onnx"], "--to draftsmith"), "export-store": (["--format", "arrow"], "--format speculators"),

@@ -77,9 +77,9 @@ def test_a_capture_resume_with_other_settings_names_what_changed(tiny_target, tm
     assert "max_length 64 -> 48" in err
 
 
-@pytest.mark.parametrize("value, words", [("inf", ("bad value for lr", "a finite number")),
-                                          ("nan", ("bad value for lr", "a finite number")),
-                                          ("-inf", ("bad value for lr", "a finite number"))])
+@pytest.mark.parametrize("value, words", [("inf", ("bad value for --lr", "a finite number")),
+                                          ("nan", ("bad value for --lr", "a finite number")),
+                                          ("-inf", ("bad value for --lr", "a finite number"))])
 def test_a_learning_rate_that_is_not_finite_is_refused(tmp_path, capsys, value, words):
     (tmp_path / "store").mkdir()
     before = snapshot(tmp_path)
@@ -375,7 +375,7 @@ def test_the_run_summary_names_the_drafter_that_exists(checkpoint, tmp_path):
     (["eval", "--drafter", "smollm2", "--depth", "1.5"], ("--depth", "'1.5'", "an integer")),
     (["capture", "--out", "S", "--shard-tokens", "1e3"], ("--shard-tokens", "'1e3'", "an integer")),
     (["eval", "--drafter", "smollm2", "--k", "1.5"], ("bad --k", "1.5")),
-    (["bench", "--endpoint", "http://127.0.0.1:9/v1", "--concurrency", "x"], ("bad value for concurrency", "a comma list of int")),
+    (["bench", "--endpoint", "http://127.0.0.1:9/v1", "--concurrency", "x"], ("bad value for --concurrency", "a comma list of int")),
 ])
 def test_a_flag_of_the_wrong_type_is_a_named_error(tmp_path, capsys, argv, words):
     err = refused(capsys, argv, tmp_path, snapshot(tmp_path), *words)
@@ -430,3 +430,152 @@ def test_check_names_a_cut_drafter_weights_file(checkpoint, tiny_target, tmp_pat
     before = snapshot(tmp_path)
     refused(capsys, ["check", "--target", str(tiny_target), "--drafter", str(drafter), "--engine", "vllm"], tmp_path,
             before, "cut or padded safetensors file")
+
+
+# The fifth round: outputs that are their inputs, one writer per output, nothing to supervise, messages that
+# name the flag and a valid example, inputs read before any work, ids given twice.
+
+def test_eval_and_bench_refuse_an_output_that_is_their_input_even_with_overwrite(checkpoint, tiny_target, tmp_path,
+                                                                                 capsys, monkeypatch):
+    import draftsmith.target
+    from draftsmith.bench import benchmark
+
+    _, drafter = checkpoint
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a question"}) + "\n")
+    baseline = tmp_path / "bench" / "bench.json"
+    baseline.parent.mkdir()
+    baseline.write_text(json.dumps({"levels": [{"concurrency": 1, "output_tokens_per_s": 10.0}]}))
+    target_must_not_load(monkeypatch, draftsmith.target)
+    monkeypatch.setattr(benchmark, "bench_endpoints", lambda *a, **k: pytest.fail("bench measured before refusing"))
+    before = snapshot(tmp_path)
+    run_eval = ["eval", "--target", str(tiny_target), "--drafter", str(drafter), "--limit", "1", "--max-new-tokens",
+                "4", "--prompts", str(prompts), "--k", "2", "--overwrite"]
+    refused(capsys, run_eval + ["--json", str(prompts)], tmp_path, before, "--json overlaps the source --prompts")
+    refused(capsys, run_eval + ["--out", str(drafter)], tmp_path, before, "--out overlaps the source --drafter")
+    refused(capsys, run_eval + ["--json", str(drafter / "config.json")], tmp_path, before, "--drafter")
+    refused(capsys, ["bench", "--endpoint", "http://127.0.0.1:9", "--baseline-json", str(baseline), "--out",
+                     str(baseline.parent), "--overwrite"], tmp_path, before, "--out overlaps the source --baseline-json")
+
+
+def hold_in_another_process(out: Path, folder: bool = True):
+    """A process that holds `out` (outputs.hold) until killed; returns it once the lock is taken."""
+    import subprocess
+    import sys
+
+    code = ("import sys, time; from pathlib import Path; from draftsmith.outputs import hold; "
+            f"hold(Path(sys.argv[1]), 'train', folder={folder}); print('held', flush=True); time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_a_train_folder_is_written_by_one_process_and_a_killed_holder_frees_it(tiny_target, tmp_path, capsys):
+    import signal
+
+    store = tiny_store(tiny_target, tmp_path)
+    out = tmp_path / "t"
+    holder = hold_in_another_process(out)
+    try:
+        before = snapshot(tmp_path)
+        refused(capsys, ["train", "--store", str(store), "--out", str(out), "--max-steps", "2", "--quiet"], tmp_path,
+                before, "is in use by another draftsmith process", f"pid {holder.pid}")
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait()
+    assert main(["train", "--store", str(store), "--out", str(out), "--max-steps", "2", "--quiet"]) == 0
+    assert (out / "drafter" / "model.safetensors").is_file()
+
+
+def test_a_regenerate_output_and_a_store_are_written_by_one_process(tiny_target, tmp_path, capsys):
+    import signal
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a question"}) + "\n")
+    conv = write_conversations(tmp_path / "conv.jsonl", n=2)
+    store = tmp_path / "store"
+    store.mkdir()
+    holders = [hold_in_another_process(tmp_path / "answers.jsonl", folder=False), hold_in_another_process(store)]
+    try:
+        before = snapshot(tmp_path)
+        refused(capsys, ["regenerate", "--target", str(tiny_target), "--prompts", str(prompts), "--out",
+                         str(tmp_path / "answers.jsonl"), "--max-new-tokens", "8"], tmp_path, before,
+                f"pid {holders[0].pid}")
+        refused(capsys, ["capture", "--target", str(tiny_target), "--conversations", str(conv), "--out", str(store)],
+                tmp_path, before, f"pid {holders[1].pid}")
+    finally:
+        for h in holders:
+            os.kill(h.pid, signal.SIGKILL)
+            h.wait()
+
+
+def test_conversations_without_an_assistant_turn_are_refused_before_the_target_loads(tiny_target, tmp_path, capsys,
+                                                                                      monkeypatch):
+    import draftsmith.capture.local
+    import draftsmith.train.features
+
+    conv = tmp_path / "conv.jsonl"
+    conv.write_text("".join(json.dumps({"id": f"c{i}", "messages": [{"role": "user", "content": "hello"}]}) + "\n"
+                            for i in range(2)))
+    target_must_not_load(monkeypatch, draftsmith.capture.local, draftsmith.train.features)
+    before = snapshot(tmp_path)
+    refused(capsys, ["capture", "--target", str(tiny_target), "--conversations", str(conv), "--out",
+                     str(tmp_path / "store")], tmp_path, before, "no assistant turn")
+    refused(capsys, ["train", "--target", str(tiny_target), "--conversations", str(conv), "--out",
+                     str(tmp_path / "t"), "--max-steps", "2"], tmp_path, before, "no assistant turn")
+
+
+def test_answers_cut_off_by_max_length_are_refused_before_a_store_is_written(tiny_target, tmp_path, capsys):
+    conv = write_conversations(tmp_path / "conv.jsonl", n=2)
+    before = snapshot(tmp_path)
+    refused(capsys, ["capture", "--target", str(tiny_target), "--conversations", str(conv), "--out",
+                     str(tmp_path / "store"), "--max-length", "2"], tmp_path, before, "no trainable sample")
+
+
+@pytest.mark.parametrize("argv, words, wrong", [
+    (["eval", "--drafter", "smollm2", "--temperature", "nan"], ("bad value for --temperature", "e.g. --temperature 0.0"),
+     "3e-4"),
+    (["run", "--out", "{tmp}/r", "eval.temperature=nan"], ("eval.temperature", "e.g. eval.temperature=0.0"), "3e-4"),
+    (["train", "--store", "{tmp}", "--out", "{tmp}/t", "--family", "medusa"],
+     ("expected: one of eagle3, dflash", "e.g. --family eagle3"), "Literal"),
+    (["run", "--out", "{tmp}/r", "train.family=medusa"], ("one of eagle3, dflash", "e.g. train.family=eagle3"),
+     "1,2,3"),
+    (["run", "--out", "{tmp}/r", "skip=everything"], ("unknown stage 'everything'", "skip among regenerate, capture"),
+     "the values named above"),
+])
+def test_a_bad_value_names_its_flag_the_choices_and_a_valid_example(tmp_path, capsys, argv, words, wrong):
+    before = snapshot(tmp_path)
+    err = refused(capsys, [a.format(tmp=tmp_path) for a in argv], tmp_path, before, *words)
+    assert wrong not in err
+
+
+def test_bench_reads_its_baseline_json_before_any_request(tmp_path, capsys, monkeypatch):
+    from draftsmith.bench import benchmark
+
+    monkeypatch.setattr(benchmark, "bench_endpoints", lambda *a, **k: pytest.fail("bench measured before refusing"))
+    diary = tmp_path / "diary.txt"
+    diary.write_text("dear diary\n")
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"levels": []}))
+    before = snapshot(tmp_path)
+    for baseline in (diary, empty):
+        refused(capsys, ["bench", "--endpoint", "http://127.0.0.1:9", "--baseline-json", str(baseline)], tmp_path,
+                before, "cannot read the baseline JSON", baseline.name)
+
+
+def test_an_id_given_twice_is_refused_naming_both_lines(tiny_target, tmp_path, capsys, monkeypatch):
+    import draftsmith.capture.local
+
+    conv = write_conversations(tmp_path / "conv.jsonl", n=3)
+    lines = conv.read_text().splitlines()
+    conv.write_text("\n".join(lines + [lines[1]]) + "\n")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "prompt": f"question {n}"}) + "\n"
+                               for n, i in enumerate(["a", "b", "a"])))
+    target_must_not_load(monkeypatch, draftsmith.capture.local)
+    before = snapshot(tmp_path)
+    refused(capsys, ["capture", "--target", str(tiny_target), "--conversations", str(conv), "--out",
+                     str(tmp_path / "store")], tmp_path, before, "'c1' appears twice", "lines 2 and 4")
+    refused(capsys, ["regenerate", "--target", str(tiny_target), "--prompts", str(prompts), "--out",
+                     str(tmp_path / "a.jsonl")], tmp_path, before, "'a' appears twice", "lines 1 and 3")

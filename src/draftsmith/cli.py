@@ -14,6 +14,7 @@ import re
 import sys
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.outputs import holding
 
 # verb -> (module, one-line help), in pipeline order. A verb's module (and with it torch) is imported
 # only when that verb runs, so `draftsmith check` and `draftsmith diagnose` start in well under a second.
@@ -88,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         if not getattr(args, "func", None):
             parser.print_help()
             return 2
-        return int(args.func(args) or 0)
+        with holding():  # an output this command held is free again when it ends
+            return int(args.func(args) or 0)
     except DraftsmithError as err:
         from draftsmith.client import redact
 

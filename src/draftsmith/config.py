@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import enum
 import json
 import re
 import types
@@ -80,7 +81,20 @@ def item_type(annotation: Any) -> Any:
     return str
 
 
+def choices(annotation: Any) -> tuple:
+    """The values a Literal or Enum field allows (through Optional), else ()."""
+    kind = base_type(annotation)
+    if kind is typing.Literal:
+        return typing.get_args(next(a for a in (annotation, *typing.get_args(annotation))
+                                    if typing.get_origin(a) is typing.Literal))
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        return tuple(m.value for m in kind)
+    return ()
+
+
 def describe(annotation: Any) -> str:
+    if allowed := choices(annotation):
+        return "one of " + ", ".join(map(str, allowed))
     if base_type(annotation) is tuple:  # as the command line and dotted overrides take it
         each = item_bounds(annotation)
         return f"a comma list of {describe(item_type(annotation))}" + (f" (each {each})" if each else "")
@@ -149,23 +163,32 @@ def problem(cls: type[Settings], err: dict, flags: dict[str, str] | None = None)
     if err["input"] is None:
         return DraftsmithError(f"{key} cannot be null", got="null", expected=describe(field.annotation),
                                fix=f"give {key} a value")
+    flag = None if flags is None else flags.get(key, "--" + key.replace("_", "-"))
     if err["type"] in BOUNDS:
-        flag = None if flags is None else flags.get(key, "--" + key.replace("_", "-"))
         return out_of_bounds(flag or key, field, err["input"], flag is not None)
-    example = EXAMPLE_VALUES.get(base_type(field.annotation), "1,2,3")
-    expected = "a finite number" if err["type"] == "finite_number" else describe(field.annotation)
-    return DraftsmithError(f"bad value for {key}", got=repr(err["input"]), expected=expected,
-                           fix=f"e.g. {key}={example}")
+    expected = describe(field.annotation)
+    if err["type"] == "finite_number":
+        expected = "a finite number" + (f" {bounds(field)}" if bounds(field) else "")
+    return DraftsmithError(f"bad value for {flag or key}", got=repr(err["input"]), expected=expected,
+                           fix=example_fix(flag or key, field, flag is not None))
+
+
+def example_fix(key: str, field: FieldInfo, flag: bool) -> str:
+    """`e.g. KEY VALUE` (a flag) or `e.g. key=value`, the value valid for the field: its default, a bound, a choice
+    or its type's example; `pass a value ...` when none is."""
+    candidates = (field.default, *choices(field.annotation), *bound_values(field),
+                  EXAMPLE_VALUES.get(base_type(field.annotation), "1"))
+    example = next((v for v in candidates if v not in (None, ()) and within(v, field)), None)
+    if example is None:
+        return f"pass a value {bounds(field)}"
+    return f"e.g. {key} {on_command_line(example)}" if flag else f"e.g. {key}={on_command_line(example)}"
 
 
 def out_of_bounds(key: str, field: FieldInfo, value: Any, flag: bool) -> DraftsmithError:
     """A value past its field's bounds: the key (or flag), the value, the bounds, an example inside them and, for
     an optional field, its null and what null means (the field doc's `null: ...`)."""
     rule, null = bounds(field), "none" if flag else "null"
-    candidates = (field.default, *bound_values(field), EXAMPLE_VALUES.get(base_type(field.annotation), "1"))
-    example = next((v for v in candidates if v not in (None, ()) and within(v, field)), None)
-    fix = f"pass a value {rule}" if example is None else \
-        f"e.g. {key} {on_command_line(example)}" if flag else f"e.g. {key}={on_command_line(example)}"
+    fix = example_fix(key, field, flag)
     expected = f"{key} {rule}"
     if is_optional(field.annotation):
         means = re.search(r"null: (.+?)(?=\)|[.;](?:\s|$)|$)", " ".join((field.description or "").split()))

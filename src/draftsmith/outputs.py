@@ -14,6 +14,7 @@ created 0600, which an engine running as another user cannot read).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -26,7 +27,13 @@ from draftsmith.errors import DraftsmithError
 MARKER = ".draftsmith.json"
 """Written into every output folder a verb makes: {"verb": ...}. Its presence is draftsmith's proof of ownership."""
 
+LOCK = ".draftsmith.lock"
+"""Held (flock) by the one process writing an output folder (`hold`); never an entry of the user's."""
+
 SHOWN = 3  # entries named in a refusal
+
+HELD: dict[Path, int] = {}
+"""Locks this process holds, for its life: resolved output path -> open lock file descriptor."""
 
 
 def umask_mode(executable: bool = False) -> int:
@@ -68,7 +75,64 @@ def mark(folder: Path, verb: str, entries: list[str] | None = None) -> None:
 
 def foreign_entries(folder: Path) -> list[str]:
     """The names in `folder` other than the marker, sorted."""
-    return sorted(p.name for p in folder.iterdir() if p.name != MARKER)
+    return sorted(p.name for p in folder.iterdir() if p.name != MARKER and not p.name.endswith(LOCK))
+
+
+def lock_path(out: Path, folder: bool = True) -> Path:
+    """The lock file of output `out`: inside a folder output, beside a file output."""
+    out = Path(out).resolve()
+    return out / LOCK if folder else out.parent / f".{out.name}{LOCK}"
+
+
+def hold(out: Path, verb: str, flag: str = "--out", folder: bool = True) -> None:
+    """Make this process the one writer of output `out` (a folder, or a file when not `folder`) until `holding`
+    ends or the process does: an advisory lock (flock) on a lock file there, which the OS releases when the
+    process ends, even by kill -9, so that a killed run still resumes. Holding it again in the same process is a
+    no-op.
+
+    Raises:
+        DraftsmithError: another process holds `out` (named by its pid), before any work.
+    """
+    path = lock_path(out, folder)
+    if path in HELD:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, umask_mode())
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            break
+        try:  # the lock file a releasing holder removed is no lock: take the one at `path` now
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                os.ftruncate(fd, 0)
+                os.write(fd, f"{os.getpid()} {verb}\n".encode())
+                HELD[path] = fd
+                return
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    holder = (os.read(fd, 64).decode(errors="replace").split() or ["unknown"])[0]
+    os.close(fd)
+    raise DraftsmithError(f"{verb}: {flag} {out} is in use by another draftsmith process",
+                          got=f"pid {holder} holds {path}", expected=f"one process writing {flag} at a time",
+                          fix=f"wait for pid {holder} to end (or stop it: a stopped run resumes), or pass "
+                              f"another {flag}")
+
+
+@contextlib.contextmanager
+def holding() -> Iterator[None]:
+    """The locks `hold` takes inside the block are released when it ends, their lock files removed (a process
+    killed keeps its lock file, which the OS has unlocked: the next `hold` takes it)."""
+    before = set(HELD)
+    try:
+        yield
+    finally:
+        for path in [p for p in HELD if p not in before]:
+            fd = HELD.pop(path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            os.close(fd)
 
 
 def check_output(out: Path, verb: str, overwrite: bool = False, flag: str = "--out",
@@ -115,13 +179,26 @@ def check_output_file(path: Path, verb: str, overwrite: bool = False, flag: str 
                               fix=f"pass another {flag}, or add --overwrite to replace it")
 
 
-def check_not_inside(out: Path, src: Path, verb: str, flag: str = "OUT") -> None:
-    """Refuse an output that is its own source, holds it, or lies inside it."""
+def check_not_inside(out: Path, src: Path, verb: str, flag: str = "OUT", src_flag: str = "") -> None:
+    """Refuse an output that is its own source (`src_flag`: the flag naming it), holds it, or lies inside it (even
+    with --overwrite)."""
     o, s = Path(out).resolve(), Path(src).resolve()
     if o == s or o in s.parents or s in o.parents:
-        raise DraftsmithError(f"{verb}: {flag} overlaps the source", got=f"{flag} {out}, source {src}",
-                              expected="an output folder apart from the source",
-                              fix=f"pass a new folder as {flag}, e.g. {s.parent / (s.name + '-' + verb)}")
+        example = s.parent / (s.stem + "-" + verb + s.suffix) if s.is_file() else s.parent / (s.name + "-" + verb)
+        raise DraftsmithError(f"{verb}: {flag} overlaps the source {src_flag}".rstrip(),
+                              got=f"{flag} {out}, {src_flag or 'source'} {src}",
+                              expected="an output apart from the source, which draftsmith reads and never replaces",
+                              fix=f"pass another {flag}, e.g. {flag} {example}")
+
+
+def check_apart(out: Path | None, verb: str, flag: str, sources: dict[str, str | Path | None]) -> None:
+    """Refuse an output (`flag`) that overlaps any of the verb's inputs that exist (`sources`: flag -> path; a
+    built-in name that is no path is passed over), even with --overwrite."""
+    if out is None:
+        return
+    for src_flag, src in sources.items():
+        if src and Path(src).exists():
+            check_not_inside(Path(out), Path(src), verb, flag, src_flag)
 
 
 @contextlib.contextmanager

@@ -43,7 +43,7 @@ from pydantic import Field, model_validator
 from draftsmith.client import api_key_from_env, normalize_base, open_client, redact, served_model, with_path
 from draftsmith.config import Settings, add_flags, from_flags
 from draftsmith.errors import DraftsmithError
-from draftsmith.outputs import check_output, foreign_entries, mark
+from draftsmith.outputs import check_apart, check_output, foreign_entries, mark
 from draftsmith.bench.metrics import (
     Acceptance,
     SpecCounters,
@@ -396,6 +396,8 @@ def baseline_levels_from_json(path: Path) -> dict[tuple[str, float], float]:
             key = ("rate", float(row["request_rate"])) if row.get("request_rate") is not None \
                 else ("concurrency", int(row["concurrency"]))
             out[key] = float(row["output_tokens_per_s"])
+        if not out:
+            raise ValueError('"levels" is empty')
         return out
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise DraftsmithError("cannot read the baseline JSON", got=f"{path}: {type(exc).__name__}: {exc}",
@@ -501,8 +503,12 @@ async def measure(s: BenchSettings, say, endpoint: str, baseline_endpoint: str |
 
 def run_bench(args) -> int:
     s = from_flags(BenchSettings, args)
-    if args.out:  # a folder of the user's is refused before any request (bench.json there was replaced)
+    # its inputs are never written over; a folder of the user's is refused before any request
+    check_apart(args.out, "bench", "--out", {"--baseline-json": args.baseline_json, "--prompts": s.prompts})
+    if args.out:
         check_output(args.out, "bench", args.overwrite)
+    if args.baseline_json:  # read whole before the first request, not after the measurement
+        baseline_levels_from_json(args.baseline_json)
     log = (lambda m: print(m, file=sys.stderr)) if args.json else print
     log(f"bench settings: {json.dumps(s.model_dump(mode='json'))}")
     report = asyncio.run(measure(s, log, args.endpoint, args.baseline_endpoint, args.baseline_json))

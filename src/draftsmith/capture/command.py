@@ -7,7 +7,7 @@ from pathlib import Path
 from draftsmith.capture.local import CAPTURE_DTYPES, CAPTURE_ENGINES, CaptureSettings, capture, parse_ids, print_summary
 from draftsmith.config import add_flags, check_choices, example_help, from_flags
 from draftsmith.errors import DraftsmithError
-from draftsmith.outputs import check_output
+from draftsmith.outputs import check_apart, check_output
 
 CAPTURE_FLAGS = {"tensor_parallel": "--tp"}
 
@@ -62,6 +62,7 @@ def run_capture(args) -> int:
         # a store resumes where its manifest says; any other folder of the user's is refused before the target loads
         check_output(args.out, "capture", owns=lambda folder: (folder / "manifest.json").is_file(),
                      overwrite_flag=False)
+        check_apart(args.out, "capture", "--out", {"--conversations": args.conversations})
     if s.engine == "vllm" or args.print_server_args:
         from draftsmith.capture.vllm import run_engine_capture
 

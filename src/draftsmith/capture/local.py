@@ -24,7 +24,7 @@ from pydantic import Field
 
 from draftsmith.regenerate.chat import TokenizedSample, tokenize_conversation
 from draftsmith.config import Settings
-from draftsmith.regenerate.conversations import read_conversations
+from draftsmith.regenerate.conversations import check_conversations, read_conversations
 from draftsmith.errors import DraftsmithError
 from draftsmith.progress import progress_bar
 from draftsmith.capture.store import AUX_CONVENTION, Sample, StoreWriter, bytes_per_token, sha256_file
@@ -171,10 +171,26 @@ def require_conversations(conversations: Path | None) -> None:
         raise DraftsmithError("conversations file not found", got=str(conversations),
                               expected="a JSONL written by `draftsmith regenerate` (--conversations)",
                               fix="run regenerate first")
-    if sum(1 for _ in read_conversations(Path(conversations))) == 0:  # every line parsed, each bad one named
+    count, supervised = check_conversations(Path(conversations))  # every line parsed, each bad one named
+    if count == 0:
         raise DraftsmithError("the conversations file holds no conversation", got=f"{conversations} is empty",
                               expected="one JSON conversation per line, as `draftsmith regenerate` writes",
                               fix="run regenerate first, or pass the file it wrote as --conversations")
+    if not supervised:
+        raise DraftsmithError("the conversations file holds no assistant turn: nothing to train a drafter on",
+                              got=f"{count} conversations in {conversations}, none with a message of role assistant",
+                              expected="conversations with assistant answers, as `draftsmith regenerate` writes",
+                              fix="run regenerate on these prompts first, and pass the file it wrote as --conversations")
+
+
+def require_samples(samples: list, conversations: Path, max_length: int) -> None:
+    """Refuse conversations whose assistant turns yield no supervised token once tokenized (empty answers, or
+    answers past --max-length), before a store or a drafter is written."""
+    if not samples:
+        raise DraftsmithError("the conversations yield no trainable sample", got=f"{conversations}: no assistant "
+                              f"token within the first {max_length} tokens of any conversation",
+                              expected="at least one conversation with a non-empty assistant answer within "
+                                       "--max-length", fix="raise --max-length, or regenerate the answers")
 
 
 def capture_identity(model_dir: Path, target: str, aux_ids: tuple[int, ...], spec, max_length: int,
@@ -275,6 +291,7 @@ def capture(conversations: Path, out: Path, settings: CaptureSettings | None = N
         return CaptureSummary(m["num_samples"], m["num_samples"], m["num_tokens"], 0.0, bytes_per_token(spec.hidden_size))
     model, tokenizer = load_target(model_dir, dtype=dtype, device=device)
     samples = [s for _, s in tokenized_conversations(Path(conversations), tokenizer, max_length)]
+    require_samples(samples, Path(conversations), max_length)
     skip = writer.samples_done
     counts = supervised_counts(samples, spec.vocab_size)
     writer.publish(counts, head_tensors(model.get_input_embeddings().weight, model.get_output_embeddings().weight))

@@ -41,7 +41,7 @@ from safetensors.torch import save_file
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.files import read_json
-from draftsmith.outputs import umask_mode
+from draftsmith.outputs import hold, umask_mode
 
 STORE_VERSION = 2  # 2: shards hold target_argmax
 MANIFEST = "manifest.json"
@@ -258,6 +258,8 @@ class StoreWriter:
                              "num_samples": 0, "num_tokens": 0, "num_supervised_tokens": 0}
         self.pending: list[Sample] = []
         self.pending_tokens = 0
+        if path.exists():  # one process writes a store: held from here (a resume), or from its first write
+            hold(self.root, "capture")
         self.drop_corrupt_shards()
 
     def drop_corrupt_shards(self) -> None:
@@ -326,6 +328,7 @@ class StoreWriter:
     def flush(self) -> None:
         if not self.pending:
             return
+        hold(self.root, "capture")
         self.wait_for_room(sum(bytes_per_sample(s) for s in self.pending))
         index = len(self.manifest["shards"])
         name = f"shard-{index:05d}.safetensors"
@@ -353,6 +356,7 @@ class StoreWriter:
         Each is written once: a file that already holds the same tensors (a resumed capture, `finish`) is kept, and
         one that holds others is unpublished and deleted before the new one is written, so that a resume after a
         full disk never needs room for the target head twice."""
+        hold(self.root, "capture")
         for name, tensors in ((TOKEN_COUNTS, {"counts": token_counts.to(torch.int64)}), (TARGET_HEAD, target_tensors)):
             path, key = self.root / name, name.split(".")[0] + "_sha256"
             if holds(path, tensors) and key in self.manifest:

@@ -378,8 +378,11 @@ def check_eval_outputs(args) -> None:
     """The outputs, before the target loads: --json a new file or eval's own, --out a folder, --topk within the
     drafter's draft vocabulary."""
     from draftsmith.model.checkpoint import draftsmith_drafter_config, read_drafter_config
-    from draftsmith.outputs import check_output, check_output_file
+    from draftsmith.outputs import check_apart, check_output, check_output_file
 
+    inputs = {"--prompts": args.prompts, "--drafter": args.drafter}  # never written over, even with --overwrite
+    check_apart(args.json, "eval", "--json", inputs)
+    check_apart(args.out, "eval", "--out", inputs)
     if args.json:
         check_output_file(args.json, "eval", args.overwrite, owns=is_eval_json)
     if args.out:  # a folder of the user's is refused (its own eval.md was replaced)

@@ -60,6 +60,25 @@ def read_conversations(path: Path) -> Iterator[Conversation]:
         yield parse_conversation(obj, f"{path}:{lineno}")
 
 
+def unique_ids(lines: list[tuple[int, str]], path: Path, what: str) -> None:
+    """Refuse an id that two lines of `path` share (`lines`: line number, id), naming both lines."""
+    first: dict[str, int] = {}
+    for lineno, id_ in lines:
+        if id_ in first:
+            raise DraftsmithError(f"{what} id {id_!r} appears twice in {path}", got=f"lines {first[id_]} and {lineno}",
+                                  expected=f"each {what} id once (a resume skips the ids already done)",
+                                  fix="delete or rename one of those lines")
+        first[id_] = lineno
+
+
+def check_conversations(path: Path) -> tuple[int, bool]:
+    """Parse a conversations file whole, each bad line named and an id shared by two lines refused; returns the
+    number of conversations and whether any has an assistant turn (the turns a drafter is trained on)."""
+    convs = [(lineno, parse_conversation(obj, f"{path}:{lineno}")) for lineno, obj in read_jsonl(path, "conversations file")]
+    unique_ids([(lineno, c.id) for lineno, c in convs], path, "conversation")
+    return len(convs), any(m["role"] == "assistant" for _, c in convs for m in c.messages)
+
+
 def finished_ids(path: Path) -> set[str]:
     """Ids already written to a conversations file (a torn last line is ignored, not an error)."""
     if not path.exists():

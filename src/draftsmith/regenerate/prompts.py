@@ -35,6 +35,7 @@ from typing import Any
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.files import read_jsonl
+from draftsmith.regenerate.conversations import unique_ids
 
 BUILTIN_SETS = ("train", "eval", "humaneval", "chat-eval", "chat-kinds")
 EVAL_SETS = ("eval", "chat-eval", "chat-kinds")
@@ -211,11 +212,7 @@ def load_source(source: str) -> list[Prompt]:
         raise DraftsmithError("unknown prompt source", got=repr(source),
                               expected=f"one of {BUILTIN_SETS} (SET:KIND,... for some kinds) or a JSONL file",
                               fix="pass --prompts train|eval|chat-eval|chat-kinds or the path to a .jsonl file")
-    prompts = [require_text(prompt_from_record(obj, f"{path.stem}-{n}", f"{path}:{n}"), f"{path}:{n}")
-               for n, obj in read_jsonl(path, "prompt file")]
-    seen: set[str] = set()
-    dupes = [p.id for p in prompts if p.id in seen or seen.add(p.id)]
-    if dupes:
-        raise DraftsmithError(f"duplicate prompt ids in {path}", got=str(dupes[:5]),
-                              expected="unique ids (they key resumable outputs)", fix="make the ids unique")
-    return prompts
+    lines = [(n, require_text(prompt_from_record(obj, f"{path.stem}-{n}", f"{path}:{n}"), f"{path}:{n}"))
+             for n, obj in read_jsonl(path, "prompt file")]
+    unique_ids([(n, p.id) for n, p in lines], path, "prompt")
+    return [p for _, p in lines]

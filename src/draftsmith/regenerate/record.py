@@ -20,6 +20,7 @@ from pathlib import Path
 
 from draftsmith.config import as_flags, changed, shown_changes
 from draftsmith.errors import DraftsmithError
+from draftsmith.outputs import hold
 
 ANSWERS = ("prompts", "max_new_tokens", "temperature", "top_p", "reasoning")
 """What every backend's answers depend on."""
@@ -56,6 +57,7 @@ def check_append(out: Path, settings: dict, overwrite: bool) -> None:
     if out.is_dir():
         raise DraftsmithError("regenerate: --out names a folder", got=str(out), expected="a JSONL file",
                               fix="pass a file, e.g. --out conversations.jsonl")
+    hold(out, "regenerate", folder=False)  # one writer at a time, before --overwrite removes anything
     if overwrite:
         out.unlink(missing_ok=True)
     if out.is_file() and out.stat().st_size > 0:

@@ -32,7 +32,7 @@ import yaml
 
 from draftsmith.client import redact
 from draftsmith.errors import DraftsmithError
-from draftsmith.outputs import check_output, mark
+from draftsmith.outputs import check_output, hold, mark
 from draftsmith.run.settings import EXPORT_FORMATS, STAGES, RunConfig, plain, resolve_config
 from draftsmith.run.state import (RunState, is_run_dir, remove, skip_reason, stage_hash, stage_outputs,
                                   stage_settings, unrecorded_outputs)
@@ -134,8 +134,8 @@ def claim_run_dir(out: Path, cfg: RunConfig, python: Path | None, overwrite: boo
                               got=", ".join(p.name for p in strays),
                               expected=f"no output of a stage that {out / 'stages.json'} does not record",
                               fix=f"move them out of {out}, pass another --out, or add --overwrite to replace them")
+    hold(out, "run")  # one process at a time, before any stray is removed
     remove(strays)
-    out.mkdir(parents=True, exist_ok=True)
     mark(out, "run")
 
 

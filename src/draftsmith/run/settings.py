@@ -175,23 +175,32 @@ class RunConfig(Settings):
 
     @model_validator(mode="after")
     def check_sections(self) -> RunConfig:
-        problems = [f"skip: unknown stage {s!r}" for s in self.skip if s not in STAGES]
-        problems += [f"export.formats: unknown format {f!r}" for f in self.export.formats if f not in EXPORT_FORMATS]
-        problems += [f"check.engines: {e!r} is not one of {CHECK_ENGINES}" for e in self.check.engines
+        # (the problem, what was expected): the expected line names the valid values
+        problems = [(f"skip: unknown stage {s!r}", f"skip among {', '.join(STAGES)}")
+                    for s in self.skip if s not in STAGES]
+        problems += [(f"export.formats: unknown format {f!r}", f"export.formats among {', '.join(EXPORT_FORMATS)}")
+                     for f in self.export.formats if f not in EXPORT_FORMATS]
+        problems += [(f"check.engines: {e!r} is not one of {CHECK_ENGINES}",
+                      f"check.engines among {', '.join(CHECK_ENGINES)}") for e in self.check.engines
                      if e not in CHECK_ENGINES]
-        problems += [f"check.engines: {e} needs {e} in export.formats" for e in self.check.engines
+        problems += [(f"check.engines: {e} needs {e} in export.formats",
+                      "check.engines among export.formats (or check in skip)") for e in self.check.engines
                      if e in CHECK_ENGINES and e not in self.export.formats and "check" not in self.skip]
         if "vllm" not in self.export.formats and not {"eval", "launch", "bench"} <= set(self.skip):
-            problems.append("export.formats: eval, launch and bench use the vllm export; add vllm or skip them")
+            problems.append(("export.formats: eval, launch and bench use the vllm export; add vllm or skip them",
+                             "vllm in export.formats, or eval, launch and bench in skip"))
         if self.train.recipe == "normed" and (plain := recipe_for("auto", self.export.formats)) != "normed":
-            problems.append(f"train.recipe: normed trains norms that the engines of export.formats "
-                            f"{list(self.export.formats)} do not compute; use auto (here: {plain}) or plain")
-        problems += start_problems(self.train.init_from, self.export.formats)
+            problems.append((f"train.recipe: normed trains norms that the engines of export.formats "
+                             f"{list(self.export.formats)} do not compute; use auto (here: {plain}) or plain",
+                             "train.recipe auto or plain for these formats"))
+        problems += [(p, "train.init_from auto, null, or a drafter whose norms every format computes")
+                     for p in start_problems(self.train.init_from, self.export.formats)]
         if self.train.mode not in ("offline", "online"):
-            problems.append(f"train.mode: {self.train.mode!r} is not offline or online")
+            problems.append((f"train.mode: {self.train.mode!r} is not offline or online", "train.mode offline or online"))
         problems += capture_problems(self.capture, self.train.mode)
         if problems:
-            raise DraftsmithError("bad run config", got="; ".join(problems), expected="the values named above",
+            raise DraftsmithError("bad run config", got="; ".join(p for p, _ in problems),
+                                  expected="; ".join(dict.fromkeys(e for _, e in problems)),
                                   fix="fix those keys (docs/run.md lists every key)")
         return self
 
@@ -210,15 +219,18 @@ def start_problems(init_from: str | None, formats: tuple[str, ...]) -> list[str]
             for fmt, unread in unread_by_format(drafter_path(init_from), formats).items()]
 
 
-def capture_problems(c: CaptureStage, train_mode: str) -> list[str]:
+def capture_problems(c: CaptureStage, train_mode: str) -> list[tuple[str, str]]:
+    """(problem, expected) of the capture section against train.mode."""
     if c.engine not in CAPTURE_ENGINES:
-        return [f"capture.engine: {c.engine!r} is not transformers or vllm"]
+        return [(f"capture.engine: {c.engine!r} is not transformers or vllm",
+                 f"capture.engine among {', '.join(CAPTURE_ENGINES)}")]
     if c.engine == "transformers":
-        return [f"capture.{k}: only with capture.engine: vllm" for k in ("endpoint", "tensor_parallel", "hs_dir")
+        return [(f"capture.{k}: only with capture.engine: vllm", f"capture.{k} left out with capture.engine: "
+                 f"transformers") for k in ("endpoint", "tensor_parallel", "hs_dir")
                 if getattr(c, k) != CaptureStage.model_fields[k].default]
     if train_mode == "online":
-        return ["capture.engine: vllm captures a feature store, but train.mode online skips the capture stage; "
-                "set train.mode: offline"]
+        return [("capture.engine: vllm captures a feature store, but train.mode online skips the capture stage; "
+                 "set train.mode: offline", "train.mode offline with capture.engine vllm")]
     return []
 
 

@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from draftsmith.capture.local import (TargetFeatures, pad_batch, require_conversations, target_features, target_identity,
+from draftsmith.capture.local import (TargetFeatures, pad_batch, require_conversations, require_samples, target_features, target_identity,
                                       tokenized_conversations)
 from draftsmith.conventions import default_dflash_aux_ids, validate_dflash_aux_ids
 from draftsmith.regenerate.chat import TokenizedSample
@@ -171,6 +171,7 @@ class OnlineSource:
         dtype = "bfloat16" if device.type == "cuda" else "float32"
         self.model, self.tokenizer = load_target(model_dir, dtype=dtype, device=str(device))
         self.samples: list[TokenizedSample] = [s for _, s in tokenized_conversations(conversations, self.tokenizer, max_length)]
+        require_samples(self.samples, Path(conversations), max_length)
         self.lengths = [len(s.input_ids) for s in self.samples]
 
     def __len__(self) -> int:

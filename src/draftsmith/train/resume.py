@@ -29,7 +29,7 @@ from draftsmith.config import as_flags, changed, shown_changes
 from draftsmith.errors import DraftsmithError
 from draftsmith.model.checkpoint import load_drafter, save_drafter
 from draftsmith.model.eagle3 import Eagle3Drafter
-from draftsmith.outputs import MARKER, check_not_inside, check_output
+from draftsmith.outputs import MARKER, check_apart, check_output
 from draftsmith.train.settings import TrainConfig
 from draftsmith.train.shards import CONSUMED
 
@@ -80,8 +80,9 @@ def check_out(cfg: TrainConfig, world: int) -> None:
     Raises:
         DraftsmithError: exit 2, naming each differing setting (old -> new) and the fixes.
     """
-    if cfg.store:  # the store is the input: --overwrite may not make a run of it
-        check_not_inside(Path(cfg.out), Path(cfg.store), "train", flag="--out")
+    # the inputs: --overwrite may not make a run of them
+    check_apart(Path(cfg.out), "train", "--out", {"--store": cfg.store, "--conversations": cfg.conversations,
+                                                  "--init-from": cfg.init_from})
     check_output(Path(cfg.out), "train", cfg.overwrite, owns=is_train_run)
     check_settings(cfg, world)
 

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.outputs import mark
+from draftsmith.outputs import hold, mark
 from draftsmith.model.checkpoint import drafter_path, load_drafter, save_drafter
 from draftsmith.model import dflash
 from draftsmith.model.dflash import DFlashConfig, DFlashDrafter
@@ -190,6 +190,8 @@ class Trainer:
         is read (a --delete-consumed run reads OUT/consumed/); the other ranks wait for it."""
         check_out(self.cfg, self.world)
         if self.rank == 0:
+            if self.out.is_dir():  # one process writes a run folder: held before anything in it is deleted
+                hold(self.out, "train")
             start_over(self.out)
         if self.world > 1:
             dist.barrier()
@@ -503,8 +505,8 @@ class Trainer:
 
     def run(self, progress: bool = True) -> EvalResult:
         check_settings(self.cfg, self.world)  # the record below must not claim settings another run's weights lack
-        if self.rank == 0:
-            self.out.mkdir(parents=True, exist_ok=True)
+        if self.rank == 0:  # one process writes a run folder, from its first write to its end (torchrun: rank 0)
+            hold(self.out, "train")
             mark(self.out, "train")
         if self.world > 1:
             dist.barrier()
