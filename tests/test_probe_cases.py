@@ -579,3 +579,35 @@ def test_an_id_given_twice_is_refused_naming_both_lines(tiny_target, tmp_path, c
                      str(tmp_path / "store")], tmp_path, before, "'c1' appears twice", "lines 2 and 4")
     refused(capsys, ["regenerate", "--target", str(tiny_target), "--prompts", str(prompts), "--out",
                      str(tmp_path / "a.jsonl")], tmp_path, before, "'a' appears twice", "lines 1 and 3")
+
+
+# --- the fifth probe's WEAK cases -------------------------------------------------------------------------
+
+def test_a_capture_of_a_complete_store_says_nothing_was_done_not_a_rate(tiny_target, tmp_path, capsys):
+    conv = write_conversations(tmp_path / "conv.jsonl", n=3)
+    base = ["capture", "--target", str(tiny_target), "--conversations", str(conv), "--out", str(tmp_path / "store")]
+    assert main(base) == 0
+    capsys.readouterr()
+    assert main(base) == 0
+    out = capsys.readouterr().out
+    assert "nothing to do" in out and "all 3 samples already stored" in out and "tok/s" not in out
+
+
+def test_a_batch_or_row_length_past_int32_is_refused(tmp_path, capsys):
+    (tmp_path / "store").mkdir()
+    before = snapshot(tmp_path)
+    for flag in ("--batch-tokens", "--row-tokens"):
+        refused(capsys, ["train", "--store", str(tmp_path / "store"), "--out", str(tmp_path / "t"), flag,
+                         "99999999999999999999"], tmp_path, before, flag)
+
+
+def test_a_run_reports_no_data_summary_from_a_conversations_file_no_stage_wrote(tmp_path):
+    """run --overwrite into a folder holding the user's conversations.jsonl with every stage skipped: the report
+    does not read (and fail on) a file no stage of the run wrote."""
+    from draftsmith.run.report import data_summary
+
+    (tmp_path / "conversations.jsonl").write_text('{"mine": 1}\n')
+    assert data_summary(tmp_path, None) is None
+    (tmp_path / "stages.json").write_text(json.dumps({"regenerate": {"hash": "h", "complete": True}}))
+    with pytest.raises(Exception):  # a stage of the run wrote it: its content is read (and here refused)
+        data_summary(tmp_path, None)

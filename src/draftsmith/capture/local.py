@@ -158,8 +158,11 @@ def pad_batch(samples: list[TokenizedSample], pad_id: int) -> tuple[torch.Tensor
 @dataclass(frozen=True)
 class CaptureSummary:
     samples: int
+    """Samples captured by this call (0: the store was already complete)."""
     skipped_done: int
+    """Samples already in the store before this call."""
     tokens: int
+    """Tokens captured by this call."""
     seconds: float
     bytes_per_token: int
 
@@ -288,7 +291,7 @@ def capture(conversations: Path, out: Path, settings: CaptureSettings | None = N
                          shard_tokens, s.max_store_bytes, s.store_wait_timeout_s)
     if writer.manifest.get("complete"):
         m = writer.manifest
-        return CaptureSummary(m["num_samples"], m["num_samples"], m["num_tokens"], 0.0, bytes_per_token(spec.hidden_size))
+        return CaptureSummary(0, m["num_samples"], 0, 0.0, bytes_per_token(spec.hidden_size))  # a finished store
     model, tokenizer = load_target(model_dir, dtype=dtype, device=device)
     samples = [s for _, s in tokenized_conversations(Path(conversations), tokenizer, max_length)]
     require_samples(samples, Path(conversations), max_length)
@@ -316,6 +319,9 @@ def capture(conversations: Path, out: Path, settings: CaptureSettings | None = N
 
 
 def print_summary(s: CaptureSummary, out: Path) -> None:
+    if s.samples == 0:
+        print(f"capture: nothing to do: the store is complete, all {s.skipped_done} samples already stored -> {out}")
+        return
     rate = s.tokens / max(s.seconds, 1e-9)
     print(f"capture: {s.samples} samples ({s.skipped_done} already stored), {s.tokens} tokens in {s.seconds:.1f} s "
           f"({rate:,.0f} tok/s); {s.bytes_per_token} bytes/token -> {out}")

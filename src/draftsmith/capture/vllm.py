@@ -379,7 +379,7 @@ def engine_capture(conversations: Path, out: Path, settings: EngineSettings, tar
                          shard_tokens, max_store_bytes, store_wait_timeout_s)
     if writer.manifest.get("complete"):
         m = writer.manifest
-        return CaptureSummary(m["num_samples"], m["num_samples"], m["num_tokens"], 0.0, bytes_per_token(spec.hidden_size))
+        return CaptureSummary(0, m["num_samples"], 0, 0.0, bytes_per_token(spec.hidden_size))  # a finished store
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     samples = [s for _, s in tokenized_conversations(Path(conversations), tokenizer, max_length)]
     skip = writer.samples_done

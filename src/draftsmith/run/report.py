@@ -30,6 +30,7 @@ from draftsmith.bench.verdict import decide_run
 from draftsmith.client import redact
 from draftsmith.config import JSON_FLAG, Settings, add_flags, from_flags
 from draftsmith.errors import DraftsmithError
+from draftsmith.run.state import RunState
 from draftsmith.run.plots import PLOTS, plot_all
 
 
@@ -45,8 +46,8 @@ def data_summary(run: Path, target: str | None) -> dict | None:
     from draftsmith.regenerate.conversations import read_conversations
 
     path = run / "conversations.jsonl"
-    if not path.exists():
-        return None
+    if not path.exists() or not RunState.load(run).started("regenerate"):
+        return None  # a file of that name that no stage of this run wrote is not the run's data
     answers, reasoning, conversations, turns = [], [], 0, 0
     for conv in read_conversations(path):
         conversations += 1

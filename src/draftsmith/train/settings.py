@@ -95,13 +95,13 @@ class TrainSettings(Settings):
     """Passes over the training split (fractions allowed)."""
     max_steps: int | None = Field(None, ge=1, le=1_000_000_000)
     """Stop after this many optimizer steps (overrides epochs)."""
-    batch_tokens: int = Field(4096, ge=1)
+    batch_tokens: int = Field(4096, ge=1, le=2**31 - 1)
     """Tokens per micro-batch, padding included (packed: batch_tokens // row_tokens rows)."""
     pack: bool = True
     """Pack whole conversations into rows of --row-tokens with document masks (positions restart per
     conversation, attention stays inside it): one tensor shape for the whole run, so a compiled step never
     recompiles, and little padding. --no-pack: one conversation per row, padded to the micro-batch's longest."""
-    row_tokens: int | None = Field(None, ge=1)
+    row_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
     """Packed row length (default: batch_tokens)."""
     pack_long: str = "split"
     """Packing, conversations longer than a row: split (into pieces ending at assistant-turn ends, or at the row
