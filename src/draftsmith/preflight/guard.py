@@ -9,7 +9,7 @@ guard needs nothing the command does not say.
 Exit codes: 0 as trained (or unverified: no expectation recorded and nothing alarming), 6 degraded, 7 collapsed,
 2 could not measure. `draftsmith launch --guard` runs it once the engine is ready.
 
-    python -m draftsmith.preflight.guard --url http://127.0.0.1:8000 -- vllm serve TARGET --speculative-config '{...}'
+    draftsmith guard --url http://127.0.0.1:8000 -- vllm serve TARGET --speculative-config '{...}'
 """
 
 from __future__ import annotations
@@ -141,16 +141,41 @@ def render(rep: GuardReport) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m draftsmith.preflight.guard", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+GUARD_EXAMPLES = (
+    "examples:\n"
+    "  draftsmith guard --url http://127.0.0.1:8000 -- vllm serve TARGET \\\n"
+    "      --speculative-config '{\"method\": \"eagle3\", \"model\": \"DRAFTER\", \"num_speculative_tokens\": 3}'\n"
+    "  draftsmith guard --url http://127.0.0.1:8000 -- vllm serve TARGET \\\n"
+    "      --speculative-config '{\"method\": \"dflash\", \"model\": \"DRAFTER\", \"num_speculative_tokens\": 7}'\n"
+    "  draftsmith guard --url http://127.0.0.1:8080 --json guard.json -- llama-server -m TARGET.gguf \\\n"
+    "      -md DRAFTER/drafter-f16.gguf --spec-type draft-eagle3 --spec-draft-n-max 3\n"
+    "The engine must already be up (`draftsmith launch --guard` starts it and guards it once ready); the command is\n"
+    "the one it was started with, read for the drafter, k and flags. Exit codes: 0 as trained (or unverified), "
+    "6 degraded, 7 collapsed, 2 could not measure.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", required=True, help="the ready engine's base URL")
     p.add_argument("--prompts", default=GUARD_PROMPTS, help="chat-eval (built in) or a JSONL of prompts")
-    p.add_argument("--requests", type=int, default=GUARD_REQUESTS)
-    p.add_argument("--max-tokens", type=int, default=GUARD_MAX_TOKENS)
+    p.add_argument("--requests", type=int, default=GUARD_REQUESTS, help="at most this many requests [>= 1]")
+    p.add_argument("--max-tokens", type=int, default=GUARD_MAX_TOKENS, help="tokens per request [>= 1]")
     p.add_argument("--json", type=Path, help="also write the report here")
     p.add_argument("command", nargs="+", help="the engine command, after `--`")
-    args = p.parse_args(argv)
+
+
+def add_parser(sub) -> None:
+    from draftsmith.config import example_help
+
+    p = sub.add_parser("guard", help="measure a running engine's acceptance against the drafter's own, name causes",
+                       **example_help(GUARD_EXAMPLES))
+    add_arguments(p)
+    p.set_defaults(func=guard_cli)
+
+
+def guard_cli(args: argparse.Namespace) -> int:
+    if args.requests < 1 or args.max_tokens < 1:
+        raise DraftsmithError("bad guard sizes", got=f"--requests {args.requests} --max-tokens {args.max_tokens}",
+                              expected="both >= 1", fix="e.g. --requests 8 --max-tokens 48")
     try:
         rep = run_guard(args.url, deployment_from_command(args.command), args.prompts, args.requests, args.max_tokens)
     except DraftsmithError as err:
@@ -160,6 +185,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(rep.to_dict(), indent=2, default=str) + "\n")
     return rep.verdict.exit_code
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m draftsmith.preflight.guard", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        return guard_cli(args)
+    except DraftsmithError as err:
+        print(f"error: {err.render()}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -74,6 +74,15 @@ class RunContext:
         """The draft lengths vLLM serves the drafter at (bench.k), ascending; launch serves the largest."""
         return sorted(set(self.cfg.bench.k))
 
+    @property
+    def family(self) -> str:
+        """The drafter family as the engines name it (vLLM's method, llama.cpp's draft-<family>): eagle3 | dflash."""
+        return self.cfg.train.family
+
+    def speculative_config(self, k: int) -> str:
+        """vLLM's --speculative-config for the vLLM export at k (check, guard)."""
+        return json.dumps({"method": self.family, "model": str(self.export_dir("vllm")), "num_speculative_tokens": k})
+
 
 def do_regenerate(ctx: RunContext) -> None:
     from draftsmith.regenerate.conversations import ConversationWriter
@@ -130,7 +139,7 @@ def do_capture(ctx: RunContext) -> None:
     if c.engine == "vllm":
         capture_through_engine(ctx)
         return
-    capture(ctx.out / "conversations.jsonl", ctx.out / "store", c, target=ctx.cfg.target)
+    capture(ctx.out / "conversations.jsonl", ctx.out / "store", c, target=ctx.cfg.target, family=ctx.family)
 
 
 def capture_through_engine(ctx: RunContext) -> None:
@@ -150,8 +159,11 @@ def do_train(ctx: RunContext) -> None:
     from draftsmith.train.trainer import Trainer
 
     t, online = ctx.cfg.train, ctx.cfg.train.mode == "online"
+    # auto for DFlash: from scratch (the shipped drafters are EAGLE-3's; run's config refuses an explicit other family)
+    init_from = None if t.family == "dflash" and t.init_from == "auto" else \
+        starting_drafter(t.init_from, ctx.cfg.target, ctx.cfg.export.formats).drafter
     with Trainer(TrainConfig(
-        **t.model_dump(exclude={"mode", "init_from", "recipe"}), init_from=starting_drafter(t.init_from, ctx.cfg.target, ctx.cfg.export.formats).drafter,
+        **t.model_dump(exclude={"mode", "init_from", "recipe"}), init_from=init_from,
         recipe=recipe_for(t.recipe, ctx.cfg.export.formats),
         out=str(ctx.out / "train"), store=None if online else str(ctx.out / "store"),
         conversations=str(ctx.out / "conversations.jsonl") if online else None, target=ctx.cfg.target,
@@ -164,9 +176,12 @@ def do_export(ctx: RunContext) -> None:
     from draftsmith.target import resolve_target
 
     target_path = str(resolve_target(ctx.cfg.target))
+    # the card's k: export.k, else DEFAULT_K (DFlash: launch's k, the largest of bench.k, which the config keeps
+    # inside the block)
+    k = ctx.cfg.export.k or (ctx.engine_ks()[-1] if ctx.family == "dflash" else DEFAULT_K)
     for fmt in ctx.cfg.export.formats:  # overwrite: the run owns its stage folders (pipeline.claim_run_dir)
-        export(ctx.drafter, ctx.export_dir(fmt), fmt, dtype=ctx.cfg.export.dtype, k=ctx.cfg.export.k or DEFAULT_K,
-               target_path=target_path, overwrite=True)
+        export(ctx.drafter, ctx.export_dir(fmt), fmt, dtype=ctx.cfg.export.dtype, k=k, target_path=target_path,
+               overwrite=True)
 
 
 def do_eval(ctx: RunContext) -> None:
@@ -189,8 +204,7 @@ def do_check(ctx: RunContext) -> None:
     report = {}
     for engine in c.engines:
         drafter = ctx.export_dir(engine)
-        spec_raw = json.dumps({"method": "eagle3", "model": str(drafter), "num_speculative_tokens": ctx.engine_ks()[-1]}) \
-            if engine == "vllm" else None
+        spec_raw = ctx.speculative_config(ctx.engine_ks()[-1]) if engine == "vllm" else None
         args = c.engine_args + (f" --max-model-len {launch.max_model_len} --dtype {launch.dtype}"
                                 if engine == "vllm" else "")
         python = ctx.python if engine == "vllm" else None
@@ -233,7 +247,7 @@ def engine_server(ctx: RunContext, log: Path, k: int | None) -> Iterator[tuple[s
     la = ctx.cfg.launch
     spec = VllmServe(target=resolve_target(ctx.cfg.target), drafter=ctx.export_dir("vllm") if k else None,
                      num_speculative_tokens=k or DEFAULT_K, port=free_port(), dtype=la.dtype,
-                     max_model_len=la.max_model_len, extra_args=la.extra_args)
+                     max_model_len=la.max_model_len, extra_args=la.extra_args, method=ctx.family)
     url = f"http://127.0.0.1:{spec.port}"
     print(f"run: starting {f'speculative (k={k})' if k else 'baseline'} vLLM server (log {log})")
     proc = spawn(spec.command(ctx.python), log, env={**os.environ, **VLLM_CPU_ENV})
@@ -280,9 +294,8 @@ def do_guard(ctx: RunContext) -> None:
         (ctx.out / "guard.json").write_text(json.dumps({"state": "not measured"}) + "\n")
         return
     k, drafter = ctx.launched.k, ctx.export_dir("vllm")
-    spec = json.dumps({"method": "eagle3", "model": str(drafter), "num_speculative_tokens": k})
     la = ctx.cfg.launch
-    dep = Deployment("vllm", str(resolve_target(ctx.cfg.target)), drafter, k, spec, ctx.python,
+    dep = Deployment("vllm", str(resolve_target(ctx.cfg.target)), drafter, k, ctx.speculative_config(k), ctx.python,
                      f"--dtype {la.dtype} --max-model-len {la.max_model_len}")
     rep = run_guard(ctx.launched.url, dep)
     print("run: " + render(rep).replace("\n", "\nrun: "))
@@ -400,12 +413,13 @@ def llamacpp_gguf(ctx: RunContext) -> GgufPair:
 
 
 @contextlib.contextmanager
-def llamacpp_server(gguf: GgufPair, k: int | None, log: Path) -> Iterator[str]:
-    """llama-server on the target GGUF, with the drafter at up to k draft tokens (None: without speculation)."""
+def llamacpp_server(gguf: GgufPair, k: int | None, log: Path, family: str = "eagle3") -> Iterator[str]:
+    """llama-server on the target GGUF, with the drafter (of `family`) at up to k draft tokens (None: without
+    speculation)."""
     from draftsmith.engines import llamacpp
 
     spec = llamacpp.LlamaServe(gguf.target, gguf.drafter if k else None, k=k or DEFAULT_K,
-                               extra_args=LLAMACPP_SERVER_FLAGS)
+                               extra_args=LLAMACPP_SERVER_FLAGS, method=family)
     print(f"run: starting {f'speculative (k={k}, p-min {spec.p_min:g})' if k else 'baseline'} llama-server (log {log})")
     with llamacpp.serve(spec, log) as url:
         yield url
@@ -429,7 +443,7 @@ def bench_llamacpp(ctx: RunContext, out: Path) -> None:
                          "max_tokens": b.llamacpp_max_tokens, "model": None})
     with llamacpp_server(gguf, None, out / "baseline.log") as base_url:
         reports = measure_sweep(sweep_order(sorted(set(b.llamacpp_k)), None),
-                                lambda k: llamacpp_server(gguf, k, out / f"speculative-k{k}.log"), base_url, s)
+                                lambda k: llamacpp_server(gguf, k, out / f"speculative-k{k}.log", ctx.family), base_url, s)
     write_sweep(reports, "llama.cpp", out, out.parent / "llamacpp.json", engine="llama.cpp",
                 p_min=llamacpp.SERVE_P_MIN, target_gguf=str(gguf.target), drafter_gguf=str(gguf.drafter),
                 server_flags=list(LLAMACPP_SERVER_FLAGS))
