@@ -136,6 +136,24 @@ RUN_ARGS = ["regenerate.prompts=train", "train.init_from=null", "train.recipe=pl
             "skip=launch,bench"]  # the engine stages start vLLM: the engine tier runs them (test_run.py)
 
 
+def session_run(tmp_path_factory, env: str, args: list[str], made: tuple[str, ...]) -> Path:
+    """`draftsmith run` with `args` into a fresh directory, or the run directory $`env` names (finished by the same
+    command, holding `made`), to rerun the engine tier without training again."""
+    import os
+    import subprocess
+    import sys
+
+    if os.environ.get(env):
+        reused = Path(os.environ[env])
+        assert all((reused / m).exists() for m in made), (reused, made)
+        return reused
+    out = tmp_path_factory.mktemp("run")
+    r = subprocess.run([sys.executable, "-m", "draftsmith.cli", "run", "--out", str(out), *args],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return out
+
+
 @pytest.fixture(scope="session")
 def small_run(tmp_path_factory) -> Path:
     """`draftsmith run` on the embedded SmolLM2 at small sizes, once per session (e2e and engine tiers).
@@ -143,19 +161,7 @@ def small_run(tmp_path_factory) -> Path:
     $DRAFTSMITH_TEST_RUN names a run directory finished by this same command, to rerun the engine tier
     without training again (the run takes 5-30 min on a shared 2-core machine).
     """
-    import os
-    import subprocess
-    import sys
-
-    if os.environ.get("DRAFTSMITH_TEST_RUN"):
-        reused = Path(os.environ["DRAFTSMITH_TEST_RUN"])
-        assert (reused / "train" / "drafter" / "config.json").is_file() and (reused / "export-vllm").is_dir(), reused
-        return reused
-    out = tmp_path_factory.mktemp("run")
-    r = subprocess.run([sys.executable, "-m", "draftsmith.cli", "run", "--out", str(out), *RUN_ARGS],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return out
+    return session_run(tmp_path_factory, "DRAFTSMITH_TEST_RUN", RUN_ARGS, ("train/drafter/config.json", "export-vllm"))
 
 
 # A DFlash drafter trained in the test session (engine tier): the target's own answers to 24 prompts of the eval set,
@@ -175,19 +181,8 @@ DFLASH_RUN_ARGS = ["train.family=dflash", "train.mask_token_id=16", "train.block
 def small_dflash_run(tmp_path_factory) -> Path:
     """`draftsmith run` with train.family dflash on the embedded SmolLM2 (DFLASH_RUN_ARGS), once per session;
     $DRAFTSMITH_TEST_DFLASH_RUN names a run directory finished by this same command, to reuse it."""
-    import os
-    import subprocess
-    import sys
-
-    if os.environ.get("DRAFTSMITH_TEST_DFLASH_RUN"):
-        reused = Path(os.environ["DRAFTSMITH_TEST_DFLASH_RUN"])
-        assert (reused / "eval.json").is_file() and (reused / "export-vllm").is_dir(), reused
-        return reused
-    out = tmp_path_factory.mktemp("dflash-run")
-    r = subprocess.run([sys.executable, "-m", "draftsmith.cli", "run", "--out", str(out), *DFLASH_RUN_ARGS],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return out
+    return session_run(tmp_path_factory, "DRAFTSMITH_TEST_DFLASH_RUN", DFLASH_RUN_ARGS,
+                       ("train/drafter/config.json", "export-vllm", "eval.json"))
 
 
 def read_spec_counters(base: str):

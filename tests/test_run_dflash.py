@@ -137,3 +137,19 @@ def test_the_report_lists_the_guard_stage_and_its_verdict(tmp_path):
     assert ("Guard: **degraded**: acceptance per position 0.40 0.20 over 90 drafts, expected 0.68 0.45; position 0 "
             "accepts 0.40 against 0.68 expected; first candidate cause: aux ids differ (fix: export again)") in md
     assert json.loads((tmp_path / "report.json").read_text())["guard"]["state"] == "degraded"
+
+
+def test_the_guards_candidate_causes_for_a_dflash_deployment_name_its_own_layers_and_attention(tmp_path):
+    from draftsmith.export.formats import export
+    from draftsmith.preflight.guard import Deployment, candidate_causes
+
+    out = export(write_dflash(tmp_path / "d", layers=1), tmp_path / "vllm", "vllm", "float32", 3)
+    spec = json.dumps({"method": "dflash", "model": str(out), "num_speculative_tokens": 3})
+    causes = candidate_causes(Deployment("vllm", "smollm2", out, 3, spec, None, "--dtype float32"))
+    assert [c["rule"] for c in causes] == ["unnamed.capture", "unnamed.causal", "unnamed.target"], causes
+    assert "dflash_config.target_layer_ids" in causes[0]["fix"] and "non-causal" in causes[1]["fix"]
+    # a stray EAGLE id list makes vLLM read other layers: check names it, first
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "eagle_aux_hidden_state_layer_ids": [1, 2, 3, 4, 5]}))
+    named = candidate_causes(Deployment("vllm", "smollm2", out, 3, spec, None, "--dtype float32"))
+    assert named[0]["severity"] in ("error", "warning") and named[0]["rule"].startswith("vllm-dflash"), named

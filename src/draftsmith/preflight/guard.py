@@ -23,7 +23,9 @@ from typing import Any
 
 from draftsmith.bench.guard import GUARD_MAX_TOKENS, GUARD_PROMPTS, GUARD_REQUESTS, Expected, measure, read_expected_dir
 from draftsmith.bench.verdict import GuardVerdict, decide_guard
+from draftsmith.conventions import DFLASH, drafter_family
 from draftsmith.errors import DraftsmithError
+from draftsmith.files import read_json
 
 # When check names nothing, the known silent killers in the order they are met in the field (docs/engines.md §3,
 # vllm#43671, vllm#36545): each is a cause the measurement alone cannot tell apart.
@@ -34,6 +36,16 @@ UNNAMED_CAUSES = (
      "write the trained flags explicitly in config.json; `draftsmith check` names which the engine reads"),
     ("a drafter trained for another target (same hidden size, so it loads)",
      "serve the drafter trained on this target (see the drafter's draftsmith.target)"),
+)
+# The same for a DFlash drafter: its layer ids and attention are where an engine reads it otherwise
+UNNAMED_DFLASH_CAUSES = (
+    ("aux layer ids: the engine captures other target layers than the drafter was trained on",
+     "compare dflash_config.target_layer_ids (layer outputs; vLLM adds 1) and no stray "
+     "eagle_aux_hidden_state_layer_ids with draftsmith.aux_layer_ids_boundary; GGUF: dflash.target_layers"),
+    ("attention: the engine runs the block causal (is_causal, dflash_config.causal, a sliding layer_types entry; "
+     "GGUF dflash.attention.causal), or another mask token",
+     "export again with `draftsmith export` (non-causal, the trained mask_token_id)"),
+    UNNAMED_CAUSES[2],
 )
 
 
@@ -97,7 +109,10 @@ def candidate_causes(dep: Deployment) -> list[dict[str, str]]:
     except DraftsmithError as err:
         causes.append({"rule": "check.failed", "severity": "warning", "cause": err.what, "fix": err.fix or ""})
     named = " ".join(c["rule"] for c in causes)
-    for (cause, fix), key in zip(UNNAMED_CAUSES, ("aux", "norm", "target")):
+    config = dep.drafter / "config.json"
+    dflash = config.is_file() and drafter_family(read_json(config, "drafter config")) == DFLASH
+    keys = ("capture", "causal", "target") if dflash else ("aux", "norm", "target")  # as check's rules name them
+    for (cause, fix), key in zip(UNNAMED_DFLASH_CAUSES if dflash else UNNAMED_CAUSES, keys):
         if key not in named:
             causes.append({"rule": f"unnamed.{key}", "severity": "candidate", "cause": cause, "fix": fix})
     return causes
