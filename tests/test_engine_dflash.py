@@ -74,8 +74,12 @@ def test_llama_server_serves_an_exported_dflash_gguf_losslessly(tmp_path):
 
 # ---------------------------------------------------------------- a trained DFlash drafter: engine tau against eval's
 
-# Engine tau against the reference decoder's (draftsmith eval, the same prompts, k and length, greedy fp32), as
-# measured by test_trained_dflash_tau_in_vllm_and_llama_cpp_matches_the_reference_decoder (its JSON lists each k).
+# Engine tau against the reference decoder's (draftsmith eval, the same prompts, k and length, greedy fp32). Measured
+# (this test's JSON line, the session's drafter at reference tau 1.48): vLLM equal at k=3 and 7 (128 and 129 drafts,
+# the reference's verify steps, the same per-position counts); llama-server 0.004 and 0.005 below, from its last
+# steps: it drafts at most n_remaining - 1 tokens (tools/server/server-context.cpp get_n_draft_max), so a request's
+# final step drafts nothing (3 drafts fewer over 4 requests) and the one before fewer than k. That end effect is at
+# most one step per request, so 0.05 holds with room at this length; a misread drafter lands near tau 1.0.
 DFLASH_PARITY = 0.05
 
 
@@ -135,3 +139,5 @@ def test_trained_dflash_tau_in_vllm_and_llama_cpp_matches_the_reference_decoder(
     assert llama["lossless"], row
     assert abs(served.tau - ref["tau"]) <= DFLASH_PARITY, row
     assert abs(llama["tau"] - ref["tau"]) <= DFLASH_PARITY, row
+    # llama-server's last step of a request drafts nothing (at most n_remaining - 1 tokens): at most one per request
+    assert ref["verify_steps"] - ENGINE_PROMPTS <= llama["drafts"] <= ref["verify_steps"], row

@@ -153,3 +153,43 @@ def test_the_guards_candidate_causes_for_a_dflash_deployment_name_its_own_layers
     (out / "config.json").write_text(json.dumps({**config, "eagle_aux_hidden_state_layer_ids": [1, 2, 3, 4, 5]}))
     named = candidate_causes(Deployment("vllm", "smollm2", out, 3, spec, None, "--dtype float32"))
     assert named[0]["severity"] in ("error", "warning") and named[0]["rule"].startswith("vllm-dflash"), named
+
+
+def test_runs_guard_holds_the_engine_to_this_runs_eval_on_its_prompts(tmp_path):
+    from draftsmith.run import stages
+
+    cfg = resolve_config([*DFLASH, "eval.prompts=eval", "eval.limit=4", "eval.max_new_tokens=48", "eval.k=3,7"],
+                         str(tmp_path))
+    with contextlib.ExitStack() as stack:
+        ctx = stages.RunContext(cfg, tmp_path, None, stack)
+        assert stages.guard_reference(ctx, 7) == {}  # no eval yet: the export's expectation, the guard's prompts
+        rows = [{"k": k, "tau": 1 + sum(pp), "per_position": pp, "verify_steps": 128, "topk": 1}
+                for k, pp in ((3, [0.38, 0.09, 0.02]), (7, [0.38, 0.08, 0.02, 0, 0, 0, 0]))]
+        (tmp_path / "eval.json").write_text(json.dumps({"sweep": rows, "settings": cfg.eval.record()}))
+        ref = stages.guard_reference(ctx, 7)
+        assert stages.guard_reference(ctx, 5) == {}  # eval did not measure the served k
+    assert (ref["prompts"], ref["requests"], ref["max_tokens"]) == ("eval", 4, 48)
+    assert ref["expected"].per_position == (0.38, 0.08, 0.02, 0, 0, 0, 0) and ref["expected"].k == 7
+    assert ref["expected"].measured_on["method"].startswith("draftsmith eval")
+
+
+def test_a_guard_rerun_after_its_launch_finished_starts_launchs_server_again(tmp_path, monkeypatch):
+    from draftsmith.preflight import guard
+    from draftsmith.run import stages
+
+    cfg = resolve_config([*DFLASH, "bench.k=3,7"], str(tmp_path))
+    launched, measured = [], []
+
+    def launch(ctx):
+        launched.append(ctx.engine_ks()[-1])
+        ctx.launched = stages.Served(7, "http://relaunched", contextlib.ExitStack())
+
+    def run_guard(url, dep, **kw):
+        measured.append((url, json.loads(dep.speculative_config)["method"], dep.k))
+        raise DraftsmithError("stop here", got="", expected="", fix="")
+
+    monkeypatch.setattr(stages, "do_launch", launch)
+    monkeypatch.setattr(guard, "run_guard", run_guard)
+    with contextlib.ExitStack() as stack, pytest.raises(DraftsmithError, match="stop here"):
+        stages.do_guard(stages.RunContext(cfg, tmp_path, Path(sys.executable), stack))
+    assert launched == [7] and measured == [("http://relaunched", "dflash", 7)]

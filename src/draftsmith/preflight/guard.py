@@ -133,10 +133,11 @@ class GuardReport:
 
 
 def run_guard(url: str, dep: Deployment, prompts: str = GUARD_PROMPTS, requests: int = GUARD_REQUESTS,
-              max_tokens: int = GUARD_MAX_TOKENS) -> GuardReport:
+              max_tokens: int = GUARD_MAX_TOKENS, expected: Expected | None = None) -> GuardReport:
+    """`expected`: the acceptance to hold the engine to; None: the one the drafter carries."""
     m = measure(url, prompts, requests, max_tokens)
     acc = m.acceptance
-    expected = read_expected_dir(dep.drafter, dep.k or acc.num_speculative_tokens)
+    expected = expected or read_expected_dir(dep.drafter, dep.k or acc.num_speculative_tokens)
     verdict = decide_guard(expected.per_position if expected else None, acc.per_position, acc.drafts)
     causes = candidate_causes(dep) if verdict.state in ("degraded", "collapsed") else []
     measured = {**acc.to_dict(), "requests": m.requests, "prompts": prompts, "max_tokens": max_tokens,

@@ -176,9 +176,9 @@ def do_export(ctx: RunContext) -> None:
     from draftsmith.target import resolve_target
 
     target_path = str(resolve_target(ctx.cfg.target))
-    # the card's k: export.k, else DEFAULT_K (DFlash: launch's k, the largest of bench.k, which the config keeps
-    # inside the block)
-    k = ctx.cfg.export.k or (ctx.engine_ks()[-1] if ctx.family == "dflash" else DEFAULT_K)
+    # the card's k: export.k, else DEFAULT_K (DFlash: within the block); the engines serve bench's k, and the
+    # expected acceptance the export records covers every k the drafter was measured at
+    k = ctx.cfg.export.k or (min(DEFAULT_K, ctx.cfg.train.block_size - 1) if ctx.family == "dflash" else DEFAULT_K)
     for fmt in ctx.cfg.export.formats:  # overwrite: the run owns its stage folders (pipeline.claim_run_dir)
         export(ctx.drafter, ctx.export_dir(fmt), fmt, dtype=ctx.cfg.export.dtype, k=k, target_path=target_path,
                overwrite=True)
@@ -284,20 +284,19 @@ def do_launch(ctx: RunContext) -> None:
 
 
 def do_guard(ctx: RunContext) -> None:
-    """The acceptance guard on launch's server before bench spends its time: a collapse fails the run with the
-    candidate causes; degraded is recorded and bench goes on."""
+    """The acceptance guard on launch's server (started again when an earlier invocation launched it) before bench
+    spends its time: a collapse fails the run with the candidate causes; degraded is recorded and bench goes on."""
     from draftsmith.preflight.guard import Deployment, render, run_guard
     from draftsmith.target import resolve_target
 
-    if ctx.launched is None:
-        print("run: guard: no server of this invocation's launch stage to measure (launch finished earlier)")
-        (ctx.out / "guard.json").write_text(json.dumps({"state": "not measured"}) + "\n")
-        return
+    if ctx.launched is None:  # launch finished in an earlier invocation (a guard that failed, then a rerun)
+        print("run: guard: launch's server stopped with the invocation that started it; starting it again")
+        do_launch(ctx)
     k, drafter = ctx.launched.k, ctx.export_dir("vllm")
     la = ctx.cfg.launch
     dep = Deployment("vllm", str(resolve_target(ctx.cfg.target)), drafter, k, ctx.speculative_config(k), ctx.python,
                      f"--dtype {la.dtype} --max-model-len {la.max_model_len}")
-    rep = run_guard(ctx.launched.url, dep)
+    rep = run_guard(ctx.launched.url, dep, **guard_reference(ctx, k))
     print("run: " + render(rep).replace("\n", "\nrun: "))
     (ctx.out / "guard.json").write_text(json.dumps(rep.to_dict(), indent=2, default=str) + "\n")
     if rep.verdict.state == "collapsed":
@@ -305,6 +304,22 @@ def do_guard(ctx: RunContext) -> None:
         raise DraftsmithError("the served drafter's acceptance collapsed", got=rep.verdict.reasons[0],
                               expected="position 0 near what the drafter showed on held-back data",
                               fix=f"{first['cause']}: {first['fix']}" if first else "run draftsmith check")
+
+
+def guard_reference(ctx: RunContext, k: int) -> dict[str, Any]:
+    """What the guard holds launch's server to: this run's eval at k when it measured k (the reference decoder's
+    per-position acceptance, greedy, on eval's prompts and length, which the guard then sends: the engines match it
+    within 0.005 in tau, tests/test_engine_dflash.py), else the expectation the export carries, on the guard's own
+    chat prompts (run_guard's defaults)."""
+    from draftsmith.bench.guard import EXPECTED_KEY, GUARD_REQUESTS, expected_from_eval_json, read_expected
+
+    e, path = ctx.cfg.eval, ctx.out / "eval.json"
+    doc = json.loads(path.read_text()) if path.is_file() and "eval" not in ctx.cfg.skip else {}
+    if e.topk != 1 or not any(r.get("k") == k for r in doc.get("sweep") or []):
+        return {}
+    rec = expected_from_eval_json(doc, k, f"{e.prompts} (this run's eval)")
+    return {"expected": read_expected({"draftsmith": {EXPECTED_KEY: rec}}, k), "prompts": e.prompts,
+            "requests": e.limit or GUARD_REQUESTS, "max_tokens": e.max_new_tokens}
 
 
 @contextlib.contextmanager
