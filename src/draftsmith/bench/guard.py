@@ -15,7 +15,7 @@ per_position[i] has the engines' definition (bench.metrics): the share of drafts
 The engine side: a few short greedy chat requests, the spec-decode counters of `/metrics` (vLLM, llama.cpp) before
 and after, differenced (`bench.metrics`). The verdict on the two is `bench.verdict.decide_guard`.
 
-Run through `draftsmith launch --guard` or `python -m draftsmith.preflight.guard --url URL -- ENGINE COMMAND`.
+Run through `draftsmith launch --guard` or `draftsmith guard --url URL -- ENGINE COMMAND`.
 """
 
 from __future__ import annotations
