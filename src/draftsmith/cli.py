@@ -29,6 +29,7 @@ VERBS = {
     "eval": ("draftsmith.eval.evaluation", "reference speculative decoding: acceptance and speed-up"),
     "check": ("draftsmith.preflight.check", "preflight: will this target + drafter start in this engine, and accept?"),
     "launch": ("draftsmith.engines.launch", "start an engine, follow its load, name the root cause if it dies"),
+    "guard": ("draftsmith.preflight.guard", "measure a running engine's acceptance against the drafter's own"),
     "diagnose": ("draftsmith.engines.diagnose", "name the root cause of a saved vLLM / SGLang log"),
     "bench": ("draftsmith.bench.benchmark", "load an endpoint, read its spec-decode metrics, say go or no-go"),
     "run": ("draftsmith.run.pipeline", "the whole pipeline in one run directory (default: the embedded SmolLM2 demo)"),

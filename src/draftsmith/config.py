@@ -232,15 +232,24 @@ def validated(cls: type[Settings], data: Any, flags: dict[str, str] | None, **fi
                           expected="every key valid", fix=errors[0].fix)
 
 
-def override(cfg: Settings, dotted: str) -> Settings:
-    """`section.key=value` (or `key=value` at top level) on a frozen config, through the model."""
+def override(cfg: Settings, *dotted: str) -> Settings:
+    """`section.key=value` (or `key=value` at top level) overrides on a frozen config, through the model: all of
+    them are set, then the model checks them together (train.family=dflash with train.mask_token_id=16 in either
+    order)."""
+    data = cfg.model_dump()
+    for one in dotted:
+        set_dotted(data, type(cfg), one)
+    return from_mapping(type(cfg), data)
+
+
+def set_dotted(data: dict, cls: type[Settings], dotted: str) -> None:
+    """One `section.key=value` into `data`, a dump of `cls`; the key is checked against the model's fields."""
     if "=" not in dotted:
         raise DraftsmithError("bad override", got=dotted, expected="section.key=value", fix="e.g. train.lr=3e-4")
     key, text = dotted.split("=", 1)
     value = yaml.safe_load(text) if text.strip() else ""
-    data = cfg.model_dump()
     *sections, name = key.split(".")
-    node, owner = data, type(cfg)
+    node, owner = data, cls
     for i, part in enumerate(sections):
         nested = owner.model_fields.get(part)
         nested_cls = nested and base_type(nested.annotation)
@@ -251,7 +260,6 @@ def override(cfg: Settings, dotted: str) -> Settings:
     if name not in owner.model_fields or is_section(owner.model_fields[name]):
         raise unknown_key(key, [k for k, f in owner.model_fields.items() if not is_section(f)])
     node[name] = value
-    return from_mapping(type(cfg), data)
 
 
 def is_section(field: FieldInfo) -> bool:

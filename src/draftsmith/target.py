@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.config import JSON_FLAG, Settings, add_flags, from_flags
-from draftsmith.conventions import IMAGE_TOKEN_FIELDS, MLA_MODEL_TYPES, default_aux_ids, validate_aux_ids
+from draftsmith.conventions import (IMAGE_TOKEN_FIELDS, MLA_MODEL_TYPES, default_aux_ids, default_dflash_aux_ids,
+                                   validate_aux_ids, validate_dflash_aux_ids)
 from draftsmith.errors import DraftsmithError
 from draftsmith.outputs import umask_mode
 from draftsmith.hfconfig import nested, read_dir_config, text_config_path
@@ -126,9 +127,14 @@ def describe_target(config: dict[str, Any]) -> TargetSpec:
     )
 
 
-def target_aux_ids(target: str, spec: TargetSpec, aux_ids: tuple[int, ...] | None = None) -> tuple[int, ...]:
-    """The boundary aux ids a stage reads from `target`: the user's `aux_ids`, checked against its depth, else its
-    default; a target too shallow for a default is one error naming it, its depth and the ids to pass."""
+def target_aux_ids(target: str, spec: TargetSpec, aux_ids: tuple[int, ...] | None = None,
+                   family: str = "eagle3") -> tuple[int, ...]:
+    """The boundary aux ids a stage reads from `target` for a drafter of `family`: the user's `aux_ids`, checked
+    against its depth, else its default; a target too shallow for a default is one error naming it, its depth and the
+    ids to pass. DFlash reads any number of layer outputs (conventions.default_dflash_aux_ids)."""
+    if family == "dflash":
+        n = spec.num_layers
+        return validate_dflash_aux_ids(tuple(aux_ids), n) if aux_ids else default_dflash_aux_ids(n)
     if aux_ids:
         return validate_aux_ids(tuple(aux_ids), spec.num_layers)
     return default_aux_ids(spec.num_layers, f"target {target!r}")

@@ -15,7 +15,7 @@ per_position[i] has the engines' definition (bench.metrics): the share of drafts
 The engine side: a few short greedy chat requests, the spec-decode counters of `/metrics` (vLLM, llama.cpp) before
 and after, differenced (`bench.metrics`). The verdict on the two is `bench.verdict.decide_guard`.
 
-Run through `draftsmith launch --guard` or `python -m draftsmith.preflight.guard --url URL -- ENGINE COMMAND`.
+Run through `draftsmith launch --guard` or `draftsmith guard --url URL -- ENGINE COMMAND`.
 """
 
 from __future__ import annotations
@@ -69,6 +69,19 @@ def expected_from_eval(ev: dict[str, Any], k: int, measured_on: dict[str, Any]) 
                                                                "held-back split (estimate)"})
 
 
+def with_expected_acceptance(meta: dict, k: int, src: Path) -> dict:
+    """`meta` (a drafter's `draftsmith` block) with its expected per-position acceptance at the exported k, which
+    the guard compares the engine with: the checkpoint's own record when it has one, else estimated from the
+    trainer's held-back eval (DFlash's: the blocks' leading correct positions, so each position is exact, not an
+    estimate of a walk); none for a drafter without either (a converted public one)."""
+    rec = meta.get(EXPECTED_KEY)
+    if rec is None and meta.get("eval"):
+        stamp = time.strftime("%Y-%m-%d", time.gmtime((src / "config.json").stat().st_mtime))
+        rec = expected_from_eval(meta["eval"], k, {"data": f"held-back split of {meta.get('store') or 'the store'}",
+                                                   "count": None, "date": stamp})
+    return {**meta, EXPECTED_KEY: {**rec, "k": k}} if rec else meta
+
+
 def expected_from_eval_json(doc: dict[str, Any] | list, k: int, data: str) -> dict[str, Any]:
     """The `expected_acceptance` block from `draftsmith eval --json` output (its per-k sweep), measured on `data`.
 
@@ -111,8 +124,18 @@ def read_expected_dir(drafter: Path, k: int | None) -> Expected | None:
 
 
 def scrape(url: str, timeout_s: float = 10.0) -> str:
-    with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout_s) as r:
-        return r.read().decode("utf-8", errors="replace")
+    """The engine's /metrics page.
+
+    Raises:
+        DraftsmithError: the engine does not answer at `url`."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout_s) as r:
+            return r.read().decode("utf-8", errors="replace")
+    except OSError as err:
+        raise DraftsmithError("the engine does not answer", got=f"{url}/metrics: {err}",
+                              expected="a ready engine at --url",
+                              fix="start it first (`draftsmith launch --guard -- COMMAND` waits for readiness) and "
+                                  "pass its base URL") from err
 
 
 def chat(url: str, model: str | None, messages: list[dict], max_tokens: int, timeout_s: float = 120.0) -> None:

@@ -275,7 +275,7 @@ class CaptureSettings(Settings):
 
 
 def capture(conversations: Path, out: Path, settings: CaptureSettings | None = None, *, target: str = "smollm2",
-            aux_ids: tuple[int, ...] | None = None, shard_tokens: int = 1 << 16) -> CaptureSummary:
+            aux_ids: tuple[int, ...] | None = None, shard_tokens: int = 1 << 16, family: str = "eagle3") -> CaptureSummary:
     """Capture a feature store from a conversations file in this process (resumes an interrupted capture).
 
     `settings` is the capture verb's (and run's capture section's) model, passed whole: max_length, dtype, device,
@@ -285,7 +285,7 @@ def capture(conversations: Path, out: Path, settings: CaptureSettings | None = N
     max_length, batch_tokens, dtype, device = s.max_length, s.batch_tokens, s.dtype, s.device
     model_dir = resolve_target(target)
     spec = describe_target(read_config(model_dir))
-    aux_ids = target_aux_ids(target, spec, aux_ids)
+    aux_ids = target_aux_ids(target, spec, aux_ids, family)
     require_conversations(conversations)
     writer = StoreWriter(out, capture_identity(model_dir, target, aux_ids, spec, max_length, Path(conversations)),
                          shard_tokens, s.max_store_bytes, s.store_wait_timeout_s)

@@ -172,11 +172,13 @@ def llamacpp_config(config: dict[str, Any]) -> dict[str, Any]:
             "draftsmith": {**config["draftsmith"], "aux_id_convention": "llamacpp"}}
 
 
-def draft_args(drafter: str | Path, k: int, p_min: float = SERVE_P_MIN) -> list[str]:
-    """EAGLE-3 with up to k draft tokens, no minimum (common/arg.cpp:4140-4200). p_min 0 drafts all k; above 0 the
-    chain stops at the first draft token whose drafter probability is below it (common/speculative.cpp: the greedy
-    top candidate's p), which spares the target verifying tokens it would likely reject (SERVE_P_MIN)."""
-    return ["-md", str(drafter), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(k),
+def draft_args(drafter: str | Path, k: int, p_min: float = SERVE_P_MIN, method: str = "eagle3") -> list[str]:
+    """A drafter of `method` (eagle3 | dflash: `--spec-type draft-<method>`) with up to k draft tokens, no minimum
+    (common/arg.cpp:4140-4200). p_min 0 drafts all k; above 0 the chain stops at the first draft token whose drafter
+    probability is below it (common/speculative.cpp: the greedy top candidate's p; DFlash reads its block the same
+    way, :1295-1312), which spares the target verifying tokens it would likely reject (SERVE_P_MIN). DFlash clamps k
+    to its GGUF's block_size - 1."""
+    return ["-md", str(drafter), "--spec-type", f"draft-{method}", "--spec-draft-n-max", str(k),
             "--spec-draft-n-min", "0", "--spec-draft-p-min", f"{p_min:g}"]
 
 
@@ -237,7 +239,7 @@ def llamacpp_facts(drafter_dir: Path, target_num_layers: int) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class LlamaServe:
-    """Everything that defines one `llama-server` start (greedy EAGLE-3 settings)."""
+    """Everything that defines one `llama-server` start (greedy; an EAGLE-3 or DFlash drafter)."""
 
     target: Path
     drafter: Path | None = None
@@ -253,13 +255,15 @@ class LlamaServe:
     binary: Path | None = None
     """The llama-server to run; None: the one `make llama-server` built (`server_binary`). Benchmarks set it to
     compare builds of one source (say, other ggml CPU flags) side by side."""
+    method: str = "eagle3"
+    """The drafter's family as llama.cpp's --spec-type names it (draft-eagle3 | draft-dflash)."""
 
     def command(self, binary: Path) -> list[str]:
         cmd = [str(binary), "-m", str(self.target), "--host", "127.0.0.1", "--port", str(self.port),
                "--ctx-size", str(self.ctx_size), "--threads", str(self.threads), "--parallel", str(self.parallel),
                "--metrics", "--no-webui"]
         if self.drafter is not None:
-            cmd += draft_args(self.drafter, self.k, self.p_min)
+            cmd += draft_args(self.drafter, self.k, self.p_min, self.method)
         return cmd + list(self.extra_args)
 
 

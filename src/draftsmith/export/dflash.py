@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from draftsmith.bench.guard import with_expected_acceptance
 from draftsmith.conventions import DFLASH, dflash_boundary, dflash_target_layer_ids
 from draftsmith.engines import llamacpp
 from draftsmith.errors import DraftsmithError
@@ -257,7 +258,8 @@ def write_layout(src: Path, folder: Path, fmt: str, dtype: str, k: int | None, t
     meta = {key: v for key, v in block.items() if key not in ("drafter", "aux_layer_ids_boundary")}
     if target_path:
         meta["target_path"] = target_path
-    block = {**block, "aux_layer_ids_boundary": list(shape.aux_layer_ids)}
+    # the expected acceptance at the exported k (the guard compares the engine with it), as EAGLE-3's exports carry it
+    block = with_expected_acceptance({**block, "aux_layer_ids_boundary": list(shape.aux_layer_ids)}, k, src)
     cast = getattr(torch, dtype)
     save_weights({n: (t.to(cast) if t.is_floating_point() else t).contiguous() for n, t in tensors.items()},
                  folder / WEIGHTS)

@@ -26,14 +26,13 @@ read (`--overwrite` replaces it), and so is an OUT that is, holds or lies inside
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from pydantic import Field, model_validator
 
-from draftsmith.bench.guard import EXPECTED_KEY, expected_from_eval
+from draftsmith.bench.guard import with_expected_acceptance
 from draftsmith.engines import llamacpp
 from draftsmith.export import dflash
 from draftsmith.model.checkpoint import (WEIGHTS, draftsmith_drafter_config, hf_config, read_drafter_config,
@@ -231,18 +230,6 @@ def write_layout(src: Path, config: dict, folder: Path, fmt: str, dtype: str, k:
         new_config = hf_config(cfg, fmt, dtype, meta)
     (folder / "config.json").write_text(json.dumps(new_config, indent=2) + "\n")
     (folder / "README.md").write_text(model_card(fmt, card_out, cfg, meta, k))
-
-
-def with_expected_acceptance(meta: dict, k: int, src: Path) -> dict:
-    """`meta` with the drafter's expected per-position acceptance at the exported k (`bench.guard`), which the
-    acceptance guard compares the engine with: the checkpoint's own record when it has one, else estimated from
-    the trainer's held-back eval; none for a drafter without either (a converted public one)."""
-    rec = meta.get(EXPECTED_KEY)
-    if rec is None and meta.get("eval"):
-        stamp = time.strftime("%Y-%m-%d", time.gmtime((src / "config.json").stat().st_mtime))
-        rec = expected_from_eval(meta["eval"], k, {"data": f"held-back split of {meta.get('store') or 'the store'}",
-                                                   "count": None, "date": stamp})
-    return {**meta, EXPECTED_KEY: {**rec, "k": k}} if rec else meta
 
 
 def export_llamacpp(src: Path, out: Path, dtype: str, k: int, target_path: str | None,

@@ -9,7 +9,7 @@ guard needs nothing the command does not say.
 Exit codes: 0 as trained (or unverified: no expectation recorded and nothing alarming), 6 degraded, 7 collapsed,
 2 could not measure. `draftsmith launch --guard` runs it once the engine is ready.
 
-    python -m draftsmith.preflight.guard --url http://127.0.0.1:8000 -- vllm serve TARGET --speculative-config '{...}'
+    draftsmith guard --url http://127.0.0.1:8000 -- vllm serve TARGET --speculative-config '{...}'
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ from typing import Any
 
 from draftsmith.bench.guard import GUARD_MAX_TOKENS, GUARD_PROMPTS, GUARD_REQUESTS, Expected, measure, read_expected_dir
 from draftsmith.bench.verdict import GuardVerdict, decide_guard
+from draftsmith.conventions import DFLASH, drafter_family
 from draftsmith.errors import DraftsmithError
+from draftsmith.files import read_json
 
 # When check names nothing, the known silent killers in the order they are met in the field (docs/engines.md §3,
 # vllm#43671, vllm#36545): each is a cause the measurement alone cannot tell apart.
@@ -34,6 +36,16 @@ UNNAMED_CAUSES = (
      "write the trained flags explicitly in config.json; `draftsmith check` names which the engine reads"),
     ("a drafter trained for another target (same hidden size, so it loads)",
      "serve the drafter trained on this target (see the drafter's draftsmith.target)"),
+)
+# The same for a DFlash drafter: its layer ids and attention are where an engine reads it otherwise
+UNNAMED_DFLASH_CAUSES = (
+    ("aux layer ids: the engine captures other target layers than the drafter was trained on",
+     "compare dflash_config.target_layer_ids (layer outputs; vLLM adds 1) and no stray "
+     "eagle_aux_hidden_state_layer_ids with draftsmith.aux_layer_ids_boundary; GGUF: dflash.target_layers"),
+    ("attention: the engine runs the block causal (is_causal, dflash_config.causal, a sliding layer_types entry; "
+     "GGUF dflash.attention.causal), or another mask token",
+     "export again with `draftsmith export` (non-causal, the trained mask_token_id)"),
+    UNNAMED_CAUSES[2],
 )
 
 
@@ -97,7 +109,10 @@ def candidate_causes(dep: Deployment) -> list[dict[str, str]]:
     except DraftsmithError as err:
         causes.append({"rule": "check.failed", "severity": "warning", "cause": err.what, "fix": err.fix or ""})
     named = " ".join(c["rule"] for c in causes)
-    for (cause, fix), key in zip(UNNAMED_CAUSES, ("aux", "norm", "target")):
+    config = dep.drafter / "config.json"
+    dflash = config.is_file() and drafter_family(read_json(config, "drafter config")) == DFLASH
+    keys = ("capture", "causal", "target") if dflash else ("aux", "norm", "target")  # as check's rules name them
+    for (cause, fix), key in zip(UNNAMED_DFLASH_CAUSES if dflash else UNNAMED_CAUSES, keys):
         if key not in named:
             causes.append({"rule": f"unnamed.{key}", "severity": "candidate", "cause": cause, "fix": fix})
     return causes
@@ -118,10 +133,11 @@ class GuardReport:
 
 
 def run_guard(url: str, dep: Deployment, prompts: str = GUARD_PROMPTS, requests: int = GUARD_REQUESTS,
-              max_tokens: int = GUARD_MAX_TOKENS) -> GuardReport:
+              max_tokens: int = GUARD_MAX_TOKENS, expected: Expected | None = None) -> GuardReport:
+    """`expected`: the acceptance to hold the engine to; None: the one the drafter carries."""
     m = measure(url, prompts, requests, max_tokens)
     acc = m.acceptance
-    expected = read_expected_dir(dep.drafter, dep.k or acc.num_speculative_tokens)
+    expected = expected or read_expected_dir(dep.drafter, dep.k or acc.num_speculative_tokens)
     verdict = decide_guard(expected.per_position if expected else None, acc.per_position, acc.drafts)
     causes = candidate_causes(dep) if verdict.state in ("degraded", "collapsed") else []
     measured = {**acc.to_dict(), "requests": m.requests, "prompts": prompts, "max_tokens": max_tokens,
@@ -141,16 +157,41 @@ def render(rep: GuardReport) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m draftsmith.preflight.guard", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+GUARD_EXAMPLES = (
+    "examples:\n"
+    "  draftsmith guard --url http://127.0.0.1:8000 -- vllm serve TARGET \\\n"
+    "      --speculative-config '{\"method\": \"eagle3\", \"model\": \"DRAFTER\", \"num_speculative_tokens\": 3}'\n"
+    "  draftsmith guard --url http://127.0.0.1:8000 -- vllm serve TARGET \\\n"
+    "      --speculative-config '{\"method\": \"dflash\", \"model\": \"DRAFTER\", \"num_speculative_tokens\": 7}'\n"
+    "  draftsmith guard --url http://127.0.0.1:8080 --json guard.json -- llama-server -m TARGET.gguf \\\n"
+    "      -md DRAFTER/drafter-f16.gguf --spec-type draft-eagle3 --spec-draft-n-max 3\n"
+    "The engine must already be up (`draftsmith launch --guard` starts it and guards it once ready); the command is\n"
+    "the one it was started with, read for the drafter, k and flags. Exit codes: 0 as trained (or unverified), "
+    "6 degraded, 7 collapsed, 2 could not measure.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", required=True, help="the ready engine's base URL")
     p.add_argument("--prompts", default=GUARD_PROMPTS, help="chat-eval (built in) or a JSONL of prompts")
-    p.add_argument("--requests", type=int, default=GUARD_REQUESTS)
-    p.add_argument("--max-tokens", type=int, default=GUARD_MAX_TOKENS)
+    p.add_argument("--requests", type=int, default=GUARD_REQUESTS, help="at most this many requests [>= 1]")
+    p.add_argument("--max-tokens", type=int, default=GUARD_MAX_TOKENS, help="tokens per request [>= 1]")
     p.add_argument("--json", type=Path, help="also write the report here")
     p.add_argument("command", nargs="+", help="the engine command, after `--`")
-    args = p.parse_args(argv)
+
+
+def add_parser(sub) -> None:
+    from draftsmith.config import example_help
+
+    p = sub.add_parser("guard", help="measure a running engine's acceptance against the drafter's own, name causes",
+                       **example_help(GUARD_EXAMPLES))
+    add_arguments(p)
+    p.set_defaults(func=guard_cli)
+
+
+def guard_cli(args: argparse.Namespace) -> int:
+    if args.requests < 1 or args.max_tokens < 1:
+        raise DraftsmithError("bad guard sizes", got=f"--requests {args.requests} --max-tokens {args.max_tokens}",
+                              expected="both >= 1", fix="e.g. --requests 8 --max-tokens 48")
     try:
         rep = run_guard(args.url, deployment_from_command(args.command), args.prompts, args.requests, args.max_tokens)
     except DraftsmithError as err:
@@ -160,6 +201,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(rep.to_dict(), indent=2, default=str) + "\n")
     return rep.verdict.exit_code
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m draftsmith.preflight.guard", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        return guard_cli(args)
+    except DraftsmithError as err:
+        print(f"error: {err.render()}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

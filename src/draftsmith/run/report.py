@@ -2,7 +2,7 @@
 
 Reads only what the stages left in the run directory (`run_config.json`, `summary.json`,
 `conversations.jsonl`, `store/manifest.json`, `train/metrics.jsonl`, `eval.json`, `check.json`,
-`launch.json`, `bench/bench.json`, `bench/llamacpp.json`) and writes next to them:
+`launch.json`, `guard.json`, `bench/bench.json`, `bench/llamacpp.json`) and writes next to them:
 
 - `report.json`: every number on the page;
 - `report.md` with `report-*.png` plots beside it, and `report.html`, which embeds the same plots and
@@ -231,7 +231,7 @@ def collect(run: Path) -> dict:
            "simulated_tau": (drafter or {}).get("draftsmith", {}).get("eval", {}).get("tau"),
            "selection": (drafter or {}).get("draftsmith", {}).get("selection"),
            "eval": ev, "check": read_json(run / "check.json"), "launch": read_json(run / "launch.json"),
-           "bench": bench, "llamacpp": llama, "parity": parity(ev, bench), "k_choice": k_choices(ev, bench, llama)}
+           "guard": read_json(run / "guard.json"), "bench": bench, "llamacpp": llama, "parity": parity(ev, bench), "k_choice": k_choices(ev, bench, llama)}
     doc["verdict"] = decide_run(doc)
     return redact(doc)  # every page and file is drawn from doc: a credential a stage recorded goes no further
 
@@ -352,13 +352,30 @@ def blocks(doc: dict, images: list[str]) -> list[tuple]:
     failed = (sm.get("failed") or {}).get("stage")
     rows = [[st, "FAILED" if st == failed else "skipped: " + sm["skipped"][st] if st in (sm.get("skipped") or {})
              else (sm.get("stages") or {}).get(st, "-"), fmt((sm.get("stage_seconds") or {}).get(st), ".0f")]
-            for st in ("regenerate", "capture", "train", "export", "eval", "check", "launch", "bench")]
+            for st in ("regenerate", "capture", "train", "export", "eval", "check", "launch", "guard", "bench")]
     out += [("h2", "Stages"), ("table", ["stage", "this run", "seconds"], rows)]
     if doc.get("launch"):
         la = doc["launch"]
         out.append(("p", f"Launch: {la['status']}" + (f", ready after {la['ready_s']:.0f} s" if la.get("ready_s") else "")
                     + (f"; {la['error']}" if la.get("error") else "") + f" (log `{la['log']}`)."))
+    if doc.get("guard"):
+        out.append(("p", guard_line(doc["guard"])))
     return out
+
+
+def guard_line(g: dict) -> str:
+    """The acceptance guard's verdict on launch's server: per-position acceptance, the engine's against the
+    drafter's expected, and the first candidate cause when it alarmed."""
+    if g.get("state") == "not measured":
+        return "Guard: not measured (no server of this invocation's launch stage)."
+    m, e = g.get("measured") or {}, g.get("expected") or {}
+    line = (f"Guard: **{g['state']}**: acceptance per position {fmt(m.get('per_position'))} over {m.get('drafts')} "
+            f"drafts, expected {fmt(e.get('per_position')) if e else 'nothing recorded'}")
+    if g.get("reasons"):
+        line += f"; {g['reasons'][0]}"
+    if g.get("causes"):
+        line += f"; first candidate cause: {g['causes'][0]['cause']} (fix: {g['causes'][0]['fix']})"
+    return line + f" ({fmt(g.get('seconds'), '.0f')} s)."
 
 
 def k_blocks(doc: dict) -> list[tuple]:

@@ -19,6 +19,7 @@ from draftsmith.bench.benchmark import BenchSettings
 from draftsmith.capture.local import CAPTURE_ENGINES, CaptureSettings
 from draftsmith.preflight.check import EngineFlags
 from draftsmith.config import Settings, from_mapping, override, with_defaults
+from draftsmith.conventions import DFLASH
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.evaluation import EvalSettings
 from draftsmith.export.formats import ExportSettings
@@ -30,6 +31,7 @@ from draftsmith.train.settings import TrainSettings, recipe_for
 STAGES = ("regenerate", "capture", "train", "export", "eval", "check", "launch", "guard", "bench")
 ENGINE_STAGES = ("launch", "guard", "bench")  # need a vLLM interpreter (bench: or bench.llamacpp_k); skipped, and said so
 EXPORT_FORMATS = ("vllm", "sglang", "speculators")
+DFLASH_FORMATS = ("vllm", "speculators")  # export.dflash's writers (llamacpp: bench's GGUF)
 CHECK_ENGINES = ("vllm", "sglang")
 
 
@@ -193,8 +195,11 @@ class RunConfig(Settings):
             problems.append((f"train.recipe: normed trains norms that the engines of export.formats "
                              f"{list(self.export.formats)} do not compute; use auto (here: {plain}) or plain",
                              "train.recipe auto or plain for these formats"))
-        problems += [(p, "train.init_from auto, null, or a drafter whose norms every format computes")
-                     for p in start_problems(self.train.init_from, self.export.formats)]
+        if self.train.family != DFLASH:
+            problems += [(p, "train.init_from auto, null, or a drafter whose norms every format computes")
+                         for p in start_problems(self.train.init_from, self.export.formats)]
+        problems += [(p, f"settings train.family {self.train.family} can run (each problem names its fix)")
+                     for p in family_problems(self)]
         if self.train.mode not in ("offline", "online"):
             problems.append((f"train.mode: {self.train.mode!r} is not offline or online", "train.mode offline or online"))
         problems += capture_problems(self.capture, self.train.mode)
@@ -205,6 +210,50 @@ class RunConfig(Settings):
         return self
 
 
+
+
+# EAGLE-3's settings in train that a DFlash drafter has no use for: refused when set away from run's default
+EAGLE3_ONLY = ("draft_vocab_size", "ttt_steps", "step_loss_decay", "recipe", "head_init", "train_head",
+               "norm_before_fc", "norm_output", "norm_before_residual")
+
+
+def family_problems(cfg: RunConfig) -> list[str]:
+    """Keys that disagree with train.family: a DFlash run's draft lengths past its block (K mask queries after the
+    bonus token: k <= block_size - 1, what vLLM can serve and llama.cpp clamps to), EAGLE-3-only settings, a
+    starting drafter of the other family, formats and engines without DFlash, a tree eval, a vLLM capture."""
+    from draftsmith.conventions import EAGLE3, drafter_family
+    from draftsmith.model.checkpoint import drafter_path
+    from draftsmith.files import read_json
+
+    t = cfg.train
+    start = t.init_from not in (None, "auto") and (drafter_path(t.init_from) / "config.json").is_file()
+    family = drafter_family(read_json(drafter_path(t.init_from) / "config.json", "drafter config")) if start else None
+    if t.family != DFLASH:
+        return [f"train.init_from: {t.init_from} is a {family} drafter, train.family is {t.family}; set "
+                f"train.family: {family} or start elsewhere"] if family and family != EAGLE3 else []
+    most = t.block_size - 1
+    ks = {"bench.k": cfg.bench.k, "bench.llamacpp_k": cfg.bench.llamacpp_k, "eval.k": cfg.eval.k,
+          "export.k": (cfg.export.k,) if cfg.export.k else ()}
+    problems = [f"{key} {list(v)}: a DFlash block of train.block_size {t.block_size} drafts at most {most} tokens "
+                f"(set {key} to values <= {most}, or raise train.block_size)" for key, v in ks.items()
+                if v and max(v) > most]
+    defaults = TrainStage()
+    problems += [f"train.{key} {getattr(t, key)!r}: an EAGLE-3 setting, train.family dflash does not use it (drop it)"
+                 for key in EAGLE3_ONLY if getattr(t, key) not in (None, getattr(defaults, key))]
+    if family and family != DFLASH:
+        problems.append(f"train.init_from: {t.init_from} is a {family} drafter, train.family is dflash; start from "
+                        f"a DFlash drafter, or init_from: null (a new one)")
+    problems += [f"export.formats: {f} has no DFlash writer (vllm, speculators; llama.cpp's GGUF is bench's)"
+                 for f in cfg.export.formats if f not in DFLASH_FORMATS]
+    problems += [f"check.engines: {e} serves no DFlash drafter here; check vllm" for e in cfg.check.engines
+                 if e != "vllm" and "check" not in cfg.skip]
+    if cfg.eval.topk != 1 or cfg.eval.draft_tokens is not None:
+        problems.append("eval.topk / eval.draft_tokens: a DFlash block is a chain; set eval.topk: 1, "
+                        "eval.draft_tokens: null")
+    if cfg.capture.engine != "transformers" and t.mode == "offline":
+        problems.append("capture.engine: vllm captures EAGLE-3's three layers; a DFlash run captures its own with "
+                        "capture.engine: transformers (or train.mode: online)")
+    return problems
 
 
 def start_problems(init_from: str | None, formats: tuple[str, ...]) -> list[str]:
@@ -249,8 +298,7 @@ def resolve_config(argv: list[str], out: str | None) -> RunConfig:
     cfg = RunConfig()
     if argv and "=" not in argv[0]:
         cfg, argv = load_config(argv[0]), argv[1:]
-    for o in argv:
-        cfg = apply_override(cfg, o)
+    cfg = override(cfg, *argv) if argv else cfg  # checked together: one key may need another
     return cfg.model_copy(update={"out": out}) if out else cfg
 
 

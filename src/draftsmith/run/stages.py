@@ -74,6 +74,15 @@ class RunContext:
         """The draft lengths vLLM serves the drafter at (bench.k), ascending; launch serves the largest."""
         return sorted(set(self.cfg.bench.k))
 
+    @property
+    def family(self) -> str:
+        """The drafter family as the engines name it (vLLM's method, llama.cpp's draft-<family>): eagle3 | dflash."""
+        return self.cfg.train.family
+
+    def speculative_config(self, k: int) -> str:
+        """vLLM's --speculative-config for the vLLM export at k (check, guard)."""
+        return json.dumps({"method": self.family, "model": str(self.export_dir("vllm")), "num_speculative_tokens": k})
+
 
 def do_regenerate(ctx: RunContext) -> None:
     from draftsmith.regenerate.conversations import ConversationWriter
@@ -130,7 +139,7 @@ def do_capture(ctx: RunContext) -> None:
     if c.engine == "vllm":
         capture_through_engine(ctx)
         return
-    capture(ctx.out / "conversations.jsonl", ctx.out / "store", c, target=ctx.cfg.target)
+    capture(ctx.out / "conversations.jsonl", ctx.out / "store", c, target=ctx.cfg.target, family=ctx.family)
 
 
 def capture_through_engine(ctx: RunContext) -> None:
@@ -150,8 +159,11 @@ def do_train(ctx: RunContext) -> None:
     from draftsmith.train.trainer import Trainer
 
     t, online = ctx.cfg.train, ctx.cfg.train.mode == "online"
+    # auto for DFlash: from scratch (the shipped drafters are EAGLE-3's; run's config refuses an explicit other family)
+    init_from = None if t.family == "dflash" and t.init_from == "auto" else \
+        starting_drafter(t.init_from, ctx.cfg.target, ctx.cfg.export.formats).drafter
     with Trainer(TrainConfig(
-        **t.model_dump(exclude={"mode", "init_from", "recipe"}), init_from=starting_drafter(t.init_from, ctx.cfg.target, ctx.cfg.export.formats).drafter,
+        **t.model_dump(exclude={"mode", "init_from", "recipe"}), init_from=init_from,
         recipe=recipe_for(t.recipe, ctx.cfg.export.formats),
         out=str(ctx.out / "train"), store=None if online else str(ctx.out / "store"),
         conversations=str(ctx.out / "conversations.jsonl") if online else None, target=ctx.cfg.target,
@@ -164,9 +176,12 @@ def do_export(ctx: RunContext) -> None:
     from draftsmith.target import resolve_target
 
     target_path = str(resolve_target(ctx.cfg.target))
+    # the card's k: export.k, else DEFAULT_K (DFlash: within the block); the engines serve bench's k, and the
+    # expected acceptance the export records covers every k the drafter was measured at
+    k = ctx.cfg.export.k or (min(DEFAULT_K, ctx.cfg.train.block_size - 1) if ctx.family == "dflash" else DEFAULT_K)
     for fmt in ctx.cfg.export.formats:  # overwrite: the run owns its stage folders (pipeline.claim_run_dir)
-        export(ctx.drafter, ctx.export_dir(fmt), fmt, dtype=ctx.cfg.export.dtype, k=ctx.cfg.export.k or DEFAULT_K,
-               target_path=target_path, overwrite=True)
+        export(ctx.drafter, ctx.export_dir(fmt), fmt, dtype=ctx.cfg.export.dtype, k=k, target_path=target_path,
+               overwrite=True)
 
 
 def do_eval(ctx: RunContext) -> None:
@@ -189,8 +204,7 @@ def do_check(ctx: RunContext) -> None:
     report = {}
     for engine in c.engines:
         drafter = ctx.export_dir(engine)
-        spec_raw = json.dumps({"method": "eagle3", "model": str(drafter), "num_speculative_tokens": ctx.engine_ks()[-1]}) \
-            if engine == "vllm" else None
+        spec_raw = ctx.speculative_config(ctx.engine_ks()[-1]) if engine == "vllm" else None
         args = c.engine_args + (f" --max-model-len {launch.max_model_len} --dtype {launch.dtype}"
                                 if engine == "vllm" else "")
         python = ctx.python if engine == "vllm" else None
@@ -233,7 +247,7 @@ def engine_server(ctx: RunContext, log: Path, k: int | None) -> Iterator[tuple[s
     la = ctx.cfg.launch
     spec = VllmServe(target=resolve_target(ctx.cfg.target), drafter=ctx.export_dir("vllm") if k else None,
                      num_speculative_tokens=k or DEFAULT_K, port=free_port(), dtype=la.dtype,
-                     max_model_len=la.max_model_len, extra_args=la.extra_args)
+                     max_model_len=la.max_model_len, extra_args=la.extra_args, method=ctx.family)
     url = f"http://127.0.0.1:{spec.port}"
     print(f"run: starting {f'speculative (k={k})' if k else 'baseline'} vLLM server (log {log})")
     proc = spawn(spec.command(ctx.python), log, env={**os.environ, **VLLM_CPU_ENV})
@@ -270,21 +284,19 @@ def do_launch(ctx: RunContext) -> None:
 
 
 def do_guard(ctx: RunContext) -> None:
-    """The acceptance guard on launch's server before bench spends its time: a collapse fails the run with the
-    candidate causes; degraded is recorded and bench goes on."""
+    """The acceptance guard on launch's server (started again when an earlier invocation launched it) before bench
+    spends its time: a collapse fails the run with the candidate causes; degraded is recorded and bench goes on."""
     from draftsmith.preflight.guard import Deployment, render, run_guard
     from draftsmith.target import resolve_target
 
-    if ctx.launched is None:
-        print("run: guard: no server of this invocation's launch stage to measure (launch finished earlier)")
-        (ctx.out / "guard.json").write_text(json.dumps({"state": "not measured"}) + "\n")
-        return
+    if ctx.launched is None:  # launch finished in an earlier invocation (a guard that failed, then a rerun)
+        print("run: guard: launch's server stopped with the invocation that started it; starting it again")
+        do_launch(ctx)
     k, drafter = ctx.launched.k, ctx.export_dir("vllm")
-    spec = json.dumps({"method": "eagle3", "model": str(drafter), "num_speculative_tokens": k})
     la = ctx.cfg.launch
-    dep = Deployment("vllm", str(resolve_target(ctx.cfg.target)), drafter, k, spec, ctx.python,
+    dep = Deployment("vllm", str(resolve_target(ctx.cfg.target)), drafter, k, ctx.speculative_config(k), ctx.python,
                      f"--dtype {la.dtype} --max-model-len {la.max_model_len}")
-    rep = run_guard(ctx.launched.url, dep)
+    rep = run_guard(ctx.launched.url, dep, **guard_reference(ctx, k))
     print("run: " + render(rep).replace("\n", "\nrun: "))
     (ctx.out / "guard.json").write_text(json.dumps(rep.to_dict(), indent=2, default=str) + "\n")
     if rep.verdict.state == "collapsed":
@@ -292,6 +304,22 @@ def do_guard(ctx: RunContext) -> None:
         raise DraftsmithError("the served drafter's acceptance collapsed", got=rep.verdict.reasons[0],
                               expected="position 0 near what the drafter showed on held-back data",
                               fix=f"{first['cause']}: {first['fix']}" if first else "run draftsmith check")
+
+
+def guard_reference(ctx: RunContext, k: int) -> dict[str, Any]:
+    """What the guard holds launch's server to: this run's eval at k when it measured k (the reference decoder's
+    per-position acceptance, greedy, on eval's prompts and length, which the guard then sends: the engines match it
+    within 0.005 in tau, tests/test_engine_dflash.py), else the expectation the export carries, on the guard's own
+    chat prompts (run_guard's defaults)."""
+    from draftsmith.bench.guard import EXPECTED_KEY, GUARD_REQUESTS, expected_from_eval_json, read_expected
+
+    e, path = ctx.cfg.eval, ctx.out / "eval.json"
+    doc = json.loads(path.read_text()) if path.is_file() and "eval" not in ctx.cfg.skip else {}
+    if e.topk != 1 or not any(r.get("k") == k for r in doc.get("sweep") or []):
+        return {}
+    rec = expected_from_eval_json(doc, k, f"{e.prompts} (this run's eval)")
+    return {"expected": read_expected({"draftsmith": {EXPECTED_KEY: rec}}, k), "prompts": e.prompts,
+            "requests": e.limit or GUARD_REQUESTS, "max_tokens": e.max_new_tokens}
 
 
 @contextlib.contextmanager
@@ -400,12 +428,13 @@ def llamacpp_gguf(ctx: RunContext) -> GgufPair:
 
 
 @contextlib.contextmanager
-def llamacpp_server(gguf: GgufPair, k: int | None, log: Path) -> Iterator[str]:
-    """llama-server on the target GGUF, with the drafter at up to k draft tokens (None: without speculation)."""
+def llamacpp_server(gguf: GgufPair, k: int | None, log: Path, family: str = "eagle3") -> Iterator[str]:
+    """llama-server on the target GGUF, with the drafter (of `family`) at up to k draft tokens (None: without
+    speculation)."""
     from draftsmith.engines import llamacpp
 
     spec = llamacpp.LlamaServe(gguf.target, gguf.drafter if k else None, k=k or DEFAULT_K,
-                               extra_args=LLAMACPP_SERVER_FLAGS)
+                               extra_args=LLAMACPP_SERVER_FLAGS, method=family)
     print(f"run: starting {f'speculative (k={k}, p-min {spec.p_min:g})' if k else 'baseline'} llama-server (log {log})")
     with llamacpp.serve(spec, log) as url:
         yield url
@@ -429,7 +458,7 @@ def bench_llamacpp(ctx: RunContext, out: Path) -> None:
                          "max_tokens": b.llamacpp_max_tokens, "model": None})
     with llamacpp_server(gguf, None, out / "baseline.log") as base_url:
         reports = measure_sweep(sweep_order(sorted(set(b.llamacpp_k)), None),
-                                lambda k: llamacpp_server(gguf, k, out / f"speculative-k{k}.log"), base_url, s)
+                                lambda k: llamacpp_server(gguf, k, out / f"speculative-k{k}.log", ctx.family), base_url, s)
     write_sweep(reports, "llama.cpp", out, out.parent / "llamacpp.json", engine="llama.cpp",
                 p_min=llamacpp.SERVE_P_MIN, target_gguf=str(gguf.target), drafter_gguf=str(gguf.drafter),
                 server_flags=list(LLAMACPP_SERVER_FLAGS))

@@ -18,7 +18,6 @@ import torch
 
 from draftsmith.capture.local import (TargetFeatures, pad_batch, require_conversations, require_samples, target_features, target_identity,
                                       tokenized_conversations)
-from draftsmith.conventions import default_dflash_aux_ids, validate_dflash_aux_ids
 from draftsmith.regenerate.chat import TokenizedSample
 from draftsmith.capture.store import FeatureStore, Sample
 from draftsmith.target import TargetSpec, describe_target, load_target, read_config, resolve_target, target_aux_ids
@@ -162,11 +161,7 @@ class OnlineSource:
         self.target_spec = describe_target(read_config(model_dir))
         self.target_name = target
         self.identity = target_identity(model_dir, target)
-        if family == "dflash":
-            n = self.target_spec.num_layers
-            self.aux_ids = validate_dflash_aux_ids(tuple(aux_ids), n) if aux_ids else default_dflash_aux_ids(n)
-        else:
-            self.aux_ids = target_aux_ids(target, self.target_spec, aux_ids)
+        self.aux_ids = target_aux_ids(target, self.target_spec, aux_ids, family)
         require_conversations(conversations)  # a bad line is named before the target loads
         dtype = "bfloat16" if device.type == "cuda" else "float32"
         self.model, self.tokenizer = load_target(model_dir, dtype=dtype, device=str(device))
