@@ -611,3 +611,37 @@ def test_a_run_reports_no_data_summary_from_a_conversations_file_no_stage_wrote(
     (tmp_path / "stages.json").write_text(json.dumps({"regenerate": {"hash": "h", "complete": True}}))
     with pytest.raises(Exception):  # a stage of the run wrote it: its content is read (and here refused)
         data_summary(tmp_path, None)
+
+
+# --- the sixth probe's cases --------------------------------------------------------------------------------
+
+def test_an_empty_prompt_file_is_refused_not_scored(tmp_path, capsys):
+    """eval on an empty prompts file reported tau 1.00 and a recommended k, exit 0."""
+    (tmp_path / "empty.jsonl").write_text("")
+    before = snapshot(tmp_path)
+    refused(capsys, ["eval", "--drafter", "smollm2", "--prompts", str(tmp_path / "empty.jsonl"), "--limit", "2"],
+            tmp_path, before, "holds no prompts")
+
+
+def test_a_ttt_depth_past_32_is_refused(tmp_path, capsys):
+    """--ttt-steps 100000 was accepted and the first step never ended."""
+    (tmp_path / "store").mkdir()
+    before = snapshot(tmp_path)
+    refused(capsys, ["train", "--store", str(tmp_path / "store"), "--out", str(tmp_path / "t"), "--ttt-steps",
+                     "100000"], tmp_path, before, "--ttt-steps", "<= 32")
+
+
+def test_regenerate_out_dot_is_a_named_error(tmp_path, capsys, monkeypatch):
+    """`--out .` ended in a ValueError traceback (a path with no name)."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a question"}) + "\n")
+    monkeypatch.chdir(tmp_path)
+    before = snapshot(tmp_path)
+    refused(capsys, ["regenerate", "--endpoint", "http://127.0.0.1:9/v1", "--prompts", str(prompts), "--out", "."],
+            tmp_path, before, "names a folder")
+
+
+def test_convert_takes_a_shipped_drafters_short_name(tmp_path, capsys):
+    """export and eval take `smollm2`; convert said it had no config.json."""
+    assert main(["convert", "smollm2", str(tmp_path / "ds"), "--to", "draftsmith", "--target", "smollm2"]) == 0
+    assert (tmp_path / "ds" / "model.safetensors").is_file()

@@ -453,6 +453,9 @@ def add_parser(sub) -> None:
 
 
 def run_convert(args) -> int:
+    from draftsmith.model.checkpoint import drafter_path
+
+    args.src = drafter_path(args.src)  # a shipped drafter's short name (smollm2), as export and eval take it
     s = from_flags(ConvertSettings, args)
     r = convert(s.src, s.out, s.to, s.target, s.target_layers, s.aux_convention, s.drop_embeddings, s.dtype,
                 s.k or (None if drafter_family(read_drafter_config(s.src)) == DFLASH else DEFAULT_K), s.overwrite,

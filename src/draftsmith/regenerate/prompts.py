@@ -181,6 +181,10 @@ def load_prompts(source: str, limit: int | None = None) -> list[Prompt]:
     `SOURCE:KIND,...` keeps the prompts of those kinds (records with a `kind` field)."""
     base, _, kinds = source.rpartition(":") if ":" in source and not Path(source).is_file() else (source, "", "")
     prompts = of_kinds(load_source(base), kinds.split(","), source) if kinds else load_source(source)
+    if not prompts:
+        raise DraftsmithError(f"--prompts {source} holds no prompts", got="an empty set", expected="at least one "
+                              'prompt record ({"prompt": ...} or {"messages": [...]}), one per line',
+                              fix="write prompts into the file, or pass a built-in set: --prompts chat-eval")
     return prompts[:limit] if limit else prompts
 
 

@@ -31,6 +31,7 @@ SELF = ("self_count", "self_kinds", "self_temperature", "self_top_p", "self_seed
 
 
 def record_path(out: Path) -> Path:
+    out = Path(out).resolve()  # `.` has no name of its own
     return out.with_name(out.name + ".settings.json")
 
 

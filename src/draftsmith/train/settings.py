@@ -74,7 +74,7 @@ class TrainSettings(Settings):
     """Draft vocabulary size (default: vocab.default_draft_vocab_size). With init_from, a size above the starting
     drafter's grows its vocabulary (its tokens, then this data's most frequent others; a new token's head row
     starts as the target's); a smaller one or none keeps the starting drafter's."""
-    ttt_steps: int = Field(TTT_STEPS, ge=1)
+    ttt_steps: int = Field(TTT_STEPS, ge=1, le=32)
     """Training-time-test unroll length (EAGLE-3 / SpecForge: 7)."""
     step_loss_decay: float = Field(TTT_STEP_LOSS_DECAY, gt=0, le=1)
     """Weight of TTT step i is decay**i (EAGLE-3: 0.8)."""
