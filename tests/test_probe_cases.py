@@ -645,3 +645,16 @@ def test_convert_takes_a_shipped_drafters_short_name(tmp_path, capsys):
     """export and eval take `smollm2`; convert said it had no config.json."""
     assert main(["convert", "smollm2", str(tmp_path / "ds"), "--to", "draftsmith", "--target", "smollm2"]) == 0
     assert (tmp_path / "ds" / "model.safetensors").is_file()
+
+
+def test_a_resumed_train_keeps_one_metrics_row_per_step(tmp_path):
+    """After kill -9 at step 12 with the last checkpoint at 10, the rerun logged steps 11 and 12 again beside the
+    lost run's rows. The rows after the checkpoint (and a row the kill cut) go; the start eval stays."""
+    from draftsmith.train.trainer import drop_rows_after
+
+    metrics = tmp_path / "metrics.jsonl"
+    rows = [{"eval": {"tau": {}}, "start": True}] + [{"step": s, "loss": 1.0} for s in range(1, 13)]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 13, "lo')
+    drop_rows_after(metrics, 10)
+    kept = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert kept[0] == rows[0] and [r["step"] for r in kept[1:]] == list(range(1, 11))

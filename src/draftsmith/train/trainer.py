@@ -474,6 +474,8 @@ class Trainer:
         if path is None:
             return False
         self.step = self.saved_at = restore(path, self.drafter, self.optimizer, self.fsdp, self.data.embed_tokens())
+        if self.rank == 0:
+            drop_rows_after(self.out / "metrics.jsonl", self.step)
         return True
 
     # -- the loop -------------------------------------------------------------------------------------
@@ -656,6 +658,25 @@ class _null_bar:
 
     def advance(self, *args, **kwargs):
         pass
+
+
+def drop_rows_after(metrics: Path, step: int) -> None:
+    """Drop the rows a killed run logged after its last checkpoint (the resumed run logs those steps again), so
+    each step has one row. Rows without a step (the start eval) stay."""
+    if not metrics.is_file():
+        return
+    def kept(line: str) -> bool:
+        try:
+            return json.loads(line).get("step", 0) <= step
+        except json.JSONDecodeError:  # the row a kill cut in half
+            return False
+
+    lines = [ln for ln in metrics.read_text().splitlines() if ln.strip()]
+    keep = [ln for ln in lines if kept(ln)]
+    if len(keep) < len(lines):
+        tmp = metrics.with_name(metrics.name + ".tmp")
+        tmp.write_text("".join(ln + "\n" for ln in keep))
+        tmp.replace(metrics)
 
 
 def step_line(r: dict, total: int) -> str:
