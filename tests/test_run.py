@@ -319,9 +319,10 @@ def test_a_run_killed_in_training_resumes_from_its_checkpoint(tiny_run, tiny_tar
 def test_only_eval_k_changed_redoes_eval_onwards(tiny_run, tiny_target, tmp_path):
     run = copy_run(tiny_run, tmp_path / "run")
     before = json.loads((run / "stages.json").read_text())
-    run_cli(run, [*tiny_args(tiny_target), "eval.k=1"])
+    printed = run_cli(run, [*tiny_args(tiny_target), "eval.k=1"]).stdout
     summary = json.loads((run / "summary.json").read_text())
     assert set(summary["stage_seconds"]) == {"eval", "check"}, summary["stage_seconds"]
+    assert "run: eval: running again: its settings changed since the last run" in printed  # not a silent redo
     after = json.loads((run / "stages.json").read_text())
     for stage in ("regenerate", "capture", "train", "export"):
         assert after[stage] == before[stage]

@@ -75,8 +75,11 @@ def run_pipeline(cfg: RunConfig, overwrite: bool = False) -> dict:
                     summary["stages"][stage] = "done earlier"
                     print(f"run: {stage}: finished earlier with the same settings")
                     continue
+                changed = state.started(stage) and (state.done.get(stage) or {}).get("hash") != h
                 resumed = state.start(stage, h, stage_outputs(out, stage, cfg))
-                print(f"run: {stage}: {'resuming' if resumed else 'running'}")
+                print(f"run: {stage}: {'resuming' if resumed else 'running'}"
+                      + (" again: its settings changed since the last run, so its earlier outputs were replaced"
+                         if changed else ""))
                 t = time.perf_counter()
                 RUNNERS[stage](ctx)
                 state.finish(stage, h)
